@@ -1,0 +1,36 @@
+# fleetserve — `make run` and `make test` work on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+OUT ?= results/run
+
+.PHONY: run test lint bench venv clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Compare stacks bf, wf and vllm on the default workload and print the table.
+run: $(STAMP)
+	$(BIN)/fleetserve compare configs/default.yaml --stacks bf,wf,vllm --out $(OUT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/sim_speed.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache
