@@ -66,6 +66,12 @@ class ModelSpec:
         max_context: maximum sequence length the model supports.
         tied_embeddings: lm_head shares the input embedding.
         dtype_bytes: bytes per weight and per KV element (2 for fp16/bf16).
+        cross_attn_layers: how many of ``num_layers`` are cross-attention layers
+            (Llama 3.2 Vision). They hold weights like any decoder layer (counted
+            as one self-attention-sized layer each; their q/k norms and two gate
+            scalars, 2 x head_dim + 2 parameters, are left out) but no per-token
+            KV: they attend to the image tokens' keys/values, which do not grow
+            with the text. Text-only requests skip them entirely.
     """
 
     name: str
@@ -80,6 +86,7 @@ class ModelSpec:
     max_context: int = 4096
     tied_embeddings: bool = False
     dtype_bytes: int = 2
+    cross_attn_layers: int = 0
 
     def __post_init__(self) -> None:
         for field in (
@@ -99,6 +106,11 @@ class ModelSpec:
             raise ConfigError(
                 f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple "
                 f"of num_kv_heads ({self.num_kv_heads})"
+            )
+        if not 0 <= self.cross_attn_layers < self.num_layers:
+            raise ConfigError(
+                f"model {self.name!r}: cross_attn_layers ({self.cross_attn_layers}) must be "
+                f"in [0, num_layers={self.num_layers})"
             )
 
     # --- parameter counts -------------------------------------------------
@@ -155,6 +167,11 @@ class ModelSpec:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
+    def kv_layers(self) -> int:
+        """Layers that keep per-token KV (self-attention layers)."""
+        return self.num_layers - self.cross_attn_layers
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return self.num_layers * self.kv_bytes_per_token_per_layer
+        """K and V of one token across all self-attention layers."""
+        return self.kv_layers * self.kv_bytes_per_token_per_layer

@@ -1,0 +1,125 @@
+"""The cluster state policies read — the same view for the simulator and the runtime.
+
+A backend owns the real objects (the simulator's instance models, the runtime's
+worker reports) and exposes them through these read-only protocols. Nothing
+here knows about the event heap or virtual time: a view answers "as of now".
+
+Block accounting of one instance (``block_size`` tokens per block)::
+
+    total_blocks = free_blocks + used_blocks
+                   └────────┬─────────┘
+    available_blocks = free_blocks - reserved_blocks   (may be negative)
+    reserved_blocks  = blocks the waiting queue needs for its prompts
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class SeqView(Protocol):
+    """A request as a batching policy sees it on one instance."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def generated(self) -> int: ...
+
+
+class InstanceView(Protocol):
+    """One serving instance (a model on a GPU or a tensor-parallel GPU group)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def used_blocks(self) -> int: ...
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def reserved_blocks(self) -> int: ...
+    @property
+    def available_blocks(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``tokens`` tokens: ceil(tokens / block_size)."""
+    return -(-tokens // block_size)
+
+
+@dataclass(slots=True)
+class ClusterState:
+    """What policies observe.
+
+    Attributes:
+        instances: active instances by id (insertion order = activation order).
+        by_model: active instance ids per model, in activation order.
+        gpus_active: GPUs currently active.
+        gpus_limit: GPUs the pool may use at most (fixed pool size or the
+            elastic pool's cap).
+        elastic: whether the pool may activate and release GPUs.
+        model_tp: tensor-parallel degree of each model's instances.
+    """
+
+    instances: dict[int, InstanceView] = field(default_factory=dict)
+    by_model: dict[str, list[int]] = field(default_factory=dict)
+    gpus_active: int = 0
+    gpus_limit: int = 0
+    elastic: bool = False
+    model_tp: dict[str, int] = field(default_factory=dict)
+
+    def instances_of(self, model: str) -> list[InstanceView]:
+        """Active instances serving ``model``, in activation order."""
+        inst = self.instances
+        return [inst[i] for i in self.by_model.get(model, ())]
+
+    def add(self, view: InstanceView) -> None:
+        """Register a newly active instance."""
+        self.instances[view.id] = view
+        self.by_model.setdefault(view.model, []).append(view.id)
+        self.gpus_active += len(view.gpus)
+
+    def remove(self, instance_id: int) -> InstanceView:
+        """Unregister an instance that was released."""
+        view = self.instances.pop(instance_id)
+        self.by_model[view.model].remove(instance_id)
+        self.gpus_active -= len(view.gpus)
+        return view
+
+    def can_activate(self, tp: int) -> bool:
+        """Whether ``tp`` more GPUs may be activated."""
+        return self.elastic and self.gpus_active + tp <= self.gpus_limit
+
+
+def most_available(views: Iterable[InstanceView]) -> InstanceView | None:
+    """The instance with the most available blocks (ties: first), or None if empty."""
+    best: InstanceView | None = None
+    best_avail = 0
+    for v in views:
+        a = v.available_blocks
+        if best is None or a > best_avail:
+            best, best_avail = v, a
+    return best

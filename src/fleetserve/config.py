@@ -1,0 +1,304 @@
+"""Run configuration: frozen dataclasses loaded from YAML, overridable from the CLI.
+
+A config file mirrors :class:`SimConfig` (sections ``workload``, ``cluster``,
+``engine``, ``policy``, plus top-level keys). Unknown keys are rejected with
+the key's dotted path; every value is type-checked. ``--set key=value``
+(e.g. ``--set cluster.mem_util=0.85``) overrides any field; the value is
+parsed as YAML, so ``true``, ``12`` and ``[1, 2]`` work.
+
+Example::
+
+    model: llama-2-7b
+    workload: {trace: ../shared/data/azure_llm_2023_conv.csv, format: azure, length_scale: 10}
+    cluster: {gpu: a100-40gb, elastic: true}
+    policy: {stack: bf}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from fleetserve.errors import ConfigError, InputError
+
+DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
+
+
+def _positive(obj: object, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v is not None and v <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{n} must be positive, got {v}")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Which requests arrive.
+
+    Attributes:
+        trace: trace file; None uses the built-in synthetic workload (Azure conv
+            statistics) of ``synthetic_duration_s`` seconds.
+        format: trace format: azure, mooncake, burstgpt, lengths or jsonl.
+        rate: arrival rate (req/s) for ``lengths`` traces, which have no times.
+        synthetic_duration_s: length of the built-in synthetic workload.
+        start_s, end_s: time window of the trace to keep (seconds from its start).
+        rate_scale: arrival rate multiplier (times are divided by it).
+        length_scale: prompt and output lengths multiplier (Mell uses 10).
+        cap_lengths: cap scaled requests so their KV fits one instance (Mell's model).
+        max_requests: keep only the first N requests.
+        models: assign requests to these models (weights ``model_weights``);
+            None keeps the trace's / the top-level ``model``.
+        model_weights: popularity of ``models`` (default: equal).
+    """
+
+    trace: str | None = None
+    format: str | None = None
+    rate: float | None = None
+    synthetic_duration_s: float = 600.0
+    start_s: float | None = None
+    end_s: float | None = None
+    rate_scale: float = 1.0
+    length_scale: float = 1.0
+    cap_lengths: bool = True
+    max_requests: int | None = None
+    models: tuple[str, ...] | None = None
+    model_weights: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "rate", "synthetic_duration_s", "rate_scale", "length_scale")
+        _positive(self, "max_requests")
+        if self.trace is not None and self.format is None:
+            raise ConfigError(
+                "workload.trace needs workload.format (azure, mooncake, burstgpt, lengths, jsonl)"
+            )
+        if self.start_s is not None and self.end_s is not None and self.end_s <= self.start_s:
+            raise ConfigError("workload.end_s must be greater than workload.start_s")
+        if self.model_weights is not None and (
+            self.models is None or len(self.models) != len(self.model_weights)
+        ):
+            raise ConfigError("workload.model_weights needs one weight per entry of workload.models")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The GPU pool.
+
+    Attributes:
+        gpu: GPU catalog name.
+        elastic: activate GPUs when nothing fits, release idle ones (Mell's
+            model); False: a fixed pool of ``gpus`` GPUs.
+        gpus: fixed pool size (with ``elastic: false``).
+        max_gpus: cap of the elastic pool.
+        tp: tensor-parallel degree of every instance.
+        mem_util: fraction of HBM usable for weights + KV (vLLM's gpu_memory_utilization).
+        block_size: tokens per KV block.
+    """
+
+    gpu: str = "a100-40gb"
+    elastic: bool = True
+    gpus: int | None = None
+    max_gpus: int = 100_000
+    tp: int = 1
+    mem_util: float = 0.9
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        _positive(self, "gpus", "max_gpus", "tp", "mem_util", "block_size")
+        if not self.elastic and self.gpus is None:
+            raise ConfigError("cluster.gpus is required for a fixed pool (cluster.elastic: false)")
+        if self.mem_util > 1:
+            raise ConfigError(f"cluster.mem_util must be in (0, 1], got {self.mem_util}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Per-instance engine limits (vLLM's names and defaults).
+
+    Attributes:
+        max_num_seqs: running batch limit.
+        max_batched_tokens: prefill tokens per iteration (a single longer
+            prompt still runs, alone).
+        watermark: fraction of KV blocks kept free when admitting prefills.
+    """
+
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_batched_tokens")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"engine.watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Policy choices: a stack, with optional per-family overrides."""
+
+    stack: str = "vllm"
+    dispatch: str | None = None
+    batching: str | None = None
+    migration: str | None = None
+    placement: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulation needs; ``summary.json`` stores it resolved.
+
+    Attributes:
+        model: model of the requests (catalog name or HF config path) unless
+            the workload assigns models.
+        seed: seed of the run's ``numpy.random.Generator``.
+        sample_interval_s: time-series sampling period.
+        max_time_s: stop at this time (requests still in flight are unfinished).
+        macro_steps: advance fixed decode batches several iterations at once
+            (exactly equal results; False runs iteration by iteration).
+        check_integrity: check every invariant after every event (slow; tests).
+        slo_scales: SLO scales for ``slo_attainment``.
+    """
+
+    model: str = "llama-2-7b"
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    seed: int = 0
+    sample_interval_s: float = 1.0
+    max_time_s: float | None = None
+    macro_steps: bool = True
+    check_integrity: bool = False
+    slo_scales: tuple[float, ...] = DEFAULT_SLO_SCALES
+
+    def __post_init__(self) -> None:
+        _positive(self, "sample_interval_s", "max_time_s")
+        if not self.slo_scales or any(s <= 0 for s in self.slo_scales):
+            raise ConfigError("slo_scales must be a non-empty list of positive numbers")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for ``summary.json``)."""
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _to_plain(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_to_plain(x) for x in v]
+    return v
+
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, tp: Any, where: str, src: str | None) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where, src)
+            except InputError as e:
+                errors.append(e.detail)
+        raise InputError(errors[0] if errors else "invalid value", file=src, field=where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise InputError(f"expected a mapping, got {value!r}", file=src, field=where)
+        return _build(tp, value, where, src)  # type: ignore[arg-type]
+    if origin is tuple:
+        (elem, *_rest) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [x.strip() for x in value.split(",") if x.strip()]
+        if not isinstance(value, list | tuple):
+            raise InputError(f"expected a list, got {value!r}", file=src, field=where)
+        return tuple(_coerce(x, elem, where, src) for x in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise InputError(f"expected true or false, got {value!r}", file=src, field=where)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise InputError(f"expected an integer, got {value!r}", file=src, field=where)
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise InputError(f"expected a number, got {value!r}", file=src, field=where)
+    if tp is str:
+        if isinstance(value, str | Path):
+            return str(value)
+        raise InputError(f"expected a string, got {value!r}", file=src, field=where)
+    raise TypeError(f"unsupported config type {tp!r}")  # pragma: no cover
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str, src: str | None) -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise InputError(
+                f"unknown key (expected one of: {', '.join(sorted(names))})", file=src, field=where
+            )
+        kwargs[key] = _coerce(value, hints[key], where, src)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}" if src else str(e)) from None
+
+
+def config_from_dict(data: dict[str, Any], src: str | None = None) -> SimConfig:
+    """Build a validated :class:`SimConfig` from a plain dict."""
+    return _build(SimConfig, data, "", src)
+
+
+def load_config(path: str | Path | None) -> dict[str, Any]:
+    """Read a YAML config file into a dict (not yet validated); {} for None."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise InputError("config file not found", file=str(p))
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise InputError(f"invalid YAML: {getattr(e, 'problem', e)}", file=str(p), line=line) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InputError("expected a mapping at the top level", file=str(p))
+    return data
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one ``key.path=value`` override to a config dict in place."""
+    if "=" not in assignment:
+        raise InputError(f"--set expects key=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise InputError(f"--set {key}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value

@@ -1,0 +1,133 @@
+"""Policy families: abstract base classes and their registries.
+
+Every policy is pure: it reads the state it is given, and ``now`` and a seeded
+``numpy.random.Generator`` are passed in. It never reads a clock, sleeps,
+touches tensors or calls Ray, so the simulator and the runtime can share it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fleetserve.cluster.state import ClusterState, InstanceView, SeqView
+from fleetserve.policy.actions import DispatchAction, ReleaseGpu
+from fleetserve.policy.registry import Registry
+from fleetserve.workload.request import Request
+
+
+class DispatchPolicy(ABC):
+    """Chooses the instance for each arriving request (or activates one, or rejects)."""
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @abstractmethod
+    def dispatch(
+        self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
+    ) -> DispatchAction:
+        """Decide where ``req`` goes."""
+
+
+class AdmissionBudget(ABC):
+    """Mechanism-side check/commit pair for admitting waiting requests to a batch.
+
+    The backend implements it from its memory and batch limits; a batching
+    policy calls ``fits`` and then ``take`` for each request it wants to admit.
+    """
+
+    @abstractmethod
+    def fits(self, seq: SeqView) -> bool:
+        """Whether ``seq`` can join the next batch given what was taken so far."""
+
+    @abstractmethod
+    def take(self, seq: SeqView) -> None:
+        """Commit ``seq`` to the next batch (call only after ``fits`` said yes)."""
+
+
+class BatchingPolicy(ABC):
+    """Per-instance batch scheduler: whom to admit from the waiting queue and
+    whom to preempt when the KV cache runs out.
+
+    Attributes:
+        macro_step_safe: True when the policy's decisions depend only on the
+            queue order and on free memory (which only shrinks while a fixed
+            batch decodes), so the backend may advance several decode
+            iterations in one step. Policies whose priorities change with time
+            or with iterations (MLFQ, DB) must leave it False.
+    """
+
+    macro_step_safe: ClassVar[bool] = False
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @abstractmethod
+    def admit(
+        self, inst: InstanceView, waiting: Sequence[SeqView], budget: AdmissionBudget
+    ) -> list[SeqView]:
+        """Requests from ``waiting`` (queue order) to prefill in the next iteration."""
+
+    @abstractmethod
+    def victim(self, inst: InstanceView, running: Sequence[SeqView]) -> SeqView:
+        """The running request to preempt (recompute) when memory runs out."""
+
+
+class MemoryPolicy(ABC):
+    """GPU-pool and memory management: here, when to release idle instances."""
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @abstractmethod
+    def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
+        """Called when ``inst`` has just become idle (no running or waiting request)."""
+
+
+class PlacementPolicy(ABC):
+    """Initial placement of models on a fixed GPU pool."""
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @abstractmethod
+    def place(self, rates: dict[str, float], n_gpus: int, tp: dict[str, int]) -> list[str]:
+        """Models of the instances to start, one entry per instance.
+
+        Args:
+            rates: request rate of each model (req/s) in the workload.
+            n_gpus: GPUs in the pool.
+            tp: tensor-parallel degree of each model's instances.
+        """
+
+
+class MigrationPolicy(ABC):
+    """Periodic re-balancing of running requests between instances.
+
+    Attributes:
+        interval_s: how often the backend calls :meth:`plan`; None never.
+    """
+
+    interval_s: float | None = None
+
+    def __init__(self, **params: Any) -> None:
+        if params:
+            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @abstractmethod
+    def plan(self, state: ClusterState, now: float, rng: np.random.Generator) -> list[Any]:
+        """Migration actions to start now."""
+
+
+DISPATCH: Registry[DispatchPolicy] = Registry("dispatch")
+BATCHING: Registry[BatchingPolicy] = Registry("batching")
+MEMORY: Registry[MemoryPolicy] = Registry("memory")
+PLACEMENT: Registry[PlacementPolicy] = Registry("placement")
+MIGRATION: Registry[MigrationPolicy] = Registry("migration")

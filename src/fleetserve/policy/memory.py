@@ -1,0 +1,26 @@
+"""GPU-pool management (the ``memory`` family): when instances are released."""
+
+from __future__ import annotations
+
+from fleetserve.cluster.state import ClusterState, InstanceView
+from fleetserve.policy.actions import ReleaseGpu
+from fleetserve.policy.base import MEMORY, MemoryPolicy
+
+
+@MEMORY.register("elastic")
+class ReleaseIdle(MemoryPolicy):
+    """Mell's elastic pool: "terminate a GPU if it is idle" — at once.
+
+    Activation happens in dispatch, when nothing fits.
+    """
+
+    def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
+        return [ReleaseGpu(inst.id)]
+
+
+@MEMORY.register("static")
+class Static(MemoryPolicy):
+    """A fixed pool: instances are never released."""
+
+    def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
+        return []

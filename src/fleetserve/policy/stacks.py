@@ -1,0 +1,44 @@
+"""Stacks: named bundles of policy choices that reproduce one system.
+
+Any family can still be overridden on its own (``--dispatch``, ``--batching``,
+...). ``memory`` left as None resolves from the pool: ``elastic`` on an
+elastic pool, ``static`` on a fixed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetserve.errors import UnknownNameError
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """One system's policy choices (registry names per family)."""
+
+    name: str
+    description: str
+    dispatch: str
+    batching: str = "fcfs"
+    migration: str = "none"
+    placement: str = "dedicated"
+    memory: str | None = None
+
+
+STACKS: dict[str, Stack] = {
+    s.name: s
+    for s in (
+        Stack("vllm", "vLLM instances behind a round-robin load balancer", "round_robin"),
+        Stack("bf", "Best-Fit dispatch on free KV memory, no migration (Mell §VIII)", "best_fit"),
+        Stack("wf", "Worst-Fit dispatch on free KV memory, no migration (Mell §VIII)", "worst_fit"),
+        Stack("ll", "least-loaded dispatch (fewest requests), no migration", "least_loaded"),
+    )
+}
+
+
+def get_stack(name: str) -> Stack:
+    """The stack called ``name``; a clear error suggesting close names."""
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise UnknownNameError("stack", name, STACKS) from None

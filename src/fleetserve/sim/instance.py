@@ -1,0 +1,435 @@
+"""A vLLM-like serving instance, as the simulator models it.
+
+Continuous batching with a paged KV cache (``block_size`` tokens per block):
+each iteration either prefills requests admitted from the waiting queue
+(prefill-only iterations, vLLM's default) or decodes one token for every
+running request. When the next decode iteration needs more blocks than are
+free, the batching policy picks a victim, whose KV is freed and which goes
+back to the head of the queue to be recomputed (preemption by recompute).
+
+Token bookkeeping of one request (``p`` prompt tokens, ``g`` generated)::
+
+    waiting (fresh or preempted): no KV; a prefill processes p + g tokens,
+                                  leaves p + g tokens of KV and emits token g+1
+    running:                      KV holds p + g - 1 tokens (the newest token
+                                  is not cached yet); a decode step caches it
+                                  and emits the next one
+    finishes                      when g == output_tokens
+
+Macro-steps. While a batch only decodes, its composition cannot change
+before the next finish, the next block shortage, or the next external event
+(an arrival dispatched here). Those iterations are computed in one go with
+numpy: iteration ``j`` reads ``ctx_j = Σ_i (kv_i + j + 1)`` tokens and its
+end time is the running sum of the iteration times (``np.cumsum`` adds in
+order, so the times equal those of an iteration-by-iteration run bit for
+bit). An arrival mid-segment truncates the segment at the end of the
+iteration in flight. Requests do not store their KV size while running:
+``kv_i = base_i + steps``, where ``steps`` counts decode iterations done.
+
+Block growth without a loop over requests. A request holding ``kv`` tokens
+needs a new block in decode iteration ``j`` iff ``(kv + j) % bs == 0``, i.e.
+at ``j = r, r + bs, r + 2bs, ...`` with ``r = (-kv) % bs``. With ``C[s]`` the
+number of running requests with ``r <= s``, the blocks added up to and
+including iteration ``j = m*bs + s`` are::
+
+    D(j) = m * B + C[s]            (B = batch size)
+
+    r:    0   1   2  ...  s  ...  bs-1
+    cnt:  2   0   1       3        1      C[s] = cnt[0] + ... + cnt[s]
+
+so the shortage iteration (first ``j`` with ``D(j) > free``) takes O(bs).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fleetserve.cluster.state import blocks_for
+from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+
+if TYPE_CHECKING:
+    from fleetserve.costmodel import InstanceCost
+    from fleetserve.metrics.records import RequestRecord
+    from fleetserve.workload.request import Request
+
+IDLE, PREFILL, DECODE = 0, 1, 2
+
+
+class SimClock:
+    """The simulation's current time, shared by one simulation's objects only."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+class Seq:
+    """A request's state on an instance (implements ``SeqView``)."""
+
+    __slots__ = (
+        "arrival_s",
+        "base",
+        "finish_step",
+        "gen_saved",
+        "id",
+        "inst",
+        "model",
+        "output_tokens",
+        "prompt_tokens",
+        "record",
+        "running",
+    )
+
+    def __init__(self, req: Request, record: RequestRecord) -> None:
+        self.id = req.id
+        self.model = req.model
+        self.arrival_s = req.arrival_s
+        self.prompt_tokens = req.prompt_tokens
+        self.output_tokens = req.output_tokens
+        self.record = record
+        self.inst: Instance | None = None
+        self.running = False
+        self.gen_saved = 0  # tokens generated, valid while not running
+        self.base = 0  # kv = base + inst.steps while running
+        self.finish_step = 0  # inst.steps at which it finishes, while running
+
+    @property
+    def generated(self) -> int:
+        """Output tokens generated so far (as of the last iteration boundary)."""
+        if self.running and self.inst is not None:
+            return self.base + self.inst.steps - self.prompt_tokens + 1
+        return self.gen_saved
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens a (re)prefill must process: prompt plus everything generated."""
+        return self.prompt_tokens + self.gen_saved
+
+
+class _Budget(AdmissionBudget):
+    """Mechanism limits of one prefill iteration: free blocks above the watermark,
+    batch-size room and the token budget (a lone prompt may exceed the latter,
+    so a long prompt is never stuck)."""
+
+    __slots__ = ("bs", "free", "seqs", "taken", "tokens_left")
+
+    def __init__(self, free: int, seqs: int, tokens: int, bs: int) -> None:
+        self.free = free
+        self.seqs = seqs
+        self.tokens_left = tokens
+        self.bs = bs
+        self.taken = 0
+
+    def fits(self, seq: Seq) -> bool:  # type: ignore[override]
+        n = seq.prompt_tokens + seq.gen_saved
+        if self.seqs <= 0 or -(-n // self.bs) > self.free:
+            return False
+        return self.taken == 0 or n <= self.tokens_left
+
+    def take(self, seq: Seq) -> None:  # type: ignore[override]
+        n = seq.prompt_tokens + seq.gen_saved
+        self.free -= -(-n // self.bs)
+        self.seqs -= 1
+        self.tokens_left -= n
+        self.taken += 1
+
+
+class Instance:
+    """One model on one GPU (group): queue, running batch, KV blocks, timing.
+
+    Args:
+        iid: instance id.
+        model: model name.
+        gpus: GPU ids it occupies.
+        tp: tensor-parallel degree.
+        total_blocks: KV blocks of the instance.
+        block_size: tokens per block.
+        cost: cost model bound to (model, GPU, tp).
+        policy: the batching policy.
+        clock: the simulation clock (for the lazy "as of now" view).
+        max_num_seqs: running batch limit.
+        max_batched_tokens: prefill token budget per iteration.
+        watermark: fraction of blocks kept free at admission (vLLM's 1%).
+        macro_steps: advance fixed decode batches several iterations at once.
+    """
+
+    def __init__(
+        self,
+        iid: int,
+        model: str,
+        gpus: tuple[int, ...],
+        tp: int,
+        total_blocks: int,
+        block_size: int,
+        cost: InstanceCost,
+        policy: BatchingPolicy,
+        clock: SimClock,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        watermark: float,
+        macro_steps: bool,
+    ) -> None:
+        self.id = iid
+        self.model = model
+        self.gpus = gpus
+        self.tp = tp
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self.cost = cost
+        self.policy = policy
+        self.clock = clock
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.watermark_blocks = int(watermark * total_blocks)
+        self.macro = macro_steps and policy.macro_step_safe
+        self.waiting: deque[Seq] = deque()
+        self.reserved_blocks = 0
+        self.running: dict[int, Seq] = {}
+        self._fheap: list[tuple[int, int]] = []
+        self.steps = 0
+        self._hist = [0] * block_size
+        self._sum_base = 0
+        self.used = 0  # allocated blocks at the last boundary (excl. in-segment growth)
+        self.phase = IDLE
+        self.version = 0
+        self._ends: np.ndarray = np.empty(0)
+        self._n = 0
+        self._B = 0
+        self._C: list[int] = []
+        self._prefill: list[Seq] = []
+
+    # ------------------------------------------------------------------ view
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks allocated as of ``clock.now`` (including the iteration in flight)."""
+        if self.phase != DECODE:
+            return self.used
+        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
+        return self.used + self._grown(min(k, self._n - 1))
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+    @property
+    def available_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks - self.reserved_blocks
+
+    @property
+    def busy(self) -> bool:
+        return self.phase != IDLE
+
+    @property
+    def idle(self) -> bool:
+        return self.phase == IDLE and not self.waiting and not self.running
+
+    def _grown(self, j: int) -> int:
+        bs = self.block_size
+        return (j // bs) * self._B + self._C[j % bs]
+
+    # -------------------------------------------------------------- actions
+    def enqueue(self, seq: Seq, now: float) -> float | None:
+        """Queue a request. Returns the time of a new iteration-end event, if any."""
+        seq.inst = self
+        self.waiting.append(seq)
+        self.reserved_blocks += blocks_for(seq.prefill_tokens, self.block_size)
+        if self.phase == IDLE:
+            return self.schedule(now)
+        if self.phase == DECODE:
+            # The batch may change at the end of the iteration in flight.
+            k = int(np.searchsorted(self._ends, now, side="right"))
+            if k + 1 < self._n:
+                self._n = k + 1
+                self.version += 1
+                return float(self._ends[k])
+        return None
+
+    def schedule(self, now: float) -> float | None:
+        """Start the next iteration at ``now``; its end time, or None when idle."""
+        while True:
+            if self.waiting:
+                budget = _Budget(
+                    self.total_blocks - self.used - self.watermark_blocks,
+                    self.max_num_seqs - len(self.running),
+                    self.max_batched_tokens,
+                    self.block_size,
+                )
+                admitted = self.policy.admit(self, self.waiting, budget)  # type: ignore[arg-type]
+                if admitted:
+                    return self._start_prefill(admitted, now)  # type: ignore[arg-type]
+            if not self.running:
+                self.phase = IDLE
+                return None
+            end = self._start_decode(now)
+            if end is not None:
+                return end
+
+    def _start_prefill(self, admitted: Sequence[Seq], now: float) -> float:
+        bs = self.block_size
+        ids = {s.id for s in admitted}
+        if len(ids) == len(self.waiting):
+            self.waiting.clear()
+        else:
+            self.waiting = deque(s for s in self.waiting if s.id not in ids)
+        lens = []
+        for s in admitted:
+            n = s.prompt_tokens + s.gen_saved
+            b = blocks_for(n, bs)
+            self.reserved_blocks -= b
+            self.used += b
+            lens.append(n)
+        self._prefill = list(admitted)
+        self.phase = PREFILL
+        self.version += 1
+        return now + self.cost.prefill_time(lens)
+
+    def _start_decode(self, now: float) -> float | None:
+        """Plan a decode segment; preempts one victim and returns None if none fits."""
+        bs = self.block_size
+        B = len(self.running)
+        D = self.steps
+        hist = self._hist
+        C = []
+        acc = 0
+        for r in range(bs):
+            acc += hist[(-r - D) % bs]
+            C.append(acc)
+        free0 = self.total_blocks - self.used
+        n_exh = -1
+        for s in range(bs):
+            c = C[s]
+            j = s if c > free0 else ((free0 - c) // B + 1) * bs + s
+            if n_exh < 0 or j < n_exh:
+                n_exh = j
+        if n_exh == 0:
+            self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
+            return None
+        fheap = self._fheap
+        running = self.running
+        while True:
+            step, sid = fheap[0]
+            s_run = running.get(sid)
+            if s_run is not None and s_run.finish_step == step:
+                break
+            heapq.heappop(fheap)
+        n = min(step - D, n_exh)
+        if not self.macro:
+            n = 1
+        ctx0 = self._sum_base + B * D
+        ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
+        t = self.cost.decode_time(B, ctx)
+        ends = np.cumsum(np.concatenate(([now], t)))[1:]
+        self._ends = ends
+        self._n = n
+        self._B = B
+        self._C = C
+        self.phase = DECODE
+        self.version += 1
+        return float(ends[-1])
+
+    def _preempt(self, seq: Seq) -> None:
+        bs = self.block_size
+        del self.running[seq.id]
+        kv = seq.base + self.steps
+        seq.gen_saved = kv - seq.prompt_tokens + 1
+        seq.running = False
+        self._hist[seq.base % bs] -= 1
+        self._sum_base -= seq.base
+        self.used -= blocks_for(kv, bs)
+        self.waiting.appendleft(seq)
+        self.reserved_blocks += blocks_for(seq.prefill_tokens, bs)
+        seq.record.preemptions += 1
+
+    def complete(self, now: float) -> list[Seq]:
+        """Finish the current iteration (segment) at ``now``; the requests that finished.
+
+        Records first-token and finish times on the requests' records.
+        """
+        bs = self.block_size
+        done: list[Seq] = []
+        if self.phase == PREFILL:
+            for s in self._prefill:
+                kv = s.prompt_tokens + s.gen_saved
+                gen = s.gen_saved + 1
+                rec = s.record
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+                if gen >= s.output_tokens:
+                    self.used -= blocks_for(kv, bs)
+                    s.gen_saved = gen
+                    done.append(s)
+                    continue
+                base = kv - self.steps
+                s.base = base
+                s.running = True
+                s.finish_step = self.steps + (s.output_tokens - gen)
+                self.running[s.id] = s
+                self._hist[base % bs] += 1
+                self._sum_base += base
+                heapq.heappush(self._fheap, (s.finish_step, s.id))
+            self._prefill = []
+        elif self.phase == DECODE:
+            n = self._n
+            self.used += self._grown(n - 1)
+            self.steps += n
+            steps = self.steps
+            fheap = self._fheap
+            running = self.running
+            while fheap and fheap[0][0] <= steps:
+                step, sid = heapq.heappop(fheap)
+                s = running.get(sid)
+                if s is None or s.finish_step != step:
+                    continue
+                del running[sid]
+                kv = s.base + steps
+                s.running = False
+                s.gen_saved = s.output_tokens
+                self._hist[s.base % bs] -= 1
+                self._sum_base -= s.base
+                self.used -= blocks_for(kv, bs)
+                done.append(s)
+        self.phase = IDLE
+        for s in done:
+            s.record.finish_s = now
+            s.record.generated = s.output_tokens
+            s.record.status = "finished"
+        return done
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the block accounting or request sets are inconsistent."""
+        bs = self.block_size
+        kv_blocks = sum(blocks_for(s.base + self.steps, bs) for s in self.running.values())
+        pre_blocks = sum(blocks_for(s.prefill_tokens, bs) for s in self._prefill)
+        if self.phase == PREFILL:
+            kv_blocks += pre_blocks
+        assert self.used == kv_blocks, (self.id, self.used, kv_blocks)
+        assert 0 <= self.used_blocks <= self.total_blocks, (self.id, self.used_blocks)
+        assert self.reserved_blocks == sum(
+            blocks_for(s.prefill_tokens, bs) for s in self.waiting
+        ), self.id
+        assert sum(self._hist) == len(self.running)
+        assert self._sum_base == sum(s.base for s in self.running.values())
+        ids_w = {s.id for s in self.waiting}
+        ids_r = set(self.running)
+        ids_p = {s.id for s in self._prefill}
+        assert len(ids_w) == len(self.waiting)
+        assert not (ids_w & ids_r) and not (ids_w & ids_p) and not (ids_r & ids_p)
+        for s in self.running.values():
+            assert s.running and s.inst is self
+            assert s.base + self.steps <= s.prompt_tokens + s.output_tokens - 1
