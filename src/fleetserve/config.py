@@ -45,6 +45,8 @@ class WorkloadConfig:
         trace: trace file; None uses the built-in synthetic workload (Azure conv
             statistics) of ``synthetic_duration_s`` seconds.
         format: trace format: azure, mooncake, burstgpt, lengths or jsonl.
+        if_missing: what to do when ``trace`` does not exist: ``error``, or
+            ``synthetic`` to fall back to the built-in workload (with a note).
         rate: arrival rate (req/s) for ``lengths`` traces, which have no times.
         synthetic_duration_s: length of the built-in synthetic workload.
         start_s, end_s: time window of the trace to keep (seconds from its start).
@@ -59,6 +61,7 @@ class WorkloadConfig:
 
     trace: str | None = None
     format: str | None = None
+    if_missing: str = "error"
     rate: float | None = None
     synthetic_duration_s: float = 600.0
     start_s: float | None = None
@@ -77,12 +80,18 @@ class WorkloadConfig:
             raise ConfigError(
                 "workload.trace needs workload.format (azure, mooncake, burstgpt, lengths, jsonl)"
             )
+        if self.if_missing not in ("error", "synthetic"):
+            raise ConfigError(
+                f"workload.if_missing must be 'error' or 'synthetic', got {self.if_missing!r}"
+            )
         if self.start_s is not None and self.end_s is not None and self.end_s <= self.start_s:
             raise ConfigError("workload.end_s must be greater than workload.start_s")
         if self.model_weights is not None and (
             self.models is None or len(self.models) != len(self.model_weights)
         ):
-            raise ConfigError("workload.model_weights needs one weight per entry of workload.models")
+            raise ConfigError(
+                "workload.model_weights needs one weight per entry of workload.models"
+            )
 
 
 @dataclass(frozen=True)
@@ -277,7 +286,8 @@ def load_config(path: str | Path | None) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
-        raise InputError(f"invalid YAML: {getattr(e, 'problem', e)}", file=str(p), line=line) from None
+        problem = getattr(e, "problem", e)
+        raise InputError(f"invalid YAML: {problem}", file=str(p), line=line) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

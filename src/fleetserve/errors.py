@@ -58,8 +58,6 @@ class UnknownNameError(FleetserveError):
         known_list = sorted(known)
         close = difflib.get_close_matches(name.lower(), known_list, n=3, cutoff=0.4)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        super().__init__(
-            f"unknown {kind} {name!r}.{hint} Known: {', '.join(known_list)}"
-        )
+        super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(known_list)}")
         self.kind = kind
         self.name = name

@@ -144,13 +144,37 @@ def comparison_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     return _md_table(headers, body) + "\n"
 
 
-def comparison_table(rows: Sequence[Mapping[str, Any]], title: str) -> Table:
-    """A :class:`rich.table.Table` of comparison rows for the CLI."""
+COMPACT_COLUMNS: tuple[str, ...] = (
+    "stack",
+    "gpus_peak",
+    "gpus_mean",
+    "gpus_lower_bound",
+    "rejected",
+    "ttft_p99_s",
+    "tpot_p99_s",
+    "e2e_p99_s",
+    "normalized_latency",
+    "kv_util_mean",
+)
+"""The columns that fit an 80-column terminal; the files hold all of them."""
+
+
+def comparison_table(
+    rows: Sequence[Mapping[str, Any]], title: str, columns: Sequence[str] = COMPACT_COLUMNS
+) -> Table:
+    """A :class:`rich.table.Table` of comparison rows for the CLI.
+
+    Args:
+        rows: from :func:`comparison_rows`.
+        title: table title.
+        columns: row keys to show (default: the compact set).
+    """
+    headers = dict(COLUMNS)
     table = Table(title=title)
-    for k, header in COLUMNS:
-        table.add_column(header, justify="left" if k == "stack" else "right", no_wrap=k == "stack")
+    for k in columns:
+        table.add_column(headers[k], justify="left" if k == "stack" else "right", no_wrap=True)
     for r in rows:
-        table.add_row(*[fmt(r.get(k), k) for k, _ in COLUMNS])
+        table.add_row(*[fmt(r.get(k), k) for k in columns])
     return table
 
 
@@ -169,10 +193,18 @@ def render_report(summary: Mapping[str, Any], files: Sequence[str | Path]) -> st
     req = summary.get("requests") or {}
     out: list[str] = ["# fleetserve run report", ""]
 
+    # Keys may sit at the top level or in one section (policy.stack, cluster.gpu, ...).
+    flat: dict[str, Any] = {}
+    if isinstance(cfg, Mapping):
+        for section in ("policy", "cluster", "workload"):
+            sub = cfg.get(section)
+            if isinstance(sub, Mapping):
+                flat.update(sub)
+        flat.update(cfg)
     what = []
-    for key in ("stack", "backend", "model", "gpu", "gpus", "elastic", "seed"):
-        if isinstance(cfg, Mapping) and key in cfg and not isinstance(cfg[key], Mapping | list):
-            what.append(f"{key} `{cfg[key]}`")
+    for key in ("stack", "backend", "model", "gpu", "gpus", "elastic", "trace", "seed"):
+        if key in flat and flat[key] is not None and not isinstance(flat[key], Mapping | list):
+            what.append(f"{key} `{flat[key]}`")
     if what:
         out += ["**What ran:** " + ", ".join(what), ""]
 

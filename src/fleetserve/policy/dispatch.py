@@ -26,9 +26,7 @@ def _fits(view: InstanceView, req: Request) -> bool:
     return view.available_blocks >= blocks_for(req.prompt_tokens, view.block_size)
 
 
-def _no_room(
-    state: ClusterState, req: Request, fallback: InstanceView | None
-) -> DispatchAction:
+def _no_room(state: ClusterState, req: Request, fallback: InstanceView | None) -> DispatchAction:
     tp = state.model_tp.get(req.model, 1)
     if state.can_activate(tp):
         return ActivateGpu(req.model, tp, req.id)

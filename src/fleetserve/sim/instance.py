@@ -269,7 +269,7 @@ class Instance:
                     self.max_batched_tokens,
                     self.block_size,
                 )
-                admitted = self.policy.admit(self, self.waiting, budget)  # type: ignore[arg-type]
+                admitted = self.policy.admit(self, self.waiting, budget)
                 if admitted:
                     return self._start_prefill(admitted, now)  # type: ignore[arg-type]
             if not self.running:
@@ -392,9 +392,10 @@ class Instance:
             running = self.running
             while fheap and fheap[0][0] <= steps:
                 step, sid = heapq.heappop(fheap)
-                s = running.get(sid)
-                if s is None or s.finish_step != step:
+                fin = running.get(sid)
+                if fin is None or fin.finish_step != step:
                     continue
+                s = fin
                 del running[sid]
                 kv = s.base + steps
                 s.running = False

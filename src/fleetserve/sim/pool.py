@@ -33,9 +33,7 @@ class GpuPool:
     def allocate(self, n: int, now: float) -> tuple[int, ...]:
         """Activate ``n`` GPUs of one node at ``now``."""
         if n > self.per_node:
-            raise ConfigError(
-                f"a group of {n} GPUs does not fit in a node of {self.per_node} GPUs"
-            )
+            raise ConfigError(f"a group of {n} GPUs does not fit in a node of {self.per_node} GPUs")
         n_nodes = -(-self.limit // self.per_node)
         for node in range(n_nodes):
             lo = node * self.per_node

@@ -183,7 +183,7 @@ class Simulator:
         )
         self._next_iid += 1
         self.instances[inst.id] = inst
-        self.state.add(inst)  # type: ignore[arg-type]
+        self.state.add(inst)
         return inst
 
     # ----------------------------------------------------------------- loop
@@ -262,7 +262,7 @@ class Simulator:
         elif isinstance(action, Dispatch):
             inst = self.instances[action.instance_id]
             if inst.model != req.model:
-                raise RuntimeError(f"dispatch sent a {req.model} request to a {inst.model} instance")
+                raise RuntimeError(f"dispatched a {req.model} request to a {inst.model} instance")
         else:  # pragma: no cover - the type admits nothing else
             raise RuntimeError(f"unexpected dispatch action {action!r}")
         rec.instance = inst.id
@@ -282,7 +282,7 @@ class Simulator:
         if end is not None:
             self.events.push(end, P_ITER_END, ITER_END, (inst, inst.version))
         elif inst.idle:
-            for action in self.memory.on_idle(self.state, inst, now):  # type: ignore[arg-type]
+            for action in self.memory.on_idle(self.state, inst, now):
                 self._apply_release(action, now)
 
     def _apply_release(self, action: ReleaseGpu, now: float) -> None:
@@ -326,7 +326,7 @@ class Simulator:
                 s.record.generated = s.generated
         kv_per_gpu: int | None = None
         if len(self.specs) == 1:
-            (m, spec), = self.specs.items()
+            ((m, spec),) = self.specs.items()
             kv_per_gpu = self.blocks[m] * self.cfg.cluster.block_size * spec.kv_bytes_per_token
             kv_per_gpu //= self.cfg.cluster.tp
         cfg: dict[str, Any] = self.cfg.to_dict()
@@ -363,6 +363,8 @@ class Simulator:
             in_flight = rec.id in seen
             terminal = rec.status in ("finished", "rejected")
             assert in_flight != terminal, f"request {rec.id}: in flight={in_flight}, {rec.status}"
-        assert self.pool.active == self.state.gpus_active == sum(
-            len(i.gpus) for i in self.instances.values()
+        assert (
+            self.pool.active
+            == self.state.gpus_active
+            == sum(len(i.gpus) for i in self.instances.values())
         )

@@ -1,0 +1,257 @@
+"""The ``fleetserve`` command line.
+
+Errors caused by input (bad traces, unknown names, configs that cannot fit)
+print one line and exit with status 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fleetserve import __version__
+from fleetserve.config import SimConfig, apply_override, config_from_dict, load_config
+from fleetserve.errors import FleetserveError
+from fleetserve.sim.build import Workload, build_workload
+
+logger = logging.getLogger(__name__)
+
+
+def _add_sim_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="trace file (relative to the working directory)")
+    p.add_argument("--format", help="trace format: azure, mooncake, burstgpt, lengths, jsonl")
+    p.add_argument("--rate", type=float, help="arrival rate for 'lengths' traces (req/s)")
+    p.add_argument("--model", help="model catalog name or HuggingFace config.json path")
+    p.add_argument("--gpu", help="GPU catalog name, e.g. a100-40gb")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--gpus", type=int, help="fixed pool of N GPUs")
+    pool.add_argument("--elastic", action="store_true", help="elastic GPU pool (Mell's model)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree of each instance")
+    for fam in ("dispatch", "migration", "batching", "placement", "memory"):
+        p.add_argument(f"--{fam}", help=f"{fam} policy (overrides the stack's)")
+    p.add_argument("--length-scale", type=float, help="multiply prompt/output lengths (Mell: 10)")
+    p.add_argument("--rate-scale", type=float, help="multiply the arrival rate")
+    p.add_argument("--max-requests", type=int, help="keep the first N requests")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
+    p.add_argument("--out", required=True, help="result directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config_dict(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None]:
+    data = load_config(args.config)
+    base = Path(args.config).resolve().parent if args.config else None
+    wl = data.setdefault("workload", {})
+    cl = data.setdefault("cluster", {})
+    pol = data.setdefault("policy", {})
+    if args.trace is not None:
+        wl["trace"] = str(Path(args.trace).resolve())
+        wl.pop("format", None)
+    if args.format is not None:
+        wl["format"] = args.format
+    for flag, key in (
+        ("rate", "rate"),
+        ("length_scale", "length_scale"),
+        ("rate_scale", "rate_scale"),
+        ("max_requests", "max_requests"),
+    ):
+        if getattr(args, flag) is not None:
+            wl[key] = getattr(args, flag)
+    if args.model is not None:
+        data["model"] = args.model
+    if args.gpu is not None:
+        cl["gpu"] = args.gpu
+    if args.tp is not None:
+        cl["tp"] = args.tp
+    if args.gpus is not None:
+        cl["gpus"] = args.gpus
+        cl["elastic"] = False
+    if args.elastic:
+        cl["elastic"] = True
+    for fam in ("stack", "dispatch", "migration", "batching", "placement", "memory"):
+        v = getattr(args, fam, None)
+        if v is not None:
+            pol[fam] = v
+    if args.seed is not None:
+        data["seed"] = args.seed
+    for s in args.set:
+        apply_override(data, s)
+    if args.trace is not None and args.format is None and "format" not in wl:
+        from fleetserve.workload import detect_format
+
+        wl["format"] = detect_format(args.trace)
+    return data, base
+
+
+def _run_one(
+    console: Console, cfg: SimConfig, wl: Workload, out: Path, label: str, show: bool
+) -> tuple[dict[str, Any], Any]:
+    from fleetserve.metrics import summarize, write_run
+    from fleetserve.sim.simulator import Simulator
+
+    from .progress import sim_progress
+
+    horizon = wl.requests[-1].arrival_s if wl.requests else 0.0
+    if show:
+        with sim_progress(console, label, horizon, len(wl.requests)) as cb:
+            result = Simulator(cfg, wl.requests, notes=wl.notes, progress=cb).run()
+    else:
+        result = Simulator(cfg, wl.requests, notes=wl.notes).run()
+    summary = summarize(result, cfg.slo_scales)
+    summary["workload"] = {"source": wl.source, "requests": len(wl.requests)}
+    write_run(out, result, summary)
+    return summary, result
+
+
+def _summary_table(summary: dict[str, Any], title: str) -> Table:
+    t = Table(title=title, show_header=False)
+    r = summary["requests"]
+    g = summary["gpus"]
+    lat = summary["latency_s"]
+
+    def f(x: Any, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    t.add_row(
+        "requests",
+        f"{r['total']} total, {r['finished']} finished, "
+        f"{r['rejected']} rejected, {r['unfinished']} unfinished",
+    )
+    lb = g.get("lower_bound")
+    t.add_row(
+        "GPUs",
+        f"peak {g['peak']}, mean {f(g['mean'], '.2f')}, "
+        f"{f(g['gpu_hours'], '.2f')} GPU-h" + (f", lower bound {lb}" if lb else ""),
+    )
+    for k in ("ttft", "tpot", "e2e"):
+        t.add_row(
+            f"{k.upper()} (s)",
+            f"p50 {f(lat[k]['p50'])}  p99 {f(lat[k]['p99'])}  mean {f(lat[k]['mean'])}",
+        )
+    t.add_row("normalized latency", f(summary["normalized_latency"]))
+    t.add_row("KV utilization", f(summary["kv_utilization"]["mean"], ".1%"))
+    t.add_row(
+        "throughput",
+        f"{f(summary['throughput_rps'], '.2f')} req/s, "
+        f"{f(summary['throughput_tokens_s'], ',.0f')} tok/s",
+    )
+    sim = summary.get("sim") or {}
+    if sim:
+        t.add_row("simulation", f"{sim['events']:,} events in {sim['wall_s']:.2f} s wall")
+    return t
+
+
+def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
+    data, base = _config_dict(args)
+    cfg = config_from_dict(data, args.config)
+    wl = build_workload(cfg, base)
+    for n in wl.notes:
+        console.print(f"[yellow]note:[/] {n}")
+    out = Path(args.out)
+    summary, _ = _run_one(console, cfg, wl, out, cfg.policy.stack, not args.no_progress)
+    console.print(_summary_table(summary, f"{cfg.policy.stack} — {wl.source}"))
+    console.print(f"results in [bold]{out}[/] (summary.json, requests.csv, plots, report.md)")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    from fleetserve.metrics import comparison_rows, comparison_table, write_comparison
+
+    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    if not stacks:
+        raise FleetserveError("--stacks needs at least one stack name")
+    data, base = _config_dict(args)
+    cfgs = []
+    for s in stacks:
+        d = {**data, "policy": {**data.get("policy", {}), "stack": s}}
+        cfgs.append(config_from_dict(d, args.config))  # validates every stack before running
+    wl = build_workload(cfgs[0], base)
+    for n in wl.notes:
+        console.print(f"[yellow]note:[/] {n}")
+    out = Path(args.out)
+    named = {}
+    for s, cfg in zip(stacks, cfgs, strict=True):
+        named[s] = _run_one(console, cfg, wl, out / s, s, not args.no_progress)
+    write_comparison(out, named)
+    rows = comparison_rows({s: v[0] for s, v in named.items()})
+    console.print(comparison_table(rows, f"{', '.join(stacks)} — {wl.source}"))
+    console.print(f"results in [bold]{out}[/] (comparison.md, plots; one folder per stack)")
+    return 0
+
+
+def cmd_trace_inspect(args: argparse.Namespace, console: Console) -> int:
+    from fleetserve.workload import load_trace, stats_table, trace_stats
+
+    loaded = load_trace(args.file, args.format, rate=args.rate)
+    stats = trace_stats(list(loaded.requests))
+    console.print(stats_table(stats, f"{args.file} ({loaded.fmt})"))
+    if loaded.skipped:
+        console.print(
+            f"[yellow]skipped {len(loaded.skipped)} rows[/], first: "
+            f"line {loaded.skipped[0].line}: {loaded.skipped[0].reason}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="fleetserve", description="Serve many LLMs on a GPU fleet: simulate and compare."
+    )
+    parser.add_argument("--version", action="version", version=f"fleetserve {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="simulate one stack on a workload")
+    sim.add_argument("config", nargs="?", help="YAML config (optional)")
+    sim.add_argument("--stack", help="policy stack: vllm, bf, wf, ll")
+    _add_sim_flags(sim)
+    sim.set_defaults(func=cmd_simulate)
+
+    cmp_ = sub.add_parser("compare", help="several stacks on the same workload")
+    cmp_.add_argument("config", nargs="?", help="YAML config")
+    cmp_.add_argument("--stacks", required=True, help="comma-separated stacks, e.g. bf,wf,vllm")
+    _add_sim_flags(cmp_)
+    cmp_.set_defaults(func=cmd_compare)
+
+    trace = sub.add_parser("trace", help="trace utilities")
+    tsub = trace.add_subparsers(dest="trace_command", required=True)
+    insp = tsub.add_parser("inspect", help="rows, span, rate, inter-arrival CV, lengths")
+    insp.add_argument("file")
+    insp.add_argument("--format", help="trace format (detected when omitted)")
+    insp.add_argument("--rate", type=float, help="arrival rate for 'lengths' files")
+    insp.set_defaults(func=cmd_trace_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fleetserve`` executable."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        return int(args.func(args, console))
+    except FleetserveError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+r"""Analytic roofline cost model: how long one serving iteration takes.
+
+An *iteration* is one forward pass of a continuous-batching engine over a batch
+that may mix prefill chunks and decode tokens. Its time on a tensor-parallel
+group of ``tp`` identical GPUs is
+
+.. code-block:: text
+
+    t = overhead_s + t_comm + max(t_compute, t_memory)
+
+    t_compute = (2 P_lin T + 2 V h N_logit) / (tp F compute_eff)      dense matmuls
+              + 4 L_a H d_h S                / (tp F attn_eff)         attention
+    t_memory  = (W_stream + kv_tok (R + T))  / (tp B mem_eff)
+    t_comm    = [tp > 1] * (2 L_r allreduce_latency_s
+                            + 2 L_r T h b 2 (tp-1)/tp / (I allreduce_eff))
+
+with, from :class:`~fleetserve.spec.types.ModelSpec` / :class:`GpuSpec`:
+
+* ``F`` = ``gpu.bf16_flops``, ``B`` = ``gpu.hbm_bw``, ``I`` = ``gpu.intra_node_bw``;
+* ``L_r`` = layers executed (``num_layers`` minus cross-attention layers, which
+  text-only requests skip), ``L_a`` = ``L_r`` (self-attention layers);
+* ``P_lin`` = ``L_r * params_per_layer`` (every weight of a layer is used once
+  per token in a multiply-add: 2 FLOP per parameter per token);
+* ``V h`` = lm_head parameters (vocab x hidden), applied to ``N_logit`` rows only:
+  the last token of each prefill chunk and every decode token (engines gather the
+  last hidden state before the lm_head);
+* ``H d_h`` = ``num_heads * head_dim`` (query width; GQA shares K/V but not the
+  score/value FLOPs);
+* ``W_stream`` = weight bytes read per iteration = ``L_r * weight_bytes_per_layer
+  + V h b`` (the lm_head, or the tied embedding used as lm_head, + final norm);
+  the input-embedding table of an untied model is only gathered, not streamed;
+* ``kv_tok`` = ``kv_bytes_per_token``; ``b`` = ``dtype_bytes``; ``h`` = hidden size.
+
+and, from the batch:
+
+* ``T`` = new tokens processed (prompt tokens of the prefill chunks + one per
+  decode sequence); each also writes its K/V (``kv_tok T`` bytes);
+* ``S`` = query-key pairs of attention: a chunk of ``n`` new tokens on top of ``c``
+  cached ones contributes ``n c + n (n + 1) / 2`` (causal), a decode sequence with
+  context ``x`` (including the token being appended) contributes ``x``; each pair
+  costs ``4 H d_h`` FLOP per layer (``2 d`` for ``q.k`` and ``2 d`` for ``p.v``).
+  A whole prompt of length ``l`` thus costs ``2 L H d_h l (l + 1)`` attention FLOP;
+* ``R`` = cached KV tokens read: ``c`` per prefill chunk, ``x`` per decode sequence
+  (a whole-prompt prefill reads no cache: ``R = 0``).
+
+Everything is divided evenly across the ``tp`` GPUs (Megatron sharding: heads,
+MLP columns/rows, vocab). The ring all-reduce after attention and after the MLP
+(two per layer) moves ``2 (tp - 1) / tp`` times the ``T h b``-byte activation
+through each GPU's link, plus a fixed latency per collective.
+
+For a decode iteration with ``batch`` sequences reading ``x`` KV tokens in total,
+both roofline branches are linear in ``x``::
+
+    t(x) = K(batch) + max(A_c(batch) + B_c x, A_m(batch) + B_m x)
+
+which :meth:`InstanceCost.decode_time` evaluates elementwise and
+:meth:`InstanceCost.ideal_times` sums in closed form (splitting the context range
+where the two lines cross).
+
+The efficiency parameters and their defaults are in
+:mod:`fleetserve.costmodel.params`; calibrated values per (model, GPU, tp) come
+from :mod:`fleetserve.costmodel.calibration`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams
+from fleetserve.costmodel.transfer import Link, transfer_time
+from fleetserve.errors import ConfigError
+from fleetserve.spec.types import GpuSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from fleetserve.costmodel.calibration import Calibration
+
+__all__ = ["CostModel", "InstanceCost", "RawCoefficients", "raw_coefficients"]
+
+
+@dataclass(frozen=True, slots=True)
+class RawCoefficients:
+    """Per-unit seconds at 100 % efficiency for one (model, GPU, tp); see module docstring.
+
+    Calibration fits efficiencies against these, the cost model divides them by
+    the efficiencies. All values are per GPU of the tensor-parallel group.
+
+    Attributes:
+        tok_flop_s: dense-matmul seconds per new token (``2 P_lin / (tp F)``).
+        logit_flop_s: lm_head seconds per logit row (``2 V h / (tp F)``).
+        pair_flop_s: attention seconds per query-key pair (``4 L H d_h / (tp F)``).
+        weight_mem_s: seconds to stream the weights once (``W_stream / (tp B)``).
+        kv_mem_s: seconds to read or write one token's KV (``kv_tok / (tp B)``).
+        comm_tok_s: all-reduce seconds per new token at full link bandwidth
+            (0 when tp == 1).
+        n_collectives: all-reduces per iteration (``2 L_r`` when tp > 1, else 0).
+    """
+
+    tok_flop_s: float
+    logit_flop_s: float
+    pair_flop_s: float
+    weight_mem_s: float
+    kv_mem_s: float
+    comm_tok_s: float
+    n_collectives: int
+
+
+def _executed_layers(model: ModelSpec) -> int:
+    """Layers a text-only token passes through (self-attention layers)."""
+    return model.kv_bytes_per_token // model.kv_bytes_per_token_per_layer
+
+
+def raw_coefficients(model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> RawCoefficients:
+    """Compute the 100 %-efficiency per-unit costs of ``model`` on ``tp`` x ``gpu``.
+
+    Raises:
+        ConfigError: if ``tp`` < 1.
+    """
+    if tp < 1:
+        raise ConfigError(f"tensor-parallel degree must be >= 1, got {tp}")
+    layers = _executed_layers(model)
+    flops = gpu.bf16_flops * tp
+    bw = gpu.hbm_bw * tp
+    lm_head = model.vocab_size * model.hidden_size
+    p_lin = layers * model.params_per_layer
+    w_stream = layers * model.weight_bytes_per_layer + (lm_head + model.hidden_size) * (
+        model.dtype_bytes
+    )
+    q_width = model.num_heads * model.head_dim
+    if tp > 1:
+        ring = 2.0 * (tp - 1) / tp
+        comm_tok = 2 * layers * model.hidden_size * model.dtype_bytes * ring / gpu.intra_node_bw
+        n_coll = 2 * layers
+    else:
+        comm_tok = 0.0
+        n_coll = 0
+    return RawCoefficients(
+        tok_flop_s=2.0 * p_lin / flops,
+        logit_flop_s=2.0 * lm_head / flops,
+        pair_flop_s=4.0 * layers * q_width / flops,
+        weight_mem_s=w_stream / bw,
+        kv_mem_s=model.kv_bytes_per_token / bw,
+        comm_tok_s=comm_tok,
+        n_collectives=n_coll,
+    )
+
+
+def _on_compute_side(x: float, a_c: float, b_c: float, a_m: float, b_m: float) -> bool:
+    """Whether ``max`` picks the compute line at context ``x`` (same float ops as decode)."""
+    return x * b_c + a_c >= x * b_m + a_m
+
+
+_MAX_EXACT = 2.0**52
+
+
+def _first_compute_x(a_c: float, b_c: float, a_m: float, b_m: float) -> float:
+    """Smallest integer x with compute >= memory, lines with ``b_c > b_m``.
+
+    Starts from the real crossing and nudges it so that the float comparison used
+    by :meth:`InstanceCost.decode_time` agrees on both sides of the cut.
+    """
+    cut = float(math.ceil((a_m - a_c) / (b_c - b_m)))
+    if abs(cut) < _MAX_EXACT:
+        for _ in range(4):
+            if _on_compute_side(cut - 1.0, a_c, b_c, a_m, b_m):
+                cut -= 1.0
+            elif not _on_compute_side(cut, a_c, b_c, a_m, b_m):
+                cut += 1.0
+            else:
+                break
+    return cut
+
+
+def _last_compute_x(a_c: float, b_c: float, a_m: float, b_m: float) -> float:
+    """Largest integer x with compute >= memory, lines with ``b_c < b_m``."""
+    cut = float(math.floor((a_m - a_c) / (b_c - b_m)))
+    if abs(cut) < _MAX_EXACT:
+        for _ in range(4):
+            if _on_compute_side(cut + 1.0, a_c, b_c, a_m, b_m):
+                cut += 1.0
+            elif not _on_compute_side(cut, a_c, b_c, a_m, b_m):
+                cut -= 1.0
+            else:
+                break
+    return cut
+
+
+class InstanceCost:
+    """Iteration times of one model instance (model, GPU type, tp), coefficients hoisted.
+
+    Build it with :meth:`CostModel.bind`. All methods are pure.
+
+    Attributes:
+        model: the model.
+        gpu: the GPU type.
+        tp: tensor-parallel degree.
+        params: the efficiency parameters in use.
+        raw: the 100 %-efficiency coefficients.
+    """
+
+    __slots__ = (
+        "_c_logit",
+        "_c_pair",
+        "_c_tok",
+        "_c_tok1",
+        "_comm_tok",
+        "_fixed",
+        "_m_kv",
+        "_m_w",
+        "gpu",
+        "model",
+        "params",
+        "raw",
+        "tp",
+    )
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, tp: int, params: EfficiencyParams) -> None:
+        raw = raw_coefficients(model, gpu, tp)
+        self.model = model
+        self.gpu = gpu
+        self.tp = tp
+        self.params = params
+        self.raw = raw
+        p = params
+        self._c_tok = raw.tok_flop_s / p.compute_eff
+        self._c_logit = raw.logit_flop_s / p.compute_eff
+        self._c_tok1 = self._c_tok + self._c_logit  # per decode token (one logit row each)
+        self._c_pair = raw.pair_flop_s / p.attn_eff
+        self._m_w = raw.weight_mem_s / p.mem_eff
+        self._m_kv = raw.kv_mem_s / p.mem_eff
+        self._comm_tok = raw.comm_tok_s / p.allreduce_eff
+        self._fixed = p.overhead_s + raw.n_collectives * p.allreduce_latency_s
+
+    def __repr__(self) -> str:
+        return (
+            f"InstanceCost(model={self.model.name!r}, gpu={self.gpu.name!r}, tp={self.tp}, "
+            f"params={self.params!r})"
+        )
+
+    # --- the general iteration --------------------------------------------
+    def _iteration(self, new_tokens: float, logits: float, pairs: float, kv_read: float) -> float:
+        """Time of an iteration given its aggregate work (see module docstring)."""
+        compute = new_tokens * self._c_tok + logits * self._c_logit + pairs * self._c_pair
+        memory = self._m_w + (kv_read + new_tokens) * self._m_kv
+        return self._fixed + new_tokens * self._comm_tok + max(compute, memory)
+
+    def prefill_time(self, prompt_lens: Sequence[int] | npt.NDArray[np.integer]) -> float:
+        """One prefill iteration over whole prompts (nothing cached before).
+
+        Args:
+            prompt_lens: prompt length of each sequence in the batch (each >= 1).
+
+        Returns:
+            Seconds; 0.0 for an empty batch.
+        """
+        n = len(prompt_lens)
+        if n == 0:
+            return 0.0
+        total = 0
+        pairs2 = 0  # 2 * pairs = sum l (l + 1), kept integral
+        for length in prompt_lens:
+            li = int(length)
+            total += li
+            pairs2 += li * (li + 1)
+        return self._iteration(float(total), float(n), pairs2 * 0.5, 0.0)
+
+    def decode_time(
+        self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
+    ) -> npt.NDArray[np.float64]:
+        """One decode iteration of ``batch`` sequences, elementwise over ``ctx_total``.
+
+        Args:
+            batch: sequences in the batch (each appends one token).
+            ctx_total: total KV tokens read by the batch (sum over sequences of their
+                context, including the token being appended); any shape.
+
+        Returns:
+            Seconds, same shape as ``ctx_total``. Each element depends on its own
+            input only (elementwise IEEE ops), so ``decode_time(b, x)[i]`` equals
+            ``decode_time(b, x[i:i+1])[0]`` bit for bit.
+        """
+        # constant terms folded into both lines: 5 ufunc calls in all
+        k = self._fixed + batch * self._comm_tok
+        a_c = batch * self._c_tok1 + k
+        a_m = self._m_w + batch * self._m_kv + k
+        x = ctx_total
+        out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair + a_c, x * self._m_kv + a_m)
+        return out
+
+    def decode_time_scalar(self, batch: int, ctx_total: float) -> float:
+        """Scalar form of :meth:`decode_time` (same value, same rounding)."""
+        x = float(ctx_total)
+        k = self._fixed + batch * self._comm_tok
+        a_c = batch * self._c_tok1 + k
+        a_m = self._m_w + batch * self._m_kv + k
+        return max(x * self._c_pair + a_c, x * self._m_kv + a_m)
+
+    def mixed_time(
+        self, chunks: Sequence[tuple[int, int]], decode_batch: int, decode_ctx_total: int
+    ) -> float:
+        """One chunked-prefill iteration: prefill chunks plus a decode batch.
+
+        Args:
+            chunks: ``(new_tokens, tokens_already_cached)`` per prefill chunk.
+            decode_batch: decode sequences in the same iteration.
+            decode_ctx_total: KV tokens the decode sequences read in total
+                (including the tokens being appended).
+
+        Returns:
+            Seconds; 0.0 when there is nothing to do.
+        """
+        tokens = decode_batch
+        pairs2 = 2 * decode_ctx_total
+        kv_read = decode_ctx_total
+        for new, cached in chunks:
+            n, c = int(new), int(cached)
+            tokens += n
+            pairs2 += 2 * n * c + n * (n + 1)
+            kv_read += c
+        logits = len(chunks) + decode_batch
+        if tokens == 0:
+            return 0.0
+        return self._iteration(float(tokens), float(logits), pairs2 * 0.5, float(kv_read))
+
+    # --- whole requests -----------------------------------------------------
+    def ideal_times(
+        self, prompts: npt.NDArray[np.number[Any]], outputs: npt.NDArray[np.number[Any]]
+    ) -> npt.NDArray[np.float64]:
+        """Execution time of each request alone on an idle instance, in closed form.
+
+        ``prefill_time([p]) + sum_{j=1}^{o-1} decode_time(1, p + j)``: the prefill
+        produces the first output token, then ``o - 1`` batch-1 decode steps follow
+        with contexts ``p + 1 .. p + o - 1``.
+
+        Args:
+            prompts: prompt lengths (>= 1).
+            outputs: output lengths (>= 1; 0 is treated like 1).
+
+        Returns:
+            Seconds per request, float64, same shape as ``prompts``.
+        """
+        p = np.asarray(prompts, dtype=np.float64)
+        o = np.asarray(outputs, dtype=np.float64)
+        # prefill of one prompt (same formula as prefill_time([p]))
+        compute = p * self._c_tok + self._c_logit + (p * (p + 1.0) * 0.5) * self._c_pair
+        memory = self._m_w + p * self._m_kv
+        prefill = self._fixed + p * self._comm_tok + np.maximum(compute, memory)
+
+        # decode steps x = lo..hi, t(x) = k + max(a_c + b_c x, a_m + b_m x)
+        # the batch-1 lines of decode_time, constant folded in exactly as there
+        k = self._fixed + 1 * self._comm_tok
+        a_c = 1 * self._c_tok1 + k
+        a_m = self._m_w + 1 * self._m_kv + k
+        b_c = self._c_pair
+        b_m = self._m_kv
+        n = np.maximum(o - 1.0, 0.0)
+        lo = p + 1.0
+        hi = p + n  # empty range when n == 0
+        # number of x in [lo, hi] on the compute side (a_c + b_c x >= a_m + b_m x)
+        d_a = a_c - a_m
+        d_b = b_c - b_m
+        if d_b > 0.0:
+            cut = _first_compute_x(a_c, b_c, a_m, b_m)  # compute side: x >= cut
+            n_comp_hi = hi - np.maximum(lo, cut) + 1.0
+            n_comp = np.clip(n_comp_hi, 0.0, n)
+            c_lo = np.maximum(lo, cut)
+            c_hi = hi
+            m_lo = lo
+            m_hi = np.minimum(hi, cut - 1.0)
+        elif d_b < 0.0:
+            cut = _last_compute_x(a_c, b_c, a_m, b_m)  # compute side: x <= cut
+            n_comp = np.clip(np.minimum(hi, cut) - lo + 1.0, 0.0, n)
+            c_lo = lo
+            c_hi = np.minimum(hi, cut)
+            m_lo = np.maximum(lo, cut + 1.0)
+            m_hi = hi
+        else:
+            all_compute = d_a >= 0.0
+            n_comp = n if all_compute else np.zeros_like(n)
+            c_lo, c_hi = lo, hi
+            m_lo, m_hi = lo, hi
+        n_mem = n - n_comp
+        sum_x_comp = np.where(n_comp > 0.0, (c_lo + c_hi) * n_comp * 0.5, 0.0)
+        sum_x_mem = np.where(n_mem > 0.0, (m_lo + m_hi) * n_mem * 0.5, 0.0)
+        decode = n_comp * a_c + b_c * sum_x_comp + n_mem * a_m + b_m * sum_x_mem
+        result: npt.NDArray[np.float64] = prefill + decode
+        return result
+
+    # --- helpers --------------------------------------------------------------
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of KV cache held for ``tokens`` tokens (all tp shards together)."""
+        return self.model.kv_bytes_per_token * int(tokens)
+
+    def kv_transfer_time(self, tokens: int, link: Link) -> float:
+        """Seconds to move ``tokens`` tokens of KV to another instance over ``link``.
+
+        Each of the ``tp`` GPUs sends its own shard over its own link in parallel,
+        so ``latency + kv_bytes / tp / bandwidth``.
+        """
+        return transfer_time(self.kv_bytes(tokens) / self.tp, link)
+
+    def re_prefill_time(self, tokens: int) -> float:
+        """Seconds to rebuild ``tokens`` tokens of KV by recomputation (one prefill)."""
+        return self.prefill_time([tokens]) if tokens > 0 else 0.0
+
+
+class CostModel:
+    """Factory of :class:`InstanceCost`: default or calibrated efficiency parameters.
+
+    Args:
+        params: parameters for deployments the calibration does not cover
+            (default :data:`~fleetserve.costmodel.params.DEFAULT_PARAMS`).
+        calibration: fitted parameters per (model name, GPU name, tp).
+    """
+
+    __slots__ = ("calibration", "params")
+
+    def __init__(
+        self, params: EfficiencyParams | None = None, calibration: Calibration | None = None
+    ) -> None:
+        self.params = params if params is not None else DEFAULT_PARAMS
+        self.calibration = calibration
+
+    def params_for(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> EfficiencyParams:
+        """The calibrated parameters for (model, gpu, tp) if any, else the defaults."""
+        if self.calibration is not None:
+            fitted = self.calibration.get(model.name, gpu.name, tp)
+            if fitted is not None:
+                return fitted
+        return self.params
+
+    def bind(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> InstanceCost:
+        """Precompute the coefficients of ``model`` on ``tp`` GPUs of type ``gpu``.
+
+        Raises:
+            ConfigError: if ``tp`` < 1.
+        """
+        return InstanceCost(model, gpu, tp, self.params_for(model, gpu, tp))

@@ -1,0 +1,125 @@
+"""From a :class:`~fleetserve.config.SimConfig` to the requests a run replays.
+
+Order of transforms: time window → max_requests → rate scaling → model
+assignment → length scaling (with the cap). The cap applies only when
+lengths are scaled (``length_scale != 1``) and ``cap_lengths`` is on: a
+scaled request whose KV would not fit one instance is shrunk proportionally
+to fit (Mell's model assumes every request fits on one GPU). With several
+models the cap is the smallest instance capacity among them. Every cap and
+every skipped trace row is reported in the run's notes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fleetserve.config import SimConfig
+from fleetserve.errors import ConfigError, InputError
+from fleetserve.spec import get_gpu, get_model
+from fleetserve.spec.memory import kv_capacity_blocks
+from fleetserve.workload import (
+    Request,
+    assign_models,
+    default_workload,
+    load_trace,
+    max_requests,
+    scale_lengths,
+    scale_rate,
+    time_window,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Workload:
+    """The requests of a run and what was done to them."""
+
+    requests: list[Request]
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+
+def request_cap_tokens(cfg: SimConfig, model: str) -> int:
+    """Largest KV (tokens) one request may need: an instance's blocks minus the
+    admission watermark, in tokens — the simulator rejects anything larger."""
+    cl = cfg.cluster
+    spec, gpu = get_model(model), get_gpu(cl.gpu)
+    blocks = kv_capacity_blocks(spec, gpu, cl.tp, cl.mem_util, cl.block_size)
+    return (blocks - int(cfg.engine.watermark * blocks)) * cl.block_size
+
+
+def _resolve(trace: str, base_dir: Path | None) -> Path:
+    path = Path(trace)
+    if not path.is_absolute() and base_dir is not None:
+        return base_dir / path
+    return path
+
+
+def build_workload(cfg: SimConfig, base_dir: Path | None = None) -> Workload:
+    """Load or synthesize the workload of ``cfg`` and apply its transforms.
+
+    Args:
+        cfg: the run configuration.
+        base_dir: directory relative trace paths are resolved against (the
+            config file's directory); None uses the working directory.
+
+    Raises:
+        InputError: the trace is missing (unless ``if_missing: synthetic``) or bad.
+        ConfigError: the workload is empty after its transforms.
+    """
+    wl = cfg.workload
+    rng = np.random.default_rng(cfg.seed)
+    notes: list[str] = []
+    path = _resolve(wl.trace, base_dir) if wl.trace is not None else None
+    if path is not None and not path.exists():
+        if wl.if_missing == "error":
+            raise InputError("trace file not found", file=str(path))
+        notes.append(f"trace {path} not found; using the built-in synthetic workload instead")
+        path = None
+    if path is not None:
+        loaded = load_trace(path, wl.format, model=cfg.model, rate=wl.rate, seed=cfg.seed)
+        reqs = list(loaded.requests)
+        source = f"{path} ({loaded.fmt})"
+        if loaded.skipped:
+            reasons: dict[str, int] = {}
+            for s in loaded.skipped:
+                reasons[s.reason] = reasons.get(s.reason, 0) + 1
+            detail = "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items()))
+            n_skip = len(loaded.skipped)
+            notes.append(f"skipped {n_skip} trace rows that cannot be requests: {detail}")
+    else:
+        reqs = default_workload(rng, wl.synthetic_duration_s, model=cfg.model)
+        dur = wl.synthetic_duration_s
+        source = f"built-in synthetic workload (Azure conv statistics, {dur:g} s)"
+        notes.append(f"workload: {source}")
+    if wl.start_s is not None or wl.end_s is not None:
+        reqs = time_window(reqs, wl.start_s or 0.0, wl.end_s if wl.end_s is not None else np.inf)
+    if wl.max_requests is not None:
+        reqs = max_requests(reqs, wl.max_requests)
+    if wl.rate_scale != 1.0:
+        reqs = scale_rate(reqs, wl.rate_scale)
+    if wl.models is not None:
+        reqs = assign_models(reqs, list(wl.models), wl.model_weights, rng)
+    if wl.length_scale != 1.0:
+        cap = None
+        if wl.cap_lengths:
+            cap = min(request_cap_tokens(cfg, m) for m in {r.model for r in reqs} or {cfg.model})
+        reqs, n_capped = scale_lengths(reqs, wl.length_scale, cap)
+        msg = f"lengths scaled x{wl.length_scale:g}"
+        if cap is not None:
+            msg += (
+                f"; {n_capped} of {len(reqs)} requests capped to {cap} KV tokens so each fits "
+                "one instance (Mell's model assumes it; set workload.cap_lengths: false to "
+                "reject them instead)"
+            )
+        notes.append(msg)
+    if not reqs:
+        raise ConfigError(f"the workload from {source} is empty after its transforms")
+    for n in notes:
+        logger.info(n)
+    return Workload(reqs, source, notes)
