@@ -8,8 +8,9 @@ Block accounting of one instance (``block_size`` tokens per block)::
 
     total_blocks = free_blocks + used_blocks
                    └────────┬─────────┘
-    available_blocks = free_blocks - reserved_blocks   (may be negative)
+    available_blocks = free_blocks - reserved_blocks - watermark   (may be negative)
     reserved_blocks  = blocks the waiting queue needs for its prompts
+    watermark        = blocks the engine keeps free when admitting (vLLM: 1%)
 """
 
 from __future__ import annotations

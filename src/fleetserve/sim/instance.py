@@ -228,7 +228,9 @@ class Instance:
 
     @property
     def available_blocks(self) -> int:
-        return self.total_blocks - self.used_blocks - self.reserved_blocks
+        """Blocks a new prompt could still get: free, minus the waiting queue's
+        prompts, minus the admission watermark."""
+        return self.total_blocks - self.used_blocks - self.reserved_blocks - self.watermark_blocks
 
     @property
     def busy(self) -> bool:
