@@ -30,11 +30,20 @@ from fleetserve.errors import ConfigError, InputError
 DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
 
+_SECTION = {
+    "WorkloadConfig": "workload.",
+    "ClusterConfig": "cluster.",
+    "EngineConfig": "engine.",
+    "PolicyConfig": "policy.",
+}
+
+
 def _positive(obj: object, *names: str) -> None:
+    prefix = _SECTION.get(type(obj).__name__, "")
     for n in names:
         v = getattr(obj, n)
         if v is not None and v <= 0:
-            raise ConfigError(f"{type(obj).__name__}.{n} must be positive, got {v}")
+            raise ConfigError(f"{prefix}{n} must be positive, got {v}")
 
 
 @dataclass(frozen=True)
@@ -134,11 +143,14 @@ class EngineConfig:
         max_batched_tokens: prefill tokens per iteration (a single longer
             prompt still runs, alone).
         watermark: fraction of KV blocks kept free when admitting prefills.
+        chunked_prefill: split prompts into chunks that run together with
+            decodes (mixed iterations of at most ``max_batched_tokens`` tokens).
     """
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     watermark: float = 0.01
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_batched_tokens")

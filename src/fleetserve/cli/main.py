@@ -20,6 +20,7 @@ from fleetserve import __version__
 from fleetserve.config import SimConfig, apply_override, config_from_dict, load_config
 from fleetserve.errors import FleetserveError
 from fleetserve.sim.build import Workload, build_workload
+from fleetserve.sim.simulator import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def _compare_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     data, base = _config_dict(args)
     cfg = config_from_dict(data, args.config)
+    preflight(cfg)
     wl = build_workload(cfg, base)
     for n in wl.notes:
         console.print(f"[yellow]note:[/] {n}")
@@ -197,7 +199,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
     cfgs = []
     for s in stacks:
         d = {**data, "policy": {**data.get("policy", {}), "stack": s}}
-        cfgs.append(config_from_dict(d, args.config))  # validates every stack before running
+        cfgs.append(config_from_dict(d, args.config))
+        preflight(cfgs[-1])  # every stack is checked before anything runs
     wl = build_workload(cfgs[0], base)
     for n in wl.notes:
         console.print(f"[yellow]note:[/] {n}")

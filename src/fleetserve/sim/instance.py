@@ -38,6 +38,15 @@ including iteration ``j = m*bs + s`` are::
     cnt:  2   0   1       3        1      C[s] = cnt[0] + ... + cnt[s]
 
 so the shortage iteration (first ``j`` with ``D(j) > free``) takes O(bs).
+
+Chunked prefill (``chunked_prefill=True``, Sarathi-Serve / vLLM's option).
+While any prompt is being prefilled, every iteration is *mixed*: all running
+requests decode one token and prompt chunks fill the rest of the token budget
+(``max_batched_tokens - batch``), partly prefilled prompts first, then newly
+admitted ones. A prompt's blocks are allocated in full when it is admitted
+(vLLM v0 allocates per chunk; allocating up front keeps admission a single
+check and never preempts a half-prefilled prompt). Mixed iterations run one
+at a time; pure decode stretches in between are still macro-stepped.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ if TYPE_CHECKING:
     from fleetserve.metrics.records import RequestRecord
     from fleetserve.workload.request import Request
 
-IDLE, PREFILL, DECODE = 0, 1, 2
+IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
 
 
 class SimClock:
@@ -81,6 +90,7 @@ class Seq:
         "inst",
         "model",
         "output_tokens",
+        "prefilled",
         "prompt_tokens",
         "record",
         "running",
@@ -98,6 +108,7 @@ class Seq:
         self.gen_saved = 0  # tokens generated, valid while not running
         self.base = 0  # kv = base + inst.steps while running
         self.finish_step = 0  # inst.steps at which it finishes, while running
+        self.prefilled = 0  # tokens of the current (re)prefill done (chunked prefill)
 
     @property
     def generated(self) -> int:
@@ -117,19 +128,22 @@ class _Budget(AdmissionBudget):
     batch-size room and the token budget (a lone prompt may exceed the latter,
     so a long prompt is never stuck)."""
 
-    __slots__ = ("bs", "free", "seqs", "taken", "tokens_left")
+    __slots__ = ("bs", "chunked", "free", "seqs", "taken", "tokens_left")
 
-    def __init__(self, free: int, seqs: int, tokens: int, bs: int) -> None:
+    def __init__(self, free: int, seqs: int, tokens: int, bs: int, chunked: bool = False) -> None:
         self.free = free
         self.seqs = seqs
         self.tokens_left = tokens
         self.bs = bs
+        self.chunked = chunked  # a prompt needs only one token of budget to start
         self.taken = 0
 
     def fits(self, seq: Seq) -> bool:  # type: ignore[override]
         n = seq.prompt_tokens + seq.gen_saved
         if self.seqs <= 0 or -(-n // self.bs) > self.free:
             return False
+        if self.chunked:
+            return self.tokens_left > 0
         return self.taken == 0 or n <= self.tokens_left
 
     def take(self, seq: Seq) -> None:  # type: ignore[override]
@@ -157,6 +171,7 @@ class Instance:
         max_batched_tokens: prefill token budget per iteration.
         watermark: fraction of blocks kept free at admission (vLLM's 1%).
         macro_steps: advance fixed decode batches several iterations at once.
+        chunked_prefill: split prompts into chunks run together with decodes.
     """
 
     def __init__(
@@ -175,6 +190,7 @@ class Instance:
         max_batched_tokens: int,
         watermark: float,
         macro_steps: bool,
+        chunked_prefill: bool = False,
     ) -> None:
         self.id = iid
         self.model = model
@@ -189,6 +205,9 @@ class Instance:
         self.max_batched_tokens = max_batched_tokens
         self.watermark_blocks = int(watermark * total_blocks)
         self.macro = macro_steps and policy.macro_step_safe
+        self.chunked = chunked_prefill
+        self._prefilling: list[Seq] = []  # admitted, partly prefilled (chunked mode)
+        self._chunks: list[tuple[Seq, int]] = []  # prefill chunks of the mixed iteration
         self.waiting: deque[Seq] = deque()
         self.reserved_blocks = 0
         self.running: dict[int, Seq] = {}
@@ -217,7 +236,7 @@ class Instance:
     @property
     def used_blocks(self) -> int:
         """Blocks allocated as of ``clock.now`` (including the iteration in flight)."""
-        if self.phase != DECODE:
+        if self.phase < DECODE:
             return self.used
         k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
         return self.used + self._grown(min(k, self._n - 1))
@@ -264,7 +283,11 @@ class Instance:
     def schedule(self, now: float) -> float | None:
         """Start the next iteration at ``now``; its end time, or None when idle."""
         while True:
-            if self.waiting:
+            if self.chunked and (self.waiting or self._prefilling):
+                end = self._start_mixed(now)
+                if end is not None:
+                    return end
+            elif self.waiting:
                 budget = _Budget(
                     self.total_blocks - self.used - self.watermark_blocks,
                     self.max_num_seqs - len(self.running),
@@ -283,25 +306,20 @@ class Instance:
 
     def _start_prefill(self, admitted: Sequence[Seq], now: float) -> float:
         bs = self.block_size
-        ids = {s.id for s in admitted}
-        if len(ids) == len(self.waiting):
-            self.waiting.clear()
-        else:
-            self.waiting = deque(s for s in self.waiting if s.id not in ids)
+        self._remove_waiting(admitted)
         lens = []
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
-            b = blocks_for(n, bs)
-            self.reserved_blocks -= b
-            self.used += b
+            self.used += blocks_for(n, bs)
             lens.append(n)
         self._prefill = list(admitted)
         self.phase = PREFILL
         self.version += 1
         return now + self.cost.prefill_time(lens)
 
-    def _start_decode(self, now: float) -> float | None:
-        """Plan a decode segment; preempts one victim and returns None if none fits."""
+    def _growth(self) -> tuple[list[int], int]:
+        """``C`` (new blocks by residue, see the module docstring) and the first
+        decode iteration that would run out of blocks."""
         bs = self.block_size
         B = len(self.running)
         D = self.steps
@@ -318,6 +336,73 @@ class Instance:
             j = s if c > free0 else ((free0 - c) // B + 1) * bs + s
             if n_exh < 0 or j < n_exh:
                 n_exh = j
+        return C, n_exh
+
+    def _start_mixed(self, now: float) -> float | None:
+        """Plan one chunked-prefill iteration; None when no prompt chunk can run."""
+        bs = self.block_size
+        C = [0] * bs
+        while self.running:
+            C, n_exh = self._growth()
+            if n_exh > 0:
+                break
+            self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
+        if not self.running:
+            C = [0] * bs
+        B = len(self.running)
+        left = self.max_batched_tokens - B
+        chunks: list[tuple[Seq, int]] = []
+        for s in self._prefilling:
+            if left <= 0:
+                break
+            n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
+            chunks.append((s, n))
+            left -= n
+        if self.waiting and left > 0:
+            budget = _Budget(
+                self.total_blocks - self.used - C[0] - self.watermark_blocks,
+                self.max_num_seqs - B - len(self._prefilling),
+                left,
+                bs,
+                chunked=True,
+            )
+            admitted: list[Seq] = self.policy.admit(self, self.waiting, budget)  # type: ignore[assignment]
+            self._remove_waiting(admitted)
+            for s in admitted:
+                total = s.prompt_tokens + s.gen_saved
+                self.used += blocks_for(total, bs)
+                s.prefilled = 0
+                self._prefilling.append(s)
+                n = min(total, left)
+                chunks.append((s, n))
+                left -= n
+        if not chunks:
+            return None
+        ctx = self._sum_base + B * self.steps + B
+        end = now + self.cost.mixed_time([(n, s.prefilled) for s, n in chunks], B, ctx)
+        self._chunks = chunks
+        self._ends = np.array([end])
+        self._n = 1
+        self._B = B
+        self._C = C
+        self.phase = MIXED
+        self.version += 1
+        return end
+
+    def _remove_waiting(self, admitted: Sequence[Seq]) -> None:
+        ids = {s.id for s in admitted}
+        if len(ids) == len(self.waiting):
+            self.waiting.clear()
+        elif ids:
+            self.waiting = deque(s for s in self.waiting if s.id not in ids)
+        for s in admitted:
+            self.reserved_blocks -= blocks_for(s.prompt_tokens + s.gen_saved, self.block_size)
+
+    def _start_decode(self, now: float) -> float | None:
+        """Plan a decode segment; preempts one victim and returns None if none fits."""
+        B = len(self.running)
+        D = self.steps
+        C, n_exh = self._growth()
         if n_exh == 0:
             self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
             return None
@@ -366,26 +451,9 @@ class Instance:
         done: list[Seq] = []
         if self.phase == PREFILL:
             for s in self._prefill:
-                kv = s.prompt_tokens + s.gen_saved
-                gen = s.gen_saved + 1
-                rec = s.record
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
-                if gen >= s.output_tokens:
-                    self.used -= blocks_for(kv, bs)
-                    s.gen_saved = gen
-                    done.append(s)
-                    continue
-                base = kv - self.steps
-                s.base = base
-                s.running = True
-                s.finish_step = self.steps + (s.output_tokens - gen)
-                self.running[s.id] = s
-                self._hist[base % bs] += 1
-                self._sum_base += base
-                heapq.heappush(self._fheap, (s.finish_step, s.id))
+                self._prefilled(s, now, done)
             self._prefill = []
-        elif self.phase == DECODE:
+        elif self.phase >= DECODE:
             n = self._n
             self.used += self._grown(n - 1)
             self.steps += n
@@ -406,12 +474,41 @@ class Instance:
                 self._sum_base -= s.base
                 self.used -= blocks_for(kv, bs)
                 done.append(s)
+            if self.phase == MIXED:
+                for s, n in self._chunks:
+                    s.prefilled += n
+                    if s.prefilled == s.prompt_tokens + s.gen_saved:
+                        self._prefilling.remove(s)
+                        self._prefilled(s, now, done)
+                self._chunks = []
         self.phase = IDLE
         for s in done:
             s.record.finish_s = now
             s.record.generated = s.output_tokens
             s.record.status = "finished"
         return done
+
+    def _prefilled(self, s: Seq, now: float, done: list[Seq]) -> None:
+        """A (re)prefill of ``s`` completed at ``now``: first token, then run or finish."""
+        bs = self.block_size
+        kv = s.prompt_tokens + s.gen_saved
+        gen = s.gen_saved + 1
+        rec = s.record
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        if gen >= s.output_tokens:
+            self.used -= blocks_for(kv, bs)
+            s.gen_saved = gen
+            done.append(s)
+            return
+        base = kv - self.steps
+        s.base = base
+        s.running = True
+        s.finish_step = self.steps + (s.output_tokens - gen)
+        self.running[s.id] = s
+        self._hist[base % bs] += 1
+        self._sum_base += base
+        heapq.heappush(self._fheap, (s.finish_step, s.id))
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
@@ -421,6 +518,7 @@ class Instance:
         pre_blocks = sum(blocks_for(s.prefill_tokens, bs) for s in self._prefill)
         if self.phase == PREFILL:
             kv_blocks += pre_blocks
+        kv_blocks += sum(blocks_for(s.prefill_tokens, bs) for s in self._prefilling)
         assert self.used == kv_blocks, (self.id, self.used, kv_blocks)
         assert 0 <= self.used_blocks <= self.total_blocks, (self.id, self.used_blocks)
         assert self.reserved_blocks == sum(
@@ -430,7 +528,7 @@ class Instance:
         assert self._sum_base == sum(s.base for s in self.running.values())
         ids_w = {s.id for s in self.waiting}
         ids_r = set(self.running)
-        ids_p = {s.id for s in self._prefill}
+        ids_p = {s.id for s in self._prefill} | {s.id for s in self._prefilling}
         assert len(ids_w) == len(self.waiting)
         assert not (ids_w & ids_r) and not (ids_w & ids_p) and not (ids_r & ids_p)
         for s in self.running.values():

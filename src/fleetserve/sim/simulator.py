@@ -34,6 +34,7 @@ from fleetserve.policy import (
     BATCHING,
     DISPATCH,
     MEMORY,
+    MIGRATION,
     PLACEMENT,
     ActivateGpu,
     Dispatch,
@@ -53,6 +54,52 @@ logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[float, int, int], None]
 """Called as ``progress(sim_time_s, events, requests_done)``."""
+
+
+def resolve_policies(config: SimConfig) -> dict[str, str]:
+    """The policy name of every family (stack choices, then per-family overrides),
+    each checked against its registry.
+
+    Raises:
+        UnknownNameError: an unknown stack or policy name (with suggestions).
+        ConfigError: a policy the simulator cannot run yet.
+    """
+    pol = config.policy
+    stack = get_stack(pol.stack)
+    names = {
+        "stack": stack.name,
+        "dispatch": pol.dispatch or stack.dispatch,
+        "batching": pol.batching or stack.batching,
+        "migration": pol.migration or stack.migration,
+        "placement": pol.placement or stack.placement,
+        "memory": pol.memory or stack.memory or ("elastic" if config.cluster.elastic else "static"),
+    }
+    for fam, registry in (
+        ("dispatch", DISPATCH),
+        ("batching", BATCHING),
+        ("migration", MIGRATION),
+        ("placement", PLACEMENT),
+        ("memory", MEMORY),
+    ):
+        registry.get(names[fam])
+    if names["migration"] != "none":
+        raise ConfigError(
+            f"migration policy {names['migration']!r} is not available in the simulator yet"
+        )
+    return names
+
+
+def preflight(config: SimConfig) -> None:
+    """Check names and that every configured model fits, before any work is done.
+
+    Raises:
+        FleetserveError: the first problem found, as one clear line.
+    """
+    resolve_policies(config)
+    gpu = get_gpu(config.cluster.gpu)
+    cl = config.cluster
+    for m in {config.model, *(config.workload.models or ())}:
+        kv_capacity_blocks(get_model(m), gpu, cl.tp, cl.mem_util, cl.block_size)
 
 
 class Simulator:
@@ -98,21 +145,7 @@ class Simulator:
 
         cl = config.cluster
         self.gpu = get_gpu(cl.gpu)
-        pol = config.policy
-        stack = get_stack(pol.stack)
-        self.policy_names = {
-            "stack": stack.name,
-            "dispatch": pol.dispatch or stack.dispatch,
-            "batching": pol.batching or stack.batching,
-            "migration": pol.migration or stack.migration,
-            "placement": pol.placement or stack.placement,
-            "memory": pol.memory or stack.memory or ("elastic" if cl.elastic else "static"),
-        }
-        if self.policy_names["migration"] != "none":
-            raise ConfigError(
-                f"migration policy {self.policy_names['migration']!r} is not available in the "
-                "simulator yet (only 'none')"
-            )
+        self.policy_names = resolve_policies(config)
         self.dispatcher = DISPATCH.get(self.policy_names["dispatch"])()
         self.batching_cls: type[BatchingPolicy] = BATCHING.get(self.policy_names["batching"])
         self.memory = MEMORY.get(self.policy_names["memory"])()
@@ -180,6 +213,7 @@ class Simulator:
             max_batched_tokens=eng.max_batched_tokens,
             watermark=eng.watermark,
             macro_steps=self.cfg.macro_steps,
+            chunked_prefill=eng.chunked_prefill,
         )
         self._next_iid += 1
         self.instances[inst.id] = inst
@@ -308,7 +342,7 @@ class Simulator:
             cap += inst.total_blocks * bb
             demand += (u + inst.reserved_blocks) * bb
             queued += len(inst.waiting)
-            running += len(inst.running) + len(inst._prefill)
+            running += len(inst.running) + len(inst._prefill) + len(inst._prefilling)
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 
     # -------------------------------------------------------------- results
@@ -330,7 +364,7 @@ class Simulator:
             kv_per_gpu = self.blocks[m] * self.cfg.cluster.block_size * spec.kv_bytes_per_token
             kv_per_gpu //= self.cfg.cluster.tp
         cfg: dict[str, Any] = self.cfg.to_dict()
-        cfg["resolved_policies"] = dict(self.policy_names)
+        cfg["policy"] = dict(self.policy_names)  # resolved, and still a valid config
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,
@@ -354,7 +388,7 @@ class Simulator:
             for where, seqs in (
                 ("waiting", list(inst.waiting)),
                 ("running", list(inst.running.values())),
-                ("prefill", inst._prefill),
+                ("prefill", inst._prefill + inst._prefilling),
             ):
                 for s in seqs:
                     assert s.id not in seen, f"request {s.id} in {seen[s.id]} and {where}"
