@@ -151,30 +151,6 @@ def _summary_table(summary: dict[str, Any], title: str) -> Table:
     return t
 
 
-_COMPACT = (
-    ("stack", "stack", "{}"),
-    ("gpus_peak", "GPUs\npeak", "{}"),
-    ("gpus_mean", "GPUs\nmean", "{:.1f}"),
-    ("gpus_lower_bound", "GPUs\nLB", "{}"),
-    ("rejected", "rej.", "{}"),
-    ("ttft_p99_s", "TTFT\np99 s", "{:.2f}"),
-    ("tpot_p99_s", "TPOT\np99 s", "{:.3f}"),
-    ("e2e_p99_s", "e2e\np99 s", "{:.1f}"),
-    ("normalized_latency", "norm.\nlat.", "{:.2f}"),
-    ("kv_util_mean", "KV\nutil", "{:.0%}"),
-)
-
-
-def _compare_table(rows: Sequence[dict[str, Any]], title: str) -> Table:
-    """The key comparison columns, narrow enough for an 80-column terminal."""
-    t = Table(title=title)
-    for key, head, _ in _COMPACT:
-        t.add_column(head, justify="left" if key == "stack" else "right", no_wrap=True)
-    for r in rows:
-        t.add_row(*["-" if r.get(k) is None else f.format(r[k]) for k, _, f in _COMPACT])
-    return t
-
-
 def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
     data, base = _config_dict(args)
     cfg = config_from_dict(data, args.config)
@@ -190,7 +166,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> int:
-    from fleetserve.metrics import comparison_rows, write_comparison
+    from fleetserve.metrics import comparison_rows, comparison_table, write_comparison
 
     stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
     if not stacks:
@@ -210,7 +186,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> int:
         named[s] = _run_one(console, cfg, wl, out / s, s, not args.no_progress)
     write_comparison(out, named)
     rows = comparison_rows({s: v[0] for s, v in named.items()})
-    console.print(_compare_table(rows, f"{', '.join(stacks)} — {wl.source}"))
+    console.print(comparison_table(rows, f"{', '.join(stacks)} — {wl.source}"))
     console.print(f"results in [bold]{out}[/] (comparison.md, plots; one folder per stack)")
     return 0
 

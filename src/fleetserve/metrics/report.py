@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 logger = logging.getLogger(__name__)
@@ -159,10 +160,23 @@ COMPACT_COLUMNS: tuple[str, ...] = (
 """The columns that fit an 80-column terminal; the files hold all of them."""
 
 
+def _short(value: Any, key: str) -> str:
+    """Like :func:`fmt`, with 3 significant digits so the terminal table stays narrow."""
+    if isinstance(value, float) and key in ("slo_attainment", "kv_util_mean"):
+        return f"{100.0 * value:.0f}%"
+    if isinstance(value, float) and key != "slo_scale":
+        return f"{value:.3g}"
+    return fmt(value, key)
+
+
 def comparison_table(
     rows: Sequence[Mapping[str, Any]], title: str, columns: Sequence[str] = COMPACT_COLUMNS
 ) -> Table:
     """A :class:`rich.table.Table` of comparison rows for the CLI.
+
+    Headers break onto two lines at their first space, numbers keep 3
+    significant digits and there are no vertical rules, so the default
+    columns fit an 80-column terminal.
 
     Args:
         rows: from :func:`comparison_rows`.
@@ -170,11 +184,12 @@ def comparison_table(
         columns: row keys to show (default: the compact set).
     """
     headers = dict(COLUMNS)
-    table = Table(title=title)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     for k in columns:
-        table.add_column(headers[k], justify="left" if k == "stack" else "right", no_wrap=True)
+        head = headers[k].replace(" ", "\n", 1)
+        table.add_column(head, justify="left" if k == "stack" else "right", no_wrap=True)
     for r in rows:
-        table.add_row(*[fmt(r.get(k), k) for k in columns])
+        table.add_row(*[_short(r.get(k), k) for k in columns])
     return table
 
 

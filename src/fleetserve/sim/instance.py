@@ -252,12 +252,12 @@ class Instance:
         return self.total_blocks - self.used_blocks - self.reserved_blocks - self.watermark_blocks
 
     @property
-    def busy(self) -> bool:
-        return self.phase != IDLE
-
-    @property
     def idle(self) -> bool:
         return self.phase == IDLE and not self.waiting and not self.running
+
+    def prefilling(self) -> list[Seq]:
+        """Requests admitted whose prefill has not completed yet."""
+        return self._prefill + self._prefilling
 
     def _grown(self, j: int) -> int:
         bs = self.block_size

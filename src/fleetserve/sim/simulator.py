@@ -43,7 +43,15 @@ from fleetserve.policy import (
     get_stack,
 )
 from fleetserve.policy.base import BatchingPolicy
-from fleetserve.sim.events import ITER_END, P_ARRIVAL, P_ITER_END, P_SAMPLE, SAMPLE, EventQueue
+from fleetserve.sim.events import (
+    ITER_END,
+    P_ARRIVAL,
+    P_ITER_END,
+    P_SAMPLE,
+    SAMPLE,
+    Event,
+    EventQueue,
+)
 from fleetserve.sim.instance import Instance, Seq, SimClock
 from fleetserve.sim.pool import GpuPool
 from fleetserve.spec import ModelSpec, get_gpu, get_model
@@ -227,7 +235,7 @@ class Simulator:
         reqs = self.requests
         n = len(reqs)
         ev = self.events
-        heap = ev._heap  # read-only peeking in the hot loop
+        heap = ev.heap  # peeked at only
         clock = self.clock
         max_t = self.cfg.max_time_s if self.cfg.max_time_s is not None else float("inf")
         check = self.cfg.check_integrity
@@ -248,17 +256,19 @@ class Simulator:
                     inst, version = payload
                     if inst.version != version or inst.id not in self.instances:
                         continue  # superseded by a truncation
-                    self._on_iteration_end(inst, t)
+                    caused = self._on_iteration_end(inst, t)
                 else:
-                    self._on_sample(t, ai < n)
+                    caused = self._on_sample(t, ai < n)
             elif ai < n:
                 if ta > max_t:
                     break
                 clock.now = t = ta
-                self._on_arrival(reqs[ai], t)
+                caused = self._on_arrival(reqs[ai], t)
                 ai += 1
             else:
                 break
+            for e in caused:
+                ev.push(*e)
             end_s = t
             self.n_events += 1
             if check:
@@ -274,7 +284,7 @@ class Simulator:
         return self._result(end_s, time.perf_counter() - wall0)
 
     # ------------------------------------------------------------- handlers
-    def _on_arrival(self, req: Request, now: float) -> None:
+    def _on_arrival(self, req: Request, now: float) -> list[Event]:
         rec = self.records[req.id]
         need = blocks_for(req.max_kv_tokens, self.cfg.cluster.block_size)
         if need > self.max_req_blocks[req.model]:
@@ -284,11 +294,11 @@ class Simulator:
                 f"needs {req.max_kv_tokens} KV tokens, more than one instance holds "
                 f"({self.max_req_blocks[req.model] * bs})",
             )
-            return
+            return []
         action = self.dispatcher.dispatch(self.state, req, now, self.rng)
         if isinstance(action, Reject):
             self._reject(rec, action.reason)
-            return
+            return []
         if isinstance(action, ActivateGpu):
             if action.model != req.model or action.request_id != req.id:
                 raise RuntimeError(f"dispatch returned {action} for request {req.id}")
@@ -301,23 +311,23 @@ class Simulator:
             raise RuntimeError(f"unexpected dispatch action {action!r}")
         rec.instance = inst.id
         end = inst.enqueue(Seq(req, rec), now)
-        if end is not None:
-            self.events.push(end, P_ITER_END, ITER_END, (inst, inst.version))
+        return [] if end is None else [(end, P_ITER_END, ITER_END, (inst, inst.version))]
 
     def _reject(self, rec: RequestRecord, reason: str) -> None:
         rec.status = "rejected"
         rec.reason = reason
         self.n_done += 1
 
-    def _on_iteration_end(self, inst: Instance, now: float) -> None:
+    def _on_iteration_end(self, inst: Instance, now: float) -> list[Event]:
         done = inst.complete(now)
         self.n_done += len(done)
         end = inst.schedule(now)
         if end is not None:
-            self.events.push(end, P_ITER_END, ITER_END, (inst, inst.version))
-        elif inst.idle:
+            return [(end, P_ITER_END, ITER_END, (inst, inst.version))]
+        if inst.idle:
             for action in self.memory.on_idle(self.state, inst, now):
                 self._apply_release(action, now)
+        return []
 
     def _apply_release(self, action: ReleaseGpu, now: float) -> None:
         inst = self.instances[action.instance_id]
@@ -327,10 +337,11 @@ class Simulator:
         self.state.remove(inst.id)
         self.pool.release(inst.gpus, now)
 
-    def _on_sample(self, now: float, arrivals_left: bool) -> None:
+    def _on_sample(self, now: float, arrivals_left: bool) -> list[Event]:
         self._sample(now)
         if arrivals_left or any(not i.idle for i in self.instances.values()):
-            self.events.push(now + self.cfg.sample_interval_s, P_SAMPLE, SAMPLE, None)
+            return [(now + self.cfg.sample_interval_s, P_SAMPLE, SAMPLE, None)]
+        return []
 
     def _sample(self, now: float) -> None:
         used = cap = demand = queued = running = 0
@@ -342,7 +353,7 @@ class Simulator:
             cap += inst.total_blocks * bb
             demand += (u + inst.reserved_blocks) * bb
             queued += len(inst.waiting)
-            running += len(inst.running) + len(inst._prefill) + len(inst._prefilling)
+            running += len(inst.running) + len(inst.prefilling())
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 
     # -------------------------------------------------------------- results
@@ -388,7 +399,7 @@ class Simulator:
             for where, seqs in (
                 ("waiting", list(inst.waiting)),
                 ("running", list(inst.running.values())),
-                ("prefill", inst._prefill + inst._prefilling),
+                ("prefill", inst.prefilling()),
             ):
                 for s in seqs:
                     assert s.id not in seen, f"request {s.id} in {seen[s.id]} and {where}"
