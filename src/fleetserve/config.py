@@ -170,6 +170,81 @@ class PolicyConfig:
     memory: str | None = None
 
 
+MECHANISMS: tuple[str, ...] = ("kv", "token", "adaptive")
+"""Migration mechanisms: live KV transfer, token re-prefill, Mell's adaptive hybrid."""
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How migrations are carried out, and the scheduling epoch.
+
+    Attributes:
+        mechanism: ``kv`` (Llumnix live KV transfer), ``token`` (send token
+            ids, re-prefill at the destination) or ``adaptive`` (Mell §V: per
+            epoch, a global two-bin packing of pending moves into KV and token
+            transfers within the boundaries below). None: the stack's choice.
+        epoch_s: scheduling epoch — how often the migration policy plans
+            (Mell's Algorithm 1, Llumnix's pairing) and the adaptive mechanism
+            packs.
+        link_share: Mell's communication boundary — the fraction of each
+            link's ``bandwidth x epoch_s`` that migrations may use per epoch.
+        compute_share: Mell's computation boundary — the fraction of each
+            instance's epoch that re-prefills of migrated requests may take.
+        max_stages: live KV transfer: copy stages (while the request keeps
+            decoding) before the final stop-and-copy is forced.
+        final_blocks: live KV transfer: stop and copy once at most this many
+            blocks are left to send.
+    """
+
+    mechanism: str | None = None
+    epoch_s: float = 0.5
+    link_share: float = 0.5
+    compute_share: float = 0.1
+    max_stages: int = 8
+    final_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "epoch_s", "link_share", "compute_share", "max_stages", "final_blocks")
+        if self.mechanism is not None and self.mechanism not in MECHANISMS:
+            raise ConfigError(
+                f"migration.mechanism must be one of {', '.join(MECHANISMS)}, "
+                f"got {self.mechanism!r}"
+            )
+        for name in ("link_share", "compute_share"):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"migration.{name} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class MellConfig:
+    """Mell's online scheduler (stack ``mell``).
+
+    Attributes:
+        batching: request-operation batching (Departs, then Updates, then
+            Allocates per epoch, redundant moves removed); False runs each
+            operation's moves as they come.
+        allocate: ``epoch`` — arrivals wait for the next epoch and are
+            allocated in its batch (Algorithm 1 as written); ``arrival`` —
+            each arrival is allocated at once, its moves join the next epoch.
+        w_requests: weight of a GPU's request count in its priority (fewer is better).
+        w_free: weight of a GPU's free KV fraction in its priority (more is better).
+        w_distance: weight of being on the same node, in GPU-to-GPU priority.
+    """
+
+    batching: bool = True
+    allocate: str = "epoch"
+    w_requests: float = 1.0
+    w_free: float = 1.0
+    w_distance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.allocate not in ("epoch", "arrival"):
+            raise ConfigError(f"mell.allocate must be 'epoch' or 'arrival', got {self.allocate!r}")
+        for name in ("w_requests", "w_free", "w_distance"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"mell.{name} must be >= 0")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs; ``summary.json`` stores it resolved.
@@ -191,6 +266,8 @@ class SimConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    mell: MellConfig = field(default_factory=MellConfig)
     seed: int = 0
     sample_interval_s: float = 1.0
     max_time_s: float | None = None

@@ -35,6 +35,21 @@ class SeqView(Protocol):
     def output_tokens(self) -> int: ...
     @property
     def generated(self) -> int: ...
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV the request holds now (0 while it waits)."""
+        ...
+
+    @property
+    def demand_tokens(self) -> int:
+        """KV tokens it holds, or needs once (re)admitted: ``max(kv_tokens,
+        prompt + generated)`` — Mell's request size ``S_i``."""
+        ...
+
+    @property
+    def migrating(self) -> bool:
+        """Whether a migration of this request is in flight."""
+        ...
 
 
 class InstanceView(Protocol):
@@ -64,6 +79,21 @@ class InstanceView(Protocol):
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
+    @property
+    def decode_steps(self) -> int:
+        """Decode iterations completed as of now (monotone; a running request's
+        KV grows by one token per step)."""
+        ...
+
+    @property
+    def idle(self) -> bool:
+        """No request queued, prefilling, running or migrating in or out."""
+        ...
+
+    def seqs(self) -> list[SeqView]:
+        """Requests on this instance: running, prefilling and waiting (not
+        those whose state is already moving out)."""
+        ...
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -83,6 +113,7 @@ class ClusterState:
             elastic pool's cap).
         elastic: whether the pool may activate and release GPUs.
         model_tp: tensor-parallel degree of each model's instances.
+        gpus_per_node: GPUs per node; GPU ``g`` is on node ``g // gpus_per_node``.
     """
 
     instances: dict[int, InstanceView] = field(default_factory=dict)
@@ -91,6 +122,7 @@ class ClusterState:
     gpus_limit: int = 0
     elastic: bool = False
     model_tp: dict[str, int] = field(default_factory=dict)
+    gpus_per_node: int = 8
 
     def instances_of(self, model: str) -> list[InstanceView]:
         """Active instances serving ``model``, in activation order."""

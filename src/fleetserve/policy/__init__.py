@@ -3,8 +3,16 @@
 Importing this package registers every built-in policy.
 """
 
-from fleetserve.policy import batching, dispatch, memory, migration, placement
-from fleetserve.policy.actions import Action, ActivateGpu, Dispatch, Reject, ReleaseGpu
+from fleetserve.policy import batching, dispatch, mechanism, memory, migration, placement
+from fleetserve.policy.actions import (
+    Action,
+    ActivateGpu,
+    Defer,
+    Dispatch,
+    Migrate,
+    Reject,
+    ReleaseGpu,
+)
 from fleetserve.policy.base import (
     BATCHING,
     DISPATCH,
@@ -18,11 +26,13 @@ from fleetserve.policy.base import (
     MigrationPolicy,
     PlacementPolicy,
 )
+from fleetserve.policy.mechanism import MECHANISM, MechanismContext, MigrationMechanism, PendingMove
 from fleetserve.policy.stacks import STACKS, Stack, get_stack
 
 __all__ = [
     "BATCHING",
     "DISPATCH",
+    "MECHANISM",
     "MEMORY",
     "MIGRATION",
     "PLACEMENT",
@@ -31,10 +41,15 @@ __all__ = [
     "ActivateGpu",
     "AdmissionBudget",
     "BatchingPolicy",
+    "Defer",
     "Dispatch",
     "DispatchPolicy",
+    "MechanismContext",
     "MemoryPolicy",
+    "Migrate",
+    "MigrationMechanism",
     "MigrationPolicy",
+    "PendingMove",
     "PlacementPolicy",
     "Reject",
     "ReleaseGpu",
@@ -42,6 +57,7 @@ __all__ = [
     "batching",
     "dispatch",
     "get_stack",
+    "mechanism",
     "memory",
     "migration",
     "placement",

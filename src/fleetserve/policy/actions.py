@@ -29,12 +29,20 @@ class Reject:
 
 @dataclass(frozen=True, slots=True)
 class ActivateGpu:
-    """Activate ``tp`` idle GPUs, start an instance of ``model`` on them, and
-    dispatch ``request_id`` to it (the elastic pool's "nothing fits" path)."""
+    """Activate ``tp`` idle GPUs and start an instance of ``model`` on them.
+
+    From a dispatch policy, ``request_id`` is dispatched to the new instance
+    (the elastic pool's "nothing fits" path). In a migration policy's plan,
+    ``request_id`` may be None and ``ref`` (a negative number, unique within
+    the plan) names the new instance: later actions of the same plan may use
+    ``ref`` wherever they take an instance id, and the backend then calls
+    ``MigrationPolicy.bind(ref, instance_id)`` with the real id.
+    """
 
     model: str
     tp: int
-    request_id: int
+    request_id: int | None = None
+    ref: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,5 +55,29 @@ class ReleaseGpu:
     instance_id: int
 
 
-DispatchAction = Dispatch | Reject | ActivateGpu
-Action = Dispatch | Reject | ActivateGpu | ReleaseGpu
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """Hold request ``request_id`` at the controller; a later plan of the
+    migration policy dispatches it (Mell allocates arrivals once per epoch)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    """Move request ``request_id`` (wherever it is now) to instance ``dst``.
+
+    ``dst`` is an instance id, or the ``ref`` of an :class:`ActivateGpu`
+    earlier in the same plan. ``mode`` is ``"kv"`` (live KV transfer),
+    ``"token"`` (send token ids, re-prefill at the destination) or None: the
+    configured migration mechanism decides (and may defer the move to a later
+    epoch). Moves of one request are executed in the order they were planned.
+    """
+
+    request_id: int
+    dst: int
+    mode: str | None = None
+
+
+DispatchAction = Dispatch | Reject | ActivateGpu | Defer
+Action = Dispatch | Reject | ActivateGpu | ReleaseGpu | Defer | Migrate

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from fleetserve.policy.actions import DispatchAction, ReleaseGpu
 from fleetserve.policy.registry import Registry
 from fleetserve.workload.request import Request
 
+if TYPE_CHECKING:
+    from fleetserve.config import SimConfig
+
 
 class DispatchPolicy(ABC):
     """Chooses the instance for each arriving request (or activates one, or rejects)."""
@@ -25,6 +28,11 @@ class DispatchPolicy(ABC):
     def __init__(self, **params: Any) -> None:
         if params:
             raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Self:
+        """An instance with the parameters ``config`` sets for it (default: none)."""
+        return cls()
 
     @abstractmethod
     def dispatch(
@@ -67,6 +75,11 @@ class BatchingPolicy(ABC):
         if params:
             raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
 
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Self:
+        """An instance with the parameters ``config`` sets for it (default: none)."""
+        return cls()
+
     @abstractmethod
     def admit(
         self, inst: InstanceView, waiting: Sequence[SeqView], budget: AdmissionBudget
@@ -85,6 +98,11 @@ class MemoryPolicy(ABC):
         if params:
             raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
 
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Self:
+        """An instance with the parameters ``config`` sets for it (default: none)."""
+        return cls()
+
     @abstractmethod
     def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
         """Called when ``inst`` has just become idle (no running or waiting request)."""
@@ -96,6 +114,11 @@ class PlacementPolicy(ABC):
     def __init__(self, **params: Any) -> None:
         if params:
             raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
+
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Self:
+        """An instance with the parameters ``config`` sets for it (default: none)."""
+        return cls()
 
     @abstractmethod
     def place(self, rates: dict[str, float], n_gpus: int, tp: dict[str, int]) -> list[str]:
@@ -109,10 +132,17 @@ class PlacementPolicy(ABC):
 
 
 class MigrationPolicy(ABC):
-    """Periodic re-balancing of running requests between instances.
+    """Periodic re-planning of where running requests live (Llumnix, Mell).
+
+    The backend calls :meth:`plan` every ``interval_s`` seconds of its clock
+    (one scheduling *epoch*) and applies the returned actions in order:
+    ``ActivateGpu`` (with a ``ref``), ``Dispatch`` (of requests a dispatch
+    policy deferred), ``Migrate`` and ``ReleaseGpu``. Moves are handed to the
+    migration mechanism, which decides KV or token transfer (unless the
+    action fixes it) and may postpone a move to a later epoch.
 
     Attributes:
-        interval_s: how often the backend calls :meth:`plan`; None never.
+        interval_s: epoch length in seconds; None: :meth:`plan` is never called.
     """
 
     interval_s: float | None = None
@@ -121,9 +151,26 @@ class MigrationPolicy(ABC):
         if params:
             raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
 
+    @classmethod
+    def from_config(cls, config: SimConfig) -> Self:
+        """An instance with the parameters ``config`` sets for it (default: none)."""
+        return cls()
+
     @abstractmethod
     def plan(self, state: ClusterState, now: float, rng: np.random.Generator) -> list[Any]:
-        """Migration actions to start now."""
+        """Actions to apply now (see the class docstring)."""
+
+    def attach(self, dispatcher: DispatchPolicy) -> None:  # noqa: B027 - optional hook
+        """Called once with the run's dispatch policy (Mell shares its packer)."""
+
+    def bind(self, ref: int, instance_id: int) -> None:  # noqa: B027 - optional hook
+        """The instance started for ``ActivateGpu(ref=ref)`` got ``instance_id``."""
+
+    def on_finish(self, request_id: int, instance_id: int, now: float) -> None:  # noqa: B027
+        """Request ``request_id`` finished on ``instance_id`` (Mell's Depart)."""
+
+    def on_release(self, instance_id: int, now: float) -> None:  # noqa: B027
+        """Instance ``instance_id`` was released by the backend."""
 
 
 DISPATCH: Registry[DispatchPolicy] = Registry("dispatch")

@@ -24,3 +24,13 @@ class Static(MemoryPolicy):
 
     def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
         return []
+
+
+@MEMORY.register("planned")
+class Planned(MemoryPolicy):
+    """An elastic pool whose migration policy releases GPUs in its plan (Mell
+    terminates GPUs that hold no request at the end of each epoch), so
+    nothing is released when an instance merely becomes idle."""
+
+    def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
+        return []

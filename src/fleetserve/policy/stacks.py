@@ -23,6 +23,7 @@ class Stack:
     migration: str = "none"
     placement: str = "dedicated"
     memory: str | None = None
+    mechanism: str = "kv"
 
 
 STACKS: dict[str, Stack] = {
