@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,21 +98,15 @@ def _config_dict(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None]
 def _run_one(
     console: Console, cfg: SimConfig, wl: Workload, out: Path, label: str, show: bool
 ) -> tuple[dict[str, Any], Any]:
-    from fleetserve.metrics import summarize, write_run
-    from fleetserve.sim.simulator import Simulator
+    from fleetserve.experiments.runner import simulate_and_write
 
     from .progress import sim_progress
 
     horizon = wl.requests[-1].arrival_s if wl.requests else 0.0
     if show:
         with sim_progress(console, label, horizon, len(wl.requests)) as cb:
-            result = Simulator(cfg, wl.requests, notes=wl.notes, progress=cb).run()
-    else:
-        result = Simulator(cfg, wl.requests, notes=wl.notes).run()
-    summary = summarize(result, cfg.slo_scales)
-    summary["workload"] = {"source": wl.source, "requests": len(wl.requests)}
-    write_run(out, result, summary)
-    return summary, result
+            return simulate_and_write(cfg, wl, out, cb)
+    return simulate_and_write(cfg, wl, out)
 
 
 def _summary_table(summary: dict[str, Any], title: str) -> Table:
@@ -205,6 +201,100 @@ def cmd_trace_inspect(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+def _reproduce_table(report: dict[str, Any]) -> Table:
+    """Peak GPUs per hardware, workload and stack, from ``results.json`` content."""
+    stacks = [s["label"] for s in report["stacks"]]
+    peak = {(r["hardware"], r["workload"], r["stack"]): r["gpus_peak"] for r in report["runs"]}
+    t = Table(title="Peak GPUs (Mell Fig. 11); — = not run")
+    t.add_column("hardware")
+    t.add_column("workload")
+    for s in stacks:
+        t.add_column(s, justify="right")
+    for hw in report["hardware"]:
+        for wl in report["workloads"]:
+            cells = [peak.get((hw["name"], wl["name"], s)) for s in stacks]
+            t.add_row(hw["label"], wl["label"], *("—" if c is None else str(c) for c in cells))
+    return t
+
+
+def _claims_table(report: dict[str, Any]) -> Table:
+    t = Table(title="What the paper reports vs what we measured")
+    for col in ("claim", "paper", "measured", "reproduces?"):
+        t.add_column(col)
+    for c in report["claims"]:
+        t.add_row(c["claim"], c["paper"], c["measured"], c["reproduces"])
+    return t
+
+
+def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
+    from fleetserve.experiments import check_experiment
+
+    check_experiment(args.experiment)
+    from fleetserve.experiments.mell import Mode, plan_mell
+    from fleetserve.experiments.mell_report import write_report
+    from fleetserve.experiments.progress import grid_progress
+    from fleetserve.experiments.runner import run_grid
+
+    if not args.scale > 0:
+        raise FleetserveError(f"--scale must be positive, got {args.scale}")
+    jobs = args.jobs if args.jobs is not None else _default_jobs()
+    if jobs < 1:
+        raise FleetserveError(f"--jobs must be at least 1, got {jobs}")
+    stacks = None
+    if args.stacks is not None:
+        stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
+    out = Path(args.out)
+    wall: float | None = None
+    failed: list[Any] = []
+    if args.report_only:
+        if not (out / "runs").is_dir():
+            raise FleetserveError(
+                f"{out}: no runs/ folder to report on (run without --report-only)"
+            )
+    else:
+        specs = plan_mell(out, mode, stacks)
+        console.print(
+            f"mell ({mode.name}): {len(specs)} runs, arrivals in the first "
+            f"{mode.window_s:g} s of each workload, {jobs} jobs"
+        )
+        t0 = time.perf_counter()
+        if args.no_progress:
+            outcomes = run_grid(specs, jobs)
+        else:
+            with grid_progress(console, len(specs)) as listener:
+                outcomes = run_grid(specs, jobs, listener)
+        wall = time.perf_counter() - t0
+        failed = [o for o in outcomes if o.error is not None]
+    files, report = write_report(out, mode, wall_s=wall, jobs=jobs)
+    console.print(_reproduce_table(report))
+    console.print(_claims_table(report))
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    took = f" in {wall:.1f} s" if wall is not None else ""
+    console.print(
+        f"{report['mode']['name']} run{took}; results in [bold]{out}[/] "
+        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
+    )
+    if failed:
+        err = Console(stderr=True)
+        for o in failed:
+            err.print(
+                f"[bold red]failed:[/] {o.key}: {o.error} (see {o.out_dir / 'error.txt'})",
+                highlight=False,
+                soft_wrap=True,
+            )
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -225,6 +315,27 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--stacks", required=True, help="comma-separated stacks, e.g. bf,wf,vllm")
     _add_sim_flags(cmp_)
     cmp_.set_defaults(func=cmd_compare)
+
+    rep = sub.add_parser("reproduce", help="re-run a paper's headline experiment")
+    rep.add_argument("experiment", help="experiment name: mell")
+    rep.add_argument("--quick", action="store_true", help="reduced run (10-minute windows)")
+    rep.add_argument("--out", required=True, help="output folder")
+    rep.add_argument("--jobs", type=int, help="parallel simulations (default: CPU count)")
+    rep.add_argument(
+        "--stacks",
+        help="comma-separated subset, e.g. bf,wf (default: bf,wf,llumnix,mell,mell-nobatch)",
+    )
+    rep.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
+    rep.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild table.md, results and figures from OUT/runs without simulating "
+        "(give --quick if the runs were quick)",
+    )
+    rep.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # Test-only: multiply the arrival windows (e.g. 0.02 for a seconds-long smoke run).
+    rep.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
+    rep.set_defaults(func=cmd_reproduce)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)

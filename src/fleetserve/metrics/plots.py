@@ -320,3 +320,174 @@ def plot_compare_bars(named_summaries: Mapping[str, Mapping[str, Any]], path: st
         if not names:
             _no_data(ax)
     return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- experiment grids
+
+
+def _series_order(
+    panels: Mapping[str, Mapping[str, Mapping[str, Any]]], series: Sequence[str] | None
+) -> list[str]:
+    """``series`` (when given) else every series name in first-seen order."""
+    if series is not None:
+        return list(series)
+    seen: dict[str, None] = {}
+    for groups in panels.values():
+        for values in groups.values():
+            seen.update(dict.fromkeys(values))
+    return list(seen)
+
+
+def plot_grouped_bars(
+    panels: Mapping[str, Mapping[str, Mapping[str, float | None]]],
+    path: str | Path,
+    *,
+    title: str,
+    ylabel: str,
+    series: Sequence[str] | None = None,
+    value_fmt: str = ".3g",
+    scale: float = 1.0,
+    markers: Mapping[str, Mapping[str, float | None]] | None = None,
+    marker_label: str = "lower bound",
+) -> Path:
+    """Grouped bar charts, one panel per key of ``panels`` side by side.
+
+    ``panels[panel][group][series]`` is a bar's value; groups are the x ticks,
+    series the bars within a group (one colour per series, the same in every
+    panel). A series whose values are all missing (None or absent) is not drawn
+    and not in the legend, but keeps its colour slot, so colours stay the same
+    between figures drawn with the same ``series`` order.
+
+    Args:
+        panels: values by panel, group and series.
+        path: PNG file to write (parent folders are created).
+        title: figure title.
+        ylabel: y-axis label of every panel.
+        series: series order (and colours); default: first-seen order.
+        value_fmt: format spec of the value printed above each bar.
+        scale: multiplier applied to every value (e.g. 100 for percent).
+        markers: optional ``markers[panel][group]`` value drawn as a dashed
+            black line across the group (e.g. a lower bound).
+        marker_label: legend label of the markers.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    order = _series_order(panels, series)
+    drawn = [
+        s
+        for s in order
+        if any(vals.get(s) is not None for groups in panels.values() for vals in groups.values())
+    ]
+    n_groups = max((len(g) for g in panels.values()), default=1)
+    width_in = min(8.0, max(5.0, 1.0 + n_groups * (0.3 * max(len(drawn), 1) + 0.4)))
+    fig = Figure(figsize=(width_in * max(len(panels), 1), 4.8), layout="constrained")
+    fig.suptitle(title)
+    axes = fig.subplots(1, max(len(panels), 1), squeeze=False)[0]
+    bar_w = 0.8 / max(len(drawn), 1)
+    for ax, (ptitle, groups) in zip(axes, panels.items(), strict=False):
+        names = list(groups)
+        x = np.arange(len(names), dtype=float)
+        for j, s in enumerate(drawn):
+            vals = [groups[g].get(s) for g in names]
+            xs = x - 0.4 + bar_w * (j + 0.5)
+            heights = [0.0 if v is None else v * scale for v in vals]
+            bars = ax.bar(
+                xs, heights, bar_w, label=s, color=f"C{order.index(s) % 10}", edgecolor="white"
+            )
+            labels = ["" if v is None else format(v * scale, value_fmt) for v in vals]
+            ax.bar_label(bars, labels=labels, fontsize="x-small", padding=1)
+        if markers is not None:
+            first = True
+            for xi, g in zip(x, names, strict=True):
+                m = markers.get(ptitle, {}).get(g)
+                if m is None:
+                    continue
+                ax.hlines(
+                    m * scale,
+                    xi - 0.45,
+                    xi + 0.45,
+                    colors="black",
+                    linestyles="--",
+                    label=marker_label if first else None,
+                    zorder=3,
+                )
+                first = False
+        ax.set_title(ptitle)
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(x, names)
+        ax.margins(y=0.15)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, axis="y", alpha=0.3)
+        if not drawn or not names:
+            _no_data(ax)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(handles))
+    return _save(fig, path)
+
+
+def plot_line_panels(
+    panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+    path: str | Path,
+    *,
+    title: str,
+    ylabel: str,
+    series: Sequence[str] | None = None,
+    step: bool = True,
+    integer: bool = True,
+) -> Path:
+    """Lines over time, one panel per key of ``panels`` (stacked vertically).
+
+    ``panels[panel][series] = (times_s, values)``; each series keeps one colour
+    in every panel (by its place in ``series``). Long series are reduced to
+    :data:`MAX_POINTS` points, keeping per-chunk maxima so peaks stay visible.
+
+    Args:
+        panels: ``(times, values)`` by panel and series.
+        path: PNG file to write (parent folders are created).
+        title: figure title.
+        ylabel: y-axis label of every panel.
+        series: series order (and colours); default: first-seen order.
+        step: draw steps (``where="post"``) instead of straight segments.
+        integer: integer ticks on the y axis.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    order = (
+        list(series)
+        if series is not None
+        else list(dict.fromkeys(s for lines in panels.values() for s in lines))
+    )
+    span = max(
+        (float(t[-1]) for lines in panels.values() for t, _ in lines.values() if len(t)),
+        default=0.0,
+    )
+    unit, div = _time_unit(span)
+    n = max(len(panels), 1)
+    fig = Figure(figsize=(10, 3.2 * n + 0.6), layout="constrained")
+    fig.suptitle(title)
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    for ax, (ptitle, lines) in zip(axes, panels.items(), strict=False):
+        for name, (t, y) in lines.items():
+            if not len(t):
+                continue
+            tt, yy = _downsample(np.asarray(t, dtype=float), np.asarray(y, dtype=float), how="max")
+            color = f"C{order.index(name) % 10}" if name in order else None
+            if step:
+                ax.step(tt / div, yy, where="post", label=name, color=color)
+            else:
+                ax.plot(tt / div, yy, label=name, color=color)
+        ax.set_title(ptitle)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if integer:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.get_lines():
+            ax.legend(loc="upper right", fontsize="small")
+            ax.set_ylim(bottom=0)
+        else:
+            _no_data(ax)
+    axes[-1].set_xlabel(f"time ({unit})")
+    return _save(fig, path)

@@ -29,7 +29,13 @@ class RequestRecord:
             denominator of normalized latency and of SLO scales.
         instance: instance that finished it (last one, after migrations).
         preemptions: times it was preempted (recompute).
-        migrations: times it was migrated.
+        migrations: times it was migrated (completed moves).
+        migration_stall_s: time its decoding stood still because of
+            migrations, summed: a KV move's detach → attach at the
+            destination; a token move's detach → its next token (queueing
+            and re-prefill at the destination included).
+        aborted_migrations: moves of it that were planned or started but
+            aborted (see ``fleetserve.sim.migration``).
     """
 
     id: int
@@ -46,6 +52,8 @@ class RequestRecord:
     instance: int | None = None
     preemptions: int = 0
     migrations: int = 0
+    migration_stall_s: float = 0.0
+    aborted_migrations: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -67,7 +75,15 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class MigrationRecord:
-    """One completed migration of a request's state between instances."""
+    """One completed migration of a request's state between instances.
+
+    Attributes:
+        time_s: when it completed (the request joined the destination).
+        request_id, src, dst: the request and the two instances.
+        mode: ``kv`` or ``token``.
+        bytes: bytes sent, all stages (all tensor-parallel shards together).
+        stages: live KV copy stages before the stop-and-copy (0 for token moves).
+    """
 
     time_s: float
     request_id: int
@@ -75,6 +91,7 @@ class MigrationRecord:
     dst: int
     mode: str  # "kv" | "token" | ...
     bytes: int
+    stages: int = 0
 
 
 @dataclass(slots=True)
@@ -141,6 +158,8 @@ class RunResult:
         sim_wall_s: wall-clock seconds the simulation took (sim only).
         sim_events: events processed (sim only).
         notes: human-readable remarks to surface in the report (e.g. length caps).
+        aborted_migrations: migrations planned or started but aborted (not in
+            ``migrations``).
     """
 
     records: list[RequestRecord]
@@ -153,3 +172,4 @@ class RunResult:
     sim_wall_s: float | None = None
     sim_events: int | None = None
     notes: list[str] = field(default_factory=list)
+    aborted_migrations: int = 0

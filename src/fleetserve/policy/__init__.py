@@ -3,7 +3,7 @@
 Importing this package registers every built-in policy.
 """
 
-from fleetserve.policy import batching, dispatch, mechanism, memory, migration, placement
+from fleetserve.policy import batching, dispatch, llumnix, mechanism, memory, migration, placement
 from fleetserve.policy.actions import (
     Action,
     ActivateGpu,
@@ -57,6 +57,7 @@ __all__ = [
     "batching",
     "dispatch",
     "get_stack",
+    "llumnix",
     "mechanism",
     "memory",
     "migration",

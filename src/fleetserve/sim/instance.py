@@ -47,6 +47,30 @@ admitted ones. A prompt's blocks are allocated in full when it is admitted
 (vLLM v0 allocates per chunk; allocating up front keeps admission a single
 check and never preempts a half-prefilled prompt). Mixed iterations run one
 at a time; pure decode stretches in between are still macro-stepped.
+
+"As of now" views. Policies read an instance between its iteration ends, so
+the view members are lazy: ``k = searchsorted(ends, now, "right")``
+iterations of the segment in flight are complete, iteration ``k`` is in
+flight. ``decode_steps = steps + k``; a running request's ``kv_tokens =
+base + steps + k + 1`` counts the token iteration ``k`` is caching (its block
+is allocated when the iteration starts, as ``used_blocks`` counts it), and
+``generated = base + steps + k - prompt + 1``. These equal what an
+iteration-by-iteration run shows at the same instant, so policies decide
+the same with or without macro-steps.
+
+Migration support (driven by :mod:`fleetserve.sim.migration`). Every change
+of an instance's batch, queue or memory happens either at an iteration
+boundary (``detach``, ``attach``: between :meth:`Instance.complete` and
+:meth:`Instance.schedule`) or mid-segment followed by :meth:`Instance.truncate`
+(``reserve``, ``unreserve``, ``release_held``, ``remove_waiting``,
+``enqueue``), which ends the segment at the iteration in flight, so the next
+boundary re-plans exactly where an iteration-by-iteration run would.
+Blocks of migrations are part of ``used``::
+
+    used = Σ blocks of running and prefilling requests
+         + mig_in    (blocks reserved on a destination for KV being copied in)
+         + mig_out   (blocks a source still holds for a detached request whose
+                      final copy is in flight)
 """
 
 from __future__ import annotations
@@ -62,8 +86,10 @@ from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
 
 if TYPE_CHECKING:
+    from fleetserve.cluster.state import SeqView
     from fleetserve.costmodel import InstanceCost
     from fleetserve.metrics.records import RequestRecord
+    from fleetserve.sim.migration import MigrationTask
     from fleetserve.workload.request import Request
 
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
@@ -87,13 +113,16 @@ class Seq:
         "finish_step",
         "gen_saved",
         "id",
+        "in_prefill",
         "inst",
+        "mig",
         "model",
         "output_tokens",
         "prefilled",
         "prompt_tokens",
         "record",
         "running",
+        "stall_from",
     )
 
     def __init__(self, req: Request, record: RequestRecord) -> None:
@@ -109,13 +138,46 @@ class Seq:
         self.base = 0  # kv = base + inst.steps while running
         self.finish_step = 0  # inst.steps at which it finishes, while running
         self.prefilled = 0  # tokens of the current (re)prefill done (chunked prefill)
+        self.in_prefill = False  # admitted, (re)prefill not completed
+        self.mig: MigrationTask | None = None  # the migration in flight, if any
+        self.stall_from: float | None = None  # token move: detach time, until next token
 
     @property
     def generated(self) -> int:
-        """Output tokens generated so far (as of the last iteration boundary)."""
-        if self.running and self.inst is not None:
-            return self.base + self.inst.steps - self.prompt_tokens + 1
+        """Output tokens generated so far, as of ``clock.now``."""
+        inst = self.inst
+        if self.running and inst is not None:
+            return self.base + inst.decode_steps - self.prompt_tokens + 1
         return self.gen_saved
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens held as of ``clock.now`` (see the module docstring).
+
+        Running: ``base + steps`` plus the in-flight iteration's token, the
+        count ``used_blocks`` allocates for; (re)prefilling: the whole
+        prompt + generated (allocated at admission); detached for a KV
+        migration's final copy: the KV being copied; waiting, in transit: 0.
+        """
+        inst = self.inst
+        if self.running and inst is not None:
+            return self.base + inst.kv_steps()
+        if self.in_prefill:
+            return self.prompt_tokens + self.gen_saved
+        mig = self.mig
+        if mig is not None:
+            return mig.held_tokens
+        return 0
+
+    @property
+    def demand_tokens(self) -> int:
+        """``max(kv_tokens, prompt + generated)`` (Mell's request size)."""
+        return max(self.kv_tokens, self.prompt_tokens + self.generated)
+
+    @property
+    def migrating(self) -> bool:
+        """Whether a migration of this request is in flight."""
+        return self.mig is not None
 
     @property
     def prefill_tokens(self) -> int:
@@ -223,6 +285,10 @@ class Instance:
         self._B = 0
         self._C: list[int] = []
         self._prefill: list[Seq] = []
+        self.mig_in = 0  # blocks reserved for incoming KV copies (part of ``used``)
+        self.mig_out = 0  # blocks held for detached outgoing requests (part of ``used``)
+        self.mig_refs = 0  # migrations in flight that touch this instance
+        self.preempted_migrating: list[Seq] = []  # preempted while migrating out
 
     # ------------------------------------------------------------------ view
     @property
@@ -253,32 +319,150 @@ class Instance:
 
     @property
     def idle(self) -> bool:
-        return self.phase == IDLE and not self.waiting and not self.running
+        """Nothing queued, prefilling or running, and no migration touches it."""
+        return self.phase == IDLE and not self.waiting and not self.running and not self.mig_refs
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode iterations completed as of ``clock.now`` (in-flight segment included)."""
+        if self.phase < DECODE:
+            return self.steps
+        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
+        return self.steps + (k if k < self._n else self._n)
+
+    def kv_steps(self) -> int:
+        """``steps`` a running request's KV reflects as of ``clock.now``: the
+        completed decode iterations plus the one in flight (its token's block is
+        already allocated, as :attr:`used_blocks` counts it)."""
+        if self.phase < DECODE:
+            return self.steps
+        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
+        return self.steps + (k + 1 if k < self._n else self._n)
 
     def prefilling(self) -> list[Seq]:
         """Requests admitted whose prefill has not completed yet."""
         return self._prefill + self._prefilling
+
+    def seqs(self) -> list[SeqView]:
+        """Running, prefilling and waiting requests (not those detached or in transit)."""
+        return [*self.running.values(), *self._prefill, *self._prefilling, *self.waiting]
 
     def _grown(self, j: int) -> int:
         bs = self.block_size
         return (j // bs) * self._B + self._C[j % bs]
 
     # -------------------------------------------------------------- actions
-    def enqueue(self, seq: Seq, now: float) -> float | None:
-        """Queue a request. Returns the time of a new iteration-end event, if any."""
+    def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> float | None:
+        """Queue a request (at the head: a preempted or migrated-in one).
+
+        Returns the time of a new iteration-end event, if any.
+        """
         seq.inst = self
-        self.waiting.append(seq)
+        if head:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.reserved_blocks += blocks_for(seq.prefill_tokens, self.block_size)
         if self.phase == IDLE:
             return self.schedule(now)
+        # The batch may change at the end of the iteration in flight.
+        return self.truncate(now)
+
+    def truncate(self, now: float) -> float | None:
+        """End the decode segment in flight after its iteration in flight, so the
+        next boundary re-plans (after a change of queue, memory or batch).
+
+        Returns the new end time when the segment got shorter (the caller pushes
+        an iteration-end event for the new ``version``), else None.
+        """
         if self.phase == DECODE:
-            # The batch may change at the end of the iteration in flight.
             k = int(np.searchsorted(self._ends, now, side="right"))
             if k + 1 < self._n:
                 self._n = k + 1
                 self.version += 1
                 return float(self._ends[k])
         return None
+
+    # ------------------------------------------------------------- migration
+    def can_reserve(self, blocks: int) -> bool:
+        """Whether ``blocks`` can be reserved for an incoming copy now without
+        over-committing: free blocks as of now (the in-flight iteration's growth
+        counted, as :attr:`used_blocks` does) minus the admission watermark."""
+        return self.total_blocks - self.used_blocks - self.watermark_blocks >= blocks
+
+    def reserve(self, blocks: int, now: float) -> float | None:
+        """Reserve ``blocks`` for an incoming KV copy (after :meth:`can_reserve`).
+
+        The segment in flight was planned with the memory free at its start, so
+        it is truncated at the iteration in flight (whose growth ``can_reserve``
+        counted). Returns a new iteration-end time, if any.
+        """
+        self.used += blocks
+        self.mig_in += blocks
+        return self.truncate(now)
+
+    def unreserve(self, blocks: int, now: float) -> float | None:
+        """Free a reservation of an aborted incoming copy (memory grows: re-plan)."""
+        self.used -= blocks
+        self.mig_in -= blocks
+        return self.truncate(now)
+
+    def release_held(self, blocks: int, now: float) -> float | None:
+        """Free the blocks of a detached request once its final copy is done."""
+        self.used -= blocks
+        self.mig_out -= blocks
+        return self.truncate(now)
+
+    def remove_waiting(self, seq: Seq, now: float) -> float | None:
+        """Take a waiting request out of the queue (it moves elsewhere)."""
+        self.waiting.remove(seq)
+        self.reserved_blocks -= blocks_for(seq.prefill_tokens, self.block_size)
+        seq.inst = None
+        return self.truncate(now)
+
+    def detach(self, seq: Seq, *, keep_blocks: bool) -> int:
+        """Take running ``seq`` out of the batch at an iteration boundary.
+
+        Its generated count is saved (as a preemption does). With
+        ``keep_blocks`` its blocks stay allocated as ``mig_out`` (a KV copy is
+        still reading them), else they are freed.
+
+        Returns:
+            The KV tokens it held.
+        """
+        assert self.phase == IDLE and seq.running and self.running.get(seq.id) is seq
+        bs = self.block_size
+        del self.running[seq.id]
+        kv = seq.base + self.steps
+        seq.gen_saved = kv - seq.prompt_tokens + 1
+        seq.running = False
+        self._hist[seq.base % bs] -= 1
+        self._sum_base -= seq.base
+        if keep_blocks:
+            self.mig_out += blocks_for(kv, bs)
+        else:
+            self.used -= blocks_for(kv, bs)
+        return kv
+
+    def attach(self, seq: Seq, kv: int, blocks: int) -> None:
+        """Add ``seq`` holding ``kv`` tokens of KV copied into ``blocks`` reserved
+        blocks to the running batch, at an iteration boundary. It decodes from
+        the next iteration on, like a request whose prefill just completed."""
+        assert self.phase == IDLE and blocks == blocks_for(kv, self.block_size) <= self.mig_in
+        self.mig_in -= blocks
+        seq.inst = self
+        self._run(seq, kv)
+
+    def _run(self, s: Seq, kv: int) -> None:
+        """Start running ``s`` holding ``kv`` tokens (``generated = kv - prompt + 1``)."""
+        base = kv - self.steps
+        s.base = base
+        s.running = True
+        s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
+        self.running[s.id] = s
+        self._hist[base % self.block_size] += 1
+        self._sum_base += base
+        heapq.heappush(self._fheap, (s.finish_step, s.id))
 
     def schedule(self, now: float) -> float | None:
         """Start the next iteration at ``now``; its end time, or None when idle."""
@@ -311,6 +495,7 @@ class Instance:
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
             self.used += blocks_for(n, bs)
+            s.in_prefill = True
             lens.append(n)
         self._prefill = list(admitted)
         self.phase = PREFILL
@@ -372,6 +557,7 @@ class Instance:
                 total = s.prompt_tokens + s.gen_saved
                 self.used += blocks_for(total, bs)
                 s.prefilled = 0
+                s.in_prefill = True
                 self._prefilling.append(s)
                 n = min(total, left)
                 chunks.append((s, n))
@@ -441,6 +627,8 @@ class Instance:
         self.waiting.appendleft(seq)
         self.reserved_blocks += blocks_for(seq.prefill_tokens, bs)
         seq.record.preemptions += 1
+        if seq.mig is not None:
+            self.preempted_migrating.append(seq)
 
     def complete(self, now: float) -> list[Seq]:
         """Finish the current iteration (segment) at ``now``; the requests that finished.
@@ -490,25 +678,21 @@ class Instance:
 
     def _prefilled(self, s: Seq, now: float, done: list[Seq]) -> None:
         """A (re)prefill of ``s`` completed at ``now``: first token, then run or finish."""
-        bs = self.block_size
         kv = s.prompt_tokens + s.gen_saved
         gen = s.gen_saved + 1
         rec = s.record
+        s.in_prefill = False
         if rec.first_token_s is None:
             rec.first_token_s = now
+        if s.stall_from is not None:  # a token migration's stall ends with this token
+            rec.migration_stall_s += now - s.stall_from
+            s.stall_from = None
         if gen >= s.output_tokens:
-            self.used -= blocks_for(kv, bs)
+            self.used -= blocks_for(kv, self.block_size)
             s.gen_saved = gen
             done.append(s)
             return
-        base = kv - self.steps
-        s.base = base
-        s.running = True
-        s.finish_step = self.steps + (s.output_tokens - gen)
-        self.running[s.id] = s
-        self._hist[base % bs] += 1
-        self._sum_base += base
-        heapq.heappush(self._fheap, (s.finish_step, s.id))
+        self._run(s, kv)
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
@@ -519,8 +703,11 @@ class Instance:
         if self.phase == PREFILL:
             kv_blocks += pre_blocks
         kv_blocks += sum(blocks_for(s.prefill_tokens, bs) for s in self._prefilling)
-        assert self.used == kv_blocks, (self.id, self.used, kv_blocks)
+        assert self.mig_in >= 0 and self.mig_out >= 0 and self.mig_refs >= 0
+        assert self.used == kv_blocks + self.mig_in + self.mig_out, (self.id, self.used, kv_blocks)
         assert 0 <= self.used_blocks <= self.total_blocks, (self.id, self.used_blocks)
+        if self.phase >= DECODE:  # the growth planned for the whole segment fits
+            assert self.used + self._grown(self._n - 1) <= self.total_blocks, self.id
         assert self.reserved_blocks == sum(
             blocks_for(s.prefill_tokens, bs) for s in self.waiting
         ), self.id
@@ -532,5 +719,11 @@ class Instance:
         assert len(ids_w) == len(self.waiting)
         assert not (ids_w & ids_r) and not (ids_w & ids_p) and not (ids_r & ids_p)
         for s in self.running.values():
-            assert s.running and s.inst is self
+            assert s.running and s.inst is self and not s.in_prefill
             assert s.base + self.steps <= s.prompt_tokens + s.output_tokens - 1
+        for s in self.prefilling():
+            assert s.in_prefill and s.inst is self and not s.running
+        for s in self.waiting:
+            assert s.inst is self and not s.running and not s.in_prefill and s.mig is None
+        if self.phase == IDLE:
+            assert not self.preempted_migrating

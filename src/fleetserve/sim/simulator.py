@@ -3,17 +3,29 @@
 One :class:`Simulator` is one run: its own clock, event queue, RNG, instance
 ids and records, so two simulations in one process never interfere.
 Arrivals are merged from the (sorted) workload instead of being pushed on the
-heap; their place in the event order (after iteration ends, before timers and
-samples at equal times) is set by the priorities in :mod:`fleetserve.sim.events`.
+heap; their place in the event order (after iteration ends and migration
+transfers, before migration epochs and samples at equal times) is set by the
+priorities in :mod:`fleetserve.sim.events`.
 
 What the simulator does, and what the policies decide::
 
     arrival ──► checks the request can ever fit one instance (else rejected)
-            ──► dispatch policy: Dispatch | ActivateGpu | Reject
-    iteration end ──► instance completes it, records tokens, plans the next
-                      one (its batching policy admits / picks victims)
+            ──► dispatch policy: Dispatch | ActivateGpu | Reject | Defer (held)
+    iteration end ──► instance completes it, records tokens; migrations
+                      detach / attach requests at this boundary; it plans the
+                      next one (its batching policy admits / picks victims)
                   ──► idle instance: memory policy may ReleaseGpu
+    epoch ──► migration policy's plan (every ``interval_s``, only when the
+              policy has one): ActivateGpu(ref) | Dispatch (held requests) |
+              Reject | Migrate | ReleaseGpu, applied in order; then the
+              mechanism picks which pending moves start (sim.migration)
+    migration transfer end ──► next stage / detached copy done / tokens arrive
     sample ──► time series (every ``sample_interval_s``)
+
+Every request is in exactly one place: an instance's waiting queue, prefill or
+running batch; held at the controller (deferred by dispatch); detached from
+its source (a KV move's final copy); or in transit (a token move).
+``check_integrity`` checks it after every event when asked.
 """
 
 from __future__ import annotations
@@ -33,26 +45,35 @@ from fleetserve.metrics.records import RequestRecord, RunResult, TimeSeries
 from fleetserve.policy import (
     BATCHING,
     DISPATCH,
+    MECHANISM,
     MEMORY,
     MIGRATION,
     PLACEMENT,
     ActivateGpu,
+    Defer,
     Dispatch,
+    MechanismContext,
+    Migrate,
     Reject,
     ReleaseGpu,
     get_stack,
 )
 from fleetserve.policy.base import BatchingPolicy
+from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.events import (
+    EPOCH,
     ITER_END,
     P_ARRIVAL,
+    P_EPOCH,
     P_ITER_END,
     P_SAMPLE,
     SAMPLE,
+    TRANSFER,
     Event,
     EventQueue,
 )
-from fleetserve.sim.instance import Instance, Seq, SimClock
+from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
+from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
 from fleetserve.spec import ModelSpec, get_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
@@ -66,11 +87,11 @@ ProgressFn = Callable[[float, int, int], None]
 
 def resolve_policies(config: SimConfig) -> dict[str, str]:
     """The policy name of every family (stack choices, then per-family overrides),
-    each checked against its registry.
+    each checked against its registry, plus the migration ``mechanism``
+    (``migration.mechanism``, else the stack's).
 
     Raises:
-        UnknownNameError: an unknown stack or policy name (with suggestions).
-        ConfigError: a policy the simulator cannot run yet.
+        UnknownNameError: an unknown stack, policy or mechanism name (with suggestions).
     """
     pol = config.policy
     stack = get_stack(pol.stack)
@@ -81,6 +102,7 @@ def resolve_policies(config: SimConfig) -> dict[str, str]:
         "migration": pol.migration or stack.migration,
         "placement": pol.placement or stack.placement,
         "memory": pol.memory or stack.memory or ("elastic" if config.cluster.elastic else "static"),
+        "mechanism": config.migration.mechanism or stack.mechanism,
     }
     for fam, registry in (
         ("dispatch", DISPATCH),
@@ -90,10 +112,7 @@ def resolve_policies(config: SimConfig) -> dict[str, str]:
         ("memory", MEMORY),
     ):
         registry.get(names[fam])
-    if names["migration"] != "none":
-        raise ConfigError(
-            f"migration policy {names['migration']!r} is not available in the simulator yet"
-        )
+    MECHANISM.get(names["mechanism"])
     return names
 
 
@@ -153,10 +172,12 @@ class Simulator:
 
         cl = config.cluster
         self.gpu = get_gpu(cl.gpu)
-        self.policy_names = resolve_policies(config)
-        self.dispatcher = DISPATCH.get(self.policy_names["dispatch"])()
-        self.batching_cls: type[BatchingPolicy] = BATCHING.get(self.policy_names["batching"])
-        self.memory = MEMORY.get(self.policy_names["memory"])()
+        self.policy_names = pn = resolve_policies(config)
+        self.dispatcher = DISPATCH.get(pn["dispatch"]).from_config(config)
+        self.batching_cls: type[BatchingPolicy] = BATCHING.get(pn["batching"])
+        self.memory = MEMORY.get(pn["memory"]).from_config(config)
+        self.migration = MIGRATION.get(pn["migration"]).from_config(config)
+        self.migration.attach(self.dispatcher)
 
         # Models, their instances' KV capacity, and the per-request feasibility limit.
         names = sorted({r.model for r in self.requests} or {config.model})
@@ -175,7 +196,10 @@ class Simulator:
         limit = cl.max_gpus if cl.elastic else (cl.gpus or 0)
         self.pool = GpuPool(limit, self.gpu.gpus_per_node)
         self.state = ClusterState(
-            gpus_limit=limit, elastic=cl.elastic, model_tp=dict.fromkeys(names, cl.tp)
+            gpus_limit=limit,
+            elastic=cl.elastic,
+            model_tp=dict.fromkeys(names, cl.tp),
+            gpus_per_node=self.gpu.gpus_per_node,
         )
         self.instances: dict[int, Instance] = {}
         self._next_iid = 0
@@ -183,6 +207,18 @@ class Simulator:
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.requests
         ]
+        # Every arrived request's Seq, by id (None before arrival or when rejected).
+        self.seqs: list[Seq | None] = [None] * len(self.requests)
+        self.held: dict[int, Seq] = {}  # deferred by dispatch, waiting for a plan
+        self.mig = Migrations(
+            config.migration,
+            self.gpu,
+            self.gpu.gpus_per_node,
+            MECHANISM.get(pn["mechanism"])(),
+            cl.block_size,
+        )
+        self._compute_tokens: dict[str, int] = {}
+        self._epoch = 0
         self.n_events = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
@@ -199,7 +235,7 @@ class Simulator:
         for r in self.requests:
             counts[r.model] += 1
         rates = {m: c / span if span > 0 else float(c) for m, c in counts.items()}
-        placement = PLACEMENT.get(self.policy_names["placement"])()
+        placement = PLACEMENT.get(self.policy_names["placement"]).from_config(self.cfg)
         for m in placement.place(rates, n_gpus, dict(self.state.model_tp)):
             self._start_instance(m, 0.0)
 
@@ -215,7 +251,7 @@ class Simulator:
             self.blocks[model],
             cl.block_size,
             self.costs[model],
-            self.batching_cls(),
+            self.batching_cls.from_config(self.cfg),
             self.clock,
             max_num_seqs=eng.max_num_seqs,
             max_batched_tokens=eng.max_batched_tokens,
@@ -242,6 +278,8 @@ class Simulator:
         progress, every = self.progress, self.progress_every
         ai = 0
         ev.push(0.0, P_SAMPLE, SAMPLE, None)
+        if self.migration.interval_s is not None:
+            ev.push(0.0, P_EPOCH, EPOCH, None)
         inf = float("inf")
         end_s = 0.0
         while True:
@@ -257,6 +295,11 @@ class Simulator:
                     if inst.version != version or inst.id not in self.instances:
                         continue  # superseded by a truncation
                     caused = self._on_iteration_end(inst, t)
+                elif kind == TRANSFER:
+                    caused = self.mig.on_event(payload, t)
+                    caused += self._settle(t)
+                elif kind == EPOCH:
+                    caused = self._on_epoch(t, ai < n)
                 else:
                     caused = self._on_sample(t, ai < n)
             elif ai < n:
@@ -299,18 +342,33 @@ class Simulator:
         if isinstance(action, Reject):
             self._reject(rec, action.reason)
             return []
+        if action.request_id != req.id:
+            raise RuntimeError(f"dispatch returned {action} for request {req.id}")
+        seq = Seq(req, rec)
+        self.seqs[req.id] = seq
+        if isinstance(action, Defer):
+            if self.migration.interval_s is None:
+                raise RuntimeError(
+                    f"dispatch deferred request {req.id}, but migration policy "
+                    f"{self.policy_names['migration']!r} never plans, so it would wait forever"
+                )
+            self.held[req.id] = seq
+            return []
         if isinstance(action, ActivateGpu):
-            if action.model != req.model or action.request_id != req.id:
+            if action.model != req.model:
                 raise RuntimeError(f"dispatch returned {action} for request {req.id}")
             inst = self._start_instance(req.model, now)
         elif isinstance(action, Dispatch):
             inst = self.instances[action.instance_id]
-            if inst.model != req.model:
-                raise RuntimeError(f"dispatched a {req.model} request to a {inst.model} instance")
         else:  # pragma: no cover - the type admits nothing else
             raise RuntimeError(f"unexpected dispatch action {action!r}")
-        rec.instance = inst.id
-        end = inst.enqueue(Seq(req, rec), now)
+        return self._enqueue(seq, inst, now)
+
+    def _enqueue(self, seq: Seq, inst: Instance, now: float) -> list[Event]:
+        if inst.model != seq.model:
+            raise RuntimeError(f"dispatched a {seq.model} request to a {inst.model} instance")
+        seq.record.instance = inst.id
+        end = inst.enqueue(seq, now)
         return [] if end is None else [(end, P_ITER_END, ITER_END, (inst, inst.version))]
 
     def _reject(self, rec: RequestRecord, reason: str) -> None:
@@ -320,26 +378,173 @@ class Simulator:
 
     def _on_iteration_end(self, inst: Instance, now: float) -> list[Event]:
         done = inst.complete(now)
-        self.n_done += len(done)
+        if done:
+            self.n_done += len(done)
+            on_finish = self.migration.on_finish
+            for s in done:
+                on_finish(s.id, inst.id, now)
+        caused = self.mig.at_boundary(inst, now) if inst.mig_refs else []
+        caused += self._schedule(inst, now)
+        if self.mig.touched:
+            caused += self._settle(now, inst)
+        return caused
+
+    def _schedule(self, inst: Instance, now: float) -> list[Event]:
+        """Plan ``inst``'s next iteration at a boundary (or while it sits idle);
+        abort moves of requests it preempted; consult the memory policy when
+        it is idle."""
         end = inst.schedule(now)
+        caused = self.mig.after_schedule(inst, now) if inst.preempted_migrating else []
         if end is not None:
-            return [(end, P_ITER_END, ITER_END, (inst, inst.version))]
-        if inst.idle:
+            caused.append((end, P_ITER_END, ITER_END, (inst, inst.version)))
+        elif inst.idle:
             for action in self.memory.on_idle(self.state, inst, now):
                 self._apply_release(action, now)
-        return []
+        return caused
+
+    def _settle(self, now: float, exclude: Instance | None = None) -> list[Event]:
+        """Re-plan instances a migration changed while they sat idle (phase IDLE):
+        memory freed may admit their queue, a request attached starts decoding,
+        and one left idle is offered to the memory policy. ``exclude`` is the
+        instance whose boundary the caller is handling itself."""
+        caused: list[Event] = []
+        mig = self.mig
+        while mig.touched:
+            touched, mig.touched = mig.touched, []
+            seen: set[int] = set()
+            for inst in touched:
+                if inst is exclude or inst.id in seen or self.instances.get(inst.id) is not inst:
+                    continue
+                seen.add(inst.id)
+                if inst.phase == IDLE:
+                    caused += self._schedule(inst, now)
+        return caused
 
     def _apply_release(self, action: ReleaseGpu, now: float) -> None:
-        inst = self.instances[action.instance_id]
+        inst = self.instances.get(action.instance_id)
+        if inst is None:
+            raise RuntimeError(f"release of unknown instance {action.instance_id}")
         if not inst.idle:
-            raise RuntimeError(f"memory policy released busy instance {inst.id}")
+            raise RuntimeError(f"released busy instance {inst.id}")
         del self.instances[inst.id]
         self.state.remove(inst.id)
         self.pool.release(inst.gpus, now)
+        self.migration.on_release(inst.id, now)
+
+    # ------------------------------------------------------------ migration
+    def _on_epoch(self, now: float, arrivals_left: bool) -> list[Event]:
+        """Apply the migration policy's plan, then start the pending moves the
+        mechanism picks; schedule the next epoch while anything is left to do."""
+        caused: list[Event] = []
+        refs: dict[int, int] = {}
+        for action in self.migration.plan(self.state, now, self.rng):
+            caused += self._apply_plan_action(action, refs, now)
+        if self.mig.pending:
+            ctx = self._mech_context()
+            caused += self.mig.start_pending(self.seqs, self.instances, ctx, now)
+        caused += self._settle(now)
+        interval = self.migration.interval_s
+        assert interval is not None
+        if self._work_left(arrivals_left):
+            self._epoch += 1
+            caused.append((self._epoch * interval, P_EPOCH, EPOCH, None))
+        return caused
+
+    def _apply_plan_action(self, action: Any, refs: dict[int, int], now: float) -> list[Event]:
+        def inst_of(iid: int) -> Instance:
+            iid = refs.get(iid, iid)
+            inst = self.instances.get(iid)
+            if inst is None:
+                raise RuntimeError(f"plan action {action} names unknown instance {iid}")
+            return inst
+
+        def held(rid: int) -> Seq:
+            seq = self.held.pop(rid, None)
+            if seq is None:
+                raise RuntimeError(f"plan action {action}: request {rid} is not held")
+            return seq
+
+        if isinstance(action, ActivateGpu):
+            if action.tp != self.cfg.cluster.tp or action.model not in self.specs:
+                raise RuntimeError(f"plan activates an instance this run cannot hold: {action}")
+            inst = self._start_instance(action.model, now)
+            if action.ref is not None:
+                if action.ref in refs:
+                    raise RuntimeError(f"plan reuses ref {action.ref}")
+                refs[action.ref] = inst.id
+                self.migration.bind(action.ref, inst.id)
+            if action.request_id is not None:
+                return self._enqueue(held(action.request_id), inst, now)
+        elif isinstance(action, Dispatch):
+            dst = inst_of(action.instance_id)
+            return self._enqueue(held(action.request_id), dst, now)
+        elif isinstance(action, Reject):
+            held(action.request_id)
+            self._reject(self.records[action.request_id], action.reason)
+        elif isinstance(action, Migrate):
+            rid = action.request_id
+            seq = self.seqs[rid] if 0 <= rid < len(self.seqs) else None
+            if seq is None or seq.record.status != "unfinished":
+                raise RuntimeError(f"plan migrates request {rid}, which is not in flight")
+            if action.mode is not None and action.mode not in MODES:
+                raise RuntimeError(f"plan gives unknown migration mode in {action}")
+            dst = inst_of(action.dst)
+            if dst.model != seq.model:
+                raise RuntimeError(f"plan moves a {seq.model} request to a {dst.model} instance")
+            self.mig.plan_move(seq, dst, action.mode)
+        elif isinstance(action, ReleaseGpu):
+            self._apply_release(ReleaseGpu(inst_of(action.instance_id).id), now)
+        else:
+            raise RuntimeError(f"unexpected action in a migration plan: {action!r}")
+        return []
+
+    def _mech_context(self) -> MechanismContext:
+        """The epoch's boundaries (Mell §V): bytes per link, re-prefill tokens per instance."""
+        mc = self.cfg.migration
+        per = {iid: self._compute_tokens_of(inst.model) for iid, inst in self.instances.items()}
+        return MechanismContext(
+            gpus_per_node=self.gpu.gpus_per_node,
+            intra_node_bytes=int(mc.link_share * mc.epoch_s * self.gpu.intra_node_bw),
+            inter_node_bytes=int(mc.link_share * mc.epoch_s * self.gpu.network_bw),
+            compute_tokens=per,
+            default_compute_tokens=self._compute_tokens_of(self.cfg.model)
+            if self.cfg.model in self.costs
+            else min((self._compute_tokens_of(m) for m in self.costs), default=0),
+        )
+
+    def _compute_tokens_of(self, model: str) -> int:
+        """Largest ``n`` with ``re_prefill_time(n) <= compute_share * epoch_s``
+        (binary search; re-prefill time grows with ``n``), cached per model."""
+        got = self._compute_tokens.get(model)
+        if got is not None:
+            return got
+        cost = self.costs[model]
+        budget = self.cfg.migration.compute_share * self.cfg.migration.epoch_s
+        lo, hi = 0, 1
+        while hi < 1 << 40 and cost.re_prefill_time(hi) <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # re_prefill_time(lo) <= budget < re_prefill_time(hi)
+            mid = (lo + hi) // 2
+            if cost.re_prefill_time(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        self._compute_tokens[model] = lo
+        return lo
+
+    def _work_left(self, arrivals_left: bool) -> bool:
+        """Whether anything can still happen: arrivals, held requests, pending
+        moves or a busy instance."""
+        return (
+            arrivals_left
+            or bool(self.held)
+            or bool(self.mig.pending)
+            or any(not i.idle for i in self.instances.values())
+        )
 
     def _on_sample(self, now: float, arrivals_left: bool) -> list[Event]:
         self._sample(now)
-        if arrivals_left or any(not i.idle for i in self.instances.values()):
+        if self._work_left(arrivals_left):
             return [(now + self.cfg.sample_interval_s, P_SAMPLE, SAMPLE, None)]
         return []
 
@@ -354,6 +559,7 @@ class Simulator:
             demand += (u + inst.reserved_blocks) * bb
             queued += len(inst.waiting)
             running += len(inst.running) + len(inst.prefilling())
+        queued += len(self.held) + len(self.mig.transit)
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 
     # -------------------------------------------------------------- results
@@ -366,8 +572,8 @@ class Simulator:
             o = np.array([self.requests[i].output_tokens for i in idx], dtype=np.float64)
             for i, t in zip(idx, c.ideal_times(p, o).tolist(), strict=True):
                 self.records[i].ideal_s = t
-        for inst in self.instances.values():
-            for s in inst.running.values():
+        for s in self.seqs:
+            if s is not None and s.record.status == "unfinished":
                 s.record.generated = s.generated
         kv_per_gpu: int | None = None
         if len(self.specs) == 1:
@@ -375,25 +581,39 @@ class Simulator:
             kv_per_gpu = self.blocks[m] * self.cfg.cluster.block_size * spec.kv_bytes_per_token
             kv_per_gpu //= self.cfg.cluster.tp
         cfg: dict[str, Any] = self.cfg.to_dict()
-        cfg["policy"] = dict(self.policy_names)  # resolved, and still a valid config
+        # resolved, and still a valid config
+        cfg["policy"] = {k: v for k, v in self.policy_names.items() if k != "mechanism"}
+        cfg["migration"]["mechanism"] = self.policy_names["mechanism"]
+        notes = list(self.notes)
+        if self.mig.aborted:
+            notes.append(f"{self.mig.aborted} planned migrations were aborted")
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,
             gpu_intervals=self.pool.close(end_s),
-            migrations=[],
+            migrations=self.mig.records,
             end_s=end_s,
             kv_bytes_per_gpu=kv_per_gpu,
             config=cfg,
             sim_wall_s=wall_s,
             sim_events=self.n_events,
-            notes=self.notes,
+            notes=notes,
+            aborted_migrations=self.mig.aborted,
         )
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self, arrived: int) -> None:
-        """Check every invariant: block accounting of each instance, memory never
-        over-committed, and every arrived request in exactly one place."""
+        """Check every invariant: block accounting of each instance (migration
+        reservations and held blocks included), memory never over-committed,
+        migration references consistent, and every arrived request in exactly
+        one place (an instance's queue, prefill or batch; held at the
+        controller; detached from its source; in transit)."""
         seen: dict[int, str] = {}
+
+        def place(rid: int, where: str) -> None:
+            assert rid not in seen, f"request {rid} in {seen[rid]} and {where}"
+            seen[rid] = where
+
         for inst in self.instances.values():
             inst.check_integrity()
             for where, seqs in (
@@ -402,8 +622,13 @@ class Simulator:
                 ("prefill", inst.prefilling()),
             ):
                 for s in seqs:
-                    assert s.id not in seen, f"request {s.id} in {seen[s.id]} and {where}"
-                    seen[s.id] = where
+                    place(s.id, f"{where} on {inst.id}")
+        for rid, where in self.mig.places():
+            place(rid, where)
+        for rid, s in self.held.items():
+            assert s.inst is None and s.mig is None
+            place(rid, "held")
+        self.mig.check_integrity(self.instances)
         for rec in self.records[:arrived]:
             in_flight = rec.id in seen
             terminal = rec.status in ("finished", "rejected")

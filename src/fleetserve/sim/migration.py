@@ -1,0 +1,521 @@
+"""Request migrations between instances, as the simulator carries them out.
+
+A migration policy plans moves (:class:`~fleetserve.policy.actions.Migrate`);
+each request has a FIFO of planned moves. Once per epoch the simulator hands
+the head move of every request that can move now to the migration
+*mechanism* (:mod:`fleetserve.policy.mechanism`), which returns the moves to
+start with their mode. This module executes them on the simulator's
+:class:`~fleetserve.sim.instance.Instance` objects.
+
+KV transfer of a running request (Llumnix's live migration)::
+
+    src  ─ decode ─ decode ─ decode ─ decode ─┤detach        (blocks held)  ├free
+    link     [stage 1: KV so far][stage 2: new KV]  [final copy: the rest]
+    dst   (reserve) ··········· (reserve more) ···· (reserve rest) ├attach ─ decode ─
+                                                  ◄──── stall ─────►
+
+* Stage ``k`` copies the KV of the decode iterations the source completed
+  since the previous stage, while the request keeps decoding there. Before
+  it starts, the destination reserves the blocks that KV will occupy; a
+  reservation may only take blocks that are free as of now, beyond the
+  growth of the iteration in flight and the admission watermark
+  (:meth:`Instance.can_reserve`), and it truncates the destination's decode
+  segment so the next boundary re-plans with less memory. No room: abort.
+* Once at most ``final_blocks`` blocks of KV are left to send (or
+  ``max_stages`` stages ran), *stop and copy*: the destination reserves the
+  rest (what the request will hold after the source's iteration in flight),
+  the source's segment is truncated at that iteration, and at its end the
+  request leaves the batch (its blocks stay allocated, ``mig_out``). The rest
+  is copied; then the source frees the blocks and the request joins the
+  destination's running batch at its next iteration boundary (at once if
+  the destination is idle). Memory is held on both ends until the copy is
+  done. The **stall** is detach → attach: the time the request does not
+  decode because of the move.
+* The request finishing on the source before it is detached, or being
+  preempted there, aborts the move; so does a destination without room for
+  a stage. An abort frees the destination's reservation; the request stays
+  where it is. Instances touched by a migration are never ``idle``, so they
+  cannot be released while it is in flight.
+
+Token transfer of a running request: at the source's next iteration boundary
+the request leaves the batch and frees its KV (as a preemption does; it keeps
+its generated tokens), its token ids travel (``4 * tokens`` bytes), and it
+joins the *head* of the destination's waiting queue, which re-prefills
+prompt + generated tokens in an ordinary prefill iteration (the destination's
+compute is charged there). Stall: detach → its next token (the end of that
+prefill), so it includes queueing and the re-prefill at the destination.
+
+A waiting request (queued, or preempted: no KV) moves the same way without a
+detach: out of the source's queue, ``4 * tokens`` bytes, into the
+destination's queue — at the head if it had generated tokens (preempted or
+migrated before), else at the tail. It was not decoding, so no stall.
+Its move is recorded as ``token`` whatever mode was asked (it has no KV).
+
+Modelling choices:
+
+* Link: intra-node (``gpu.intra_node_bw``) if the first GPUs of both
+  instances are on one node (``g // gpus_per_node``; a tensor-parallel group
+  never spans nodes), else the network link (``gpu.network_bw``). KV of a
+  ``tp``-way instance is sharded: each of the ``tp`` GPU pairs sends its
+  ``1/tp`` share in parallel, so a copy takes ``latency + bytes / tp /
+  bandwidth`` (:meth:`InstanceCost.kv_transfer_time`); records count all
+  bytes. Token ids are sent once: ``latency + 4 * tokens / bandwidth``.
+  Concurrent transfers do not slow each other down (the adaptive mechanism
+  budgets link use per epoch).
+* Bytes are counted per token (``kv_bytes(tokens)``), not per whole block;
+  "blocks left" is ``ceil(unsent tokens / block_size)``.
+* A request "lives" on its source until it is attached to (or queued at) the
+  destination; a token move in flight is "in transit"; a KV move after the
+  detach is "detached" from its source. ``record.instance`` changes when the
+  move completes, and each completed move appends a
+  :class:`~fleetserve.metrics.records.MigrationRecord` (time of completion,
+  all bytes sent). Aborted moves are counted (``aborted_migrations``), not
+  recorded.
+* A move whose destination was released before it started is dropped and
+  counted as aborted; a move of a request already on its destination is
+  dropped silently; moves of finished requests are forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from fleetserve.cluster.state import blocks_for
+from fleetserve.costmodel.transfer import Link, intra_node_link, network_link, transfer_time
+from fleetserve.metrics.records import MigrationRecord
+from fleetserve.policy.mechanism import MODES, MechanismContext, MigrationMechanism, PendingMove
+from fleetserve.sim.events import ITER_END, P_ITER_END, P_TRANSFER, TRANSFER, Event
+from fleetserve.sim.instance import IDLE, Instance, Seq
+
+if TYPE_CHECKING:
+    from fleetserve.config import MigrationConfig
+    from fleetserve.spec.types import GpuSpec
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ID_BYTES = 4
+"""Bytes of one token id on the wire (int32)."""
+
+# Task phases.
+STAGE = "stage"  # kv: a live copy stage in flight, the request decodes on the source
+DETACHING = "detaching"  # leaves the source's batch at its next iteration boundary
+FINAL_COPY = "final_copy"  # kv: detached, the rest of its KV in flight
+ATTACHING = "attaching"  # kv: copied, joins the destination at its next boundary
+TRANSIT = "transit"  # token ids in flight
+DONE = "done"
+ABORTED = "aborted"
+
+
+class MigrationTask:
+    """One move in flight.
+
+    Attributes:
+        seq: the request.
+        src, dst: the instances.
+        mode: ``kv`` or ``token``.
+        link: the link it uses.
+        phase: see the phase constants.
+        sent: KV tokens copied so far (kv).
+        reserved: blocks reserved on ``dst`` (kv).
+        held: blocks the source still holds after the detach (kv, final copy).
+        held_tokens: KV tokens of a detached request (kv, after the detach).
+        final_kv: KV tokens the request will hold when detached (kv).
+        bytes: bytes sent so far, all stages.
+        stages: live copy stages started (kv).
+        t_detach: when it left the source's batch (None: not yet, or waiting move).
+        head: a token move joins the head of the destination's queue.
+        src_ref, dst_ref: whether it still counts in ``mig_refs`` of the ends.
+    """
+
+    __slots__ = (
+        "bytes",
+        "dst",
+        "dst_ref",
+        "final_kv",
+        "head",
+        "held",
+        "held_tokens",
+        "link",
+        "mode",
+        "phase",
+        "reserved",
+        "sent",
+        "seq",
+        "src",
+        "src_ref",
+        "stages",
+        "t_detach",
+    )
+
+    def __init__(self, seq: Seq, src: Instance, dst: Instance, mode: str, link: Link) -> None:
+        self.seq = seq
+        self.src = src
+        self.dst = dst
+        self.mode = mode
+        self.link = link
+        self.phase = STAGE
+        self.sent = 0
+        self.reserved = 0
+        self.held = 0
+        self.held_tokens = 0
+        self.final_kv = 0
+        self.bytes = 0
+        self.stages = 0
+        self.t_detach: float | None = None
+        self.head = False
+        self.src_ref = False
+        self.dst_ref = False
+
+
+class Migrations:
+    """Pending and in-flight moves of one simulation.
+
+    The simulator calls :meth:`plan_move` for each ``Migrate`` action,
+    :meth:`start_pending` once per epoch, :meth:`on_event` for this module's
+    events, :meth:`at_boundary` between an instance's ``complete`` and
+    ``schedule`` when ``mig_refs`` is set, and :meth:`after_schedule` when the
+    instance preempted a migrating request. Each returns the events it causes;
+    instances whose memory or queue changed while they were not at a boundary
+    are appended to :attr:`touched`, for the simulator to re-schedule when
+    they sit idle (and consult the memory policy when they became idle).
+
+    Args:
+        cfg: the migration section of the config.
+        gpu: the GPU type (links).
+        gpus_per_node: GPUs per node.
+        mechanism: chooses the mode of pending moves and which start.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(
+        self,
+        cfg: MigrationConfig,
+        gpu: GpuSpec,
+        gpus_per_node: int,
+        mechanism: MigrationMechanism,
+        block_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.mechanism = mechanism
+        self.gpus_per_node = gpus_per_node
+        self.block_size = block_size
+        self.intra = intra_node_link(gpu)
+        self.inter = network_link(gpu)
+        self.pending: dict[int, deque[tuple[Instance, str | None]]] = {}
+        self._out: dict[int, list[MigrationTask]] = {}  # by source instance id
+        self._in: dict[int, list[MigrationTask]] = {}  # by destination instance id
+        self.transit: dict[int, MigrationTask] = {}  # token moves in flight, by request id
+        self.records: list[MigrationRecord] = []
+        self.aborted = 0
+        self.touched: list[Instance] = []
+
+    # ------------------------------------------------------------- planning
+    def plan_move(self, seq: Seq, dst: Instance, mode: str | None) -> None:
+        """Append a move of ``seq`` to ``dst`` to its FIFO of pending moves."""
+        self.pending.setdefault(seq.id, deque()).append((dst, mode))
+
+    def link(self, src: Instance, dst: Instance) -> Link:
+        """The link a move from ``src`` to ``dst`` uses."""
+        gpn = self.gpus_per_node
+        return self.intra if src.gpus[0] // gpn == dst.gpus[0] // gpn else self.inter
+
+    def start_pending(
+        self,
+        seqs: Sequence[Seq | None],
+        alive: dict[int, Instance],
+        ctx: MechanismContext,
+        now: float,
+    ) -> list[Event]:
+        """Offer every startable head move to the mechanism; start what it returns.
+
+        A head move is startable when its request is on an instance, not
+        (re)prefilling and not migrating. Moves to released instances are
+        dropped (counted as aborted), moves to where the request already is
+        are dropped, and finished requests' moves are forgotten.
+        """
+        offered: list[PendingMove] = []
+        by_move: dict[int, tuple[Seq, Instance]] = {}
+        for rid in list(self.pending):
+            fifo = self.pending[rid]
+            seq = seqs[rid]
+            assert seq is not None
+            while fifo:
+                dst, _mode = fifo[0]
+                if seq.record.status != "unfinished":
+                    fifo.clear()
+                elif alive.get(dst.id) is not dst:
+                    fifo.popleft()
+                    self._count_abort(seq, f"destination {dst.id} was released")
+                elif seq.inst is dst and seq.mig is None:
+                    fifo.popleft()
+                else:
+                    break
+            if not fifo:
+                del self.pending[rid]
+                continue
+            src = seq.inst
+            if src is None or seq.mig is not None or seq.in_prefill:
+                continue
+            dst, mode = fifo[0]
+            kv_bytes = src.cost.kv_bytes(seq.kv_tokens) if seq.running else 0
+            tokens = seq.prompt_tokens + seq.generated
+            move = PendingMove(seq.id, src.id, dst.id, src.gpus, dst.gpus, kv_bytes, tokens, mode)
+            offered.append(move)
+            by_move[id(move)] = (seq, dst)
+        if not offered:
+            return []
+        events: list[Event] = []
+        for move, mode in self.mechanism.assign(offered, ctx):
+            got = by_move.pop(id(move), None)
+            if got is None:
+                raise RuntimeError(f"mechanism returned a move it was not offered: {move}")
+            if mode not in MODES or (move.mode is not None and mode != move.mode):
+                raise RuntimeError(f"mechanism gave mode {mode!r} to {move}")
+            seq, dst = got
+            self.pending[seq.id].popleft()
+            if not self.pending[seq.id]:
+                del self.pending[seq.id]
+            self._start(seq, dst, mode, now, events)
+        return events
+
+    # ------------------------------------------------------------- starting
+    def _start(self, seq: Seq, dst: Instance, mode: str, now: float, ev: list[Event]) -> None:
+        src = seq.inst
+        assert src is not None
+        task = MigrationTask(seq, src, dst, mode, self.link(src, dst))
+        seq.mig = task
+        self._ref(task, dst=True)
+        if not seq.running:  # waiting: no KV; token ids only
+            task.mode = "token"
+            task.head = seq.gen_saved > 0
+            _iter_end(src, src.remove_waiting(seq, now), ev)
+            self.touched.append(src)
+            self._send_tokens(task, now, ev)
+            return
+        self._ref(task, src=True)
+        if mode == "token":
+            task.phase = DETACHING
+            _iter_end(src, src.truncate(now), ev)
+        else:
+            self._next_stage(task, now, ev)
+
+    def _next_stage(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        """Start another live stage, or the stop-and-copy."""
+        done = t.seq.base + t.src.decode_steps  # KV of the decode iterations completed
+        left = blocks_for(done - t.sent, self.block_size)
+        if left <= self.cfg.final_blocks or t.stages >= self.cfg.max_stages:
+            self._stop_and_copy(t, now, ev)
+            return
+        if not self._reserve(t, done, now, ev):
+            return
+        tokens = done - t.sent
+        cost = t.src.cost
+        t.bytes += cost.kv_bytes(tokens)
+        t.sent = done
+        t.stages += 1
+        t.phase = STAGE
+        ev.append((now + cost.kv_transfer_time(tokens, t.link), P_TRANSFER, TRANSFER, (t, STAGE)))
+
+    def _stop_and_copy(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        kv = t.seq.kv_tokens  # what it holds once the iteration in flight ends
+        if not self._reserve(t, kv, now, ev):
+            return
+        t.final_kv = kv
+        t.phase = DETACHING
+        _iter_end(t.src, t.src.truncate(now), ev)
+
+    def _reserve(self, t: MigrationTask, tokens: int, now: float, ev: list[Event]) -> bool:
+        """Reserve room for ``tokens`` KV tokens on the destination; abort if none."""
+        need = blocks_for(tokens, self.block_size) - t.reserved
+        if need <= 0:
+            return True
+        if not t.dst.can_reserve(need):
+            self._abort(t, f"destination {t.dst.id} has no room for {need} blocks", now, ev)
+            return False
+        _iter_end(t.dst, t.dst.reserve(need, now), ev)
+        t.reserved += need
+        return True
+
+    def _send_tokens(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        seq = t.seq
+        seq.inst = None
+        nbytes = TOKEN_ID_BYTES * seq.prefill_tokens
+        t.bytes = nbytes
+        t.phase = TRANSIT
+        self.transit[seq.id] = t
+        ev.append((now + transfer_time(nbytes, t.link), P_TRANSFER, TRANSFER, (t, TRANSIT)))
+
+    # --------------------------------------------------------------- events
+    def on_event(self, payload: tuple[MigrationTask, str], now: float) -> list[Event]:
+        """A transfer of a task ended (ignored if the task moved on or aborted)."""
+        t, phase = payload
+        if t.phase != phase:
+            return []
+        ev: list[Event] = []
+        if phase == STAGE:
+            self._next_stage(t, now, ev)
+        elif phase == FINAL_COPY:
+            src, dst = t.src, t.dst
+            _iter_end(src, src.release_held(t.held, now), ev)
+            t.held = 0
+            self._unref(t, src=True)
+            self.touched.append(src)
+            if dst.phase == IDLE:  # attach at once; the simulator starts an iteration
+                self._attach(t, now)
+                self.touched.append(dst)
+            else:
+                t.phase = ATTACHING
+                _iter_end(dst, dst.truncate(now), ev)
+        else:  # TRANSIT
+            del self.transit[t.seq.id]
+            _iter_end(t.dst, t.dst.enqueue(t.seq, now, head=t.head), ev)
+            self._complete(t, now)
+        return ev
+
+    def at_boundary(self, inst: Instance, now: float) -> list[Event]:
+        """``inst`` completed an iteration and has not planned the next one:
+        abort moves of requests that just finished there, detach requests
+        leaving it, attach requests arriving."""
+        ev: list[Event] = []
+        for t in list(self._out.get(inst.id, ())):
+            if t.phase in (STAGE, DETACHING) and t.seq.record.status == "finished":
+                self._abort(t, "the request finished on the source", now, ev)
+            elif t.phase == DETACHING:
+                self._detach(t, now, ev)
+        for t in list(self._in.get(inst.id, ())):
+            if t.phase == ATTACHING:
+                self._attach(t, now)
+        return ev
+
+    def after_schedule(self, inst: Instance, now: float) -> list[Event]:
+        """``inst`` preempted requests that were migrating out: abort their moves."""
+        ev: list[Event] = []
+        pre, inst.preempted_migrating = inst.preempted_migrating, []
+        for seq in pre:
+            t = seq.mig
+            if t is not None and t.src is inst:
+                self._abort(t, "the request was preempted on the source", now, ev)
+        return ev
+
+    def _detach(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        seq, src = t.seq, t.src
+        t.t_detach = now
+        if t.mode == "token":
+            src.detach(seq, keep_blocks=False)
+            self._unref(t, src=True)
+            seq.stall_from = now
+            t.head = True
+            self._send_tokens(t, now, ev)
+            return
+        kv = src.detach(seq, keep_blocks=True)
+        assert kv == t.final_kv, (kv, t.final_kv)
+        t.held = blocks_for(kv, self.block_size)
+        t.held_tokens = kv
+        tokens = kv - t.sent
+        cost = src.cost
+        t.bytes += cost.kv_bytes(tokens)
+        t.sent = kv
+        t.phase = FINAL_COPY
+        ev.append(
+            (now + cost.kv_transfer_time(tokens, t.link), P_TRANSFER, TRANSFER, (t, FINAL_COPY))
+        )
+
+    def _attach(self, t: MigrationTask, now: float) -> None:
+        t.dst.attach(t.seq, t.held_tokens, t.reserved)
+        t.reserved = 0
+        assert t.t_detach is not None
+        t.seq.record.migration_stall_s += now - t.t_detach
+        self._complete(t, now)
+
+    # ------------------------------------------------------------ endings
+    def _complete(self, t: MigrationTask, now: float) -> None:
+        seq = t.seq
+        rec = seq.record
+        rec.migrations += 1
+        rec.instance = t.dst.id
+        self.records.append(
+            MigrationRecord(now, seq.id, t.src.id, t.dst.id, t.mode, t.bytes, t.stages)
+        )
+        seq.mig = None
+        t.phase = DONE
+        t.held_tokens = 0
+        self._unref(t, dst=True)
+
+    def _abort(self, t: MigrationTask, reason: str, now: float, ev: list[Event]) -> None:
+        if t.reserved:
+            _iter_end(t.dst, t.dst.unreserve(t.reserved, now), ev)
+            t.reserved = 0
+        self._unref(t, src=t.src_ref, dst=True)
+        self.touched.append(t.dst)
+        t.seq.mig = None
+        t.phase = ABORTED
+        self._count_abort(t.seq, reason)
+
+    def _count_abort(self, seq: Seq, reason: str) -> None:
+        seq.record.aborted_migrations += 1
+        self.aborted += 1
+        logger.debug("migration of request %d aborted: %s", seq.id, reason)
+
+    def _ref(self, t: MigrationTask, *, src: bool = False, dst: bool = False) -> None:
+        if src:
+            t.src_ref = True
+            t.src.mig_refs += 1
+            self._out.setdefault(t.src.id, []).append(t)
+        if dst:
+            t.dst_ref = True
+            t.dst.mig_refs += 1
+            self._in.setdefault(t.dst.id, []).append(t)
+
+    def _unref(self, t: MigrationTask, *, src: bool = False, dst: bool = False) -> None:
+        if src and t.src_ref:
+            t.src_ref = False
+            t.src.mig_refs -= 1
+            _remove(self._out, t.src.id, t)
+        if dst and t.dst_ref:
+            t.dst_ref = False
+            t.dst.mig_refs -= 1
+            _remove(self._in, t.dst.id, t)
+
+    # ------------------------------------------------------------ integrity
+    def places(self) -> Iterator[tuple[int, str]]:
+        """``(request id, place)`` of requests that are on no instance's lists:
+        detached from their source (KV final copy) or in transit (token ids)."""
+        for tasks in self._in.values():
+            for t in tasks:
+                if t.phase in (FINAL_COPY, ATTACHING):
+                    yield t.seq.id, f"detached from {t.src.id}"
+        for rid in self.transit:
+            yield rid, "in transit"
+
+    def check_integrity(self, instances: dict[int, Instance]) -> None:
+        """Migration memory and references of every instance match the tasks."""
+        for iid, inst in instances.items():
+            out = self._out.get(iid, [])
+            into = self._in.get(iid, [])
+            assert inst.mig_refs == len(out) + len(into), (iid, inst.mig_refs)
+            assert inst.mig_in == sum(t.reserved for t in into), (iid, inst.mig_in)
+            assert inst.mig_out == sum(t.held for t in out), (iid, inst.mig_out)
+            for t in out:
+                assert t.src is inst and t.seq.mig is t
+                if t.phase in (STAGE, DETACHING):
+                    assert t.seq.running and t.seq.inst is inst
+            for t in into:
+                assert t.dst is inst and t.seq.mig is t
+                assert t.reserved <= blocks_for(max(t.sent, t.final_kv), self.block_size)
+        for iid in (*self._out, *self._in):
+            assert iid in instances, f"a migration touches released instance {iid}"
+
+
+def _iter_end(inst: Instance, end: float | None, ev: list[Event]) -> None:
+    if end is not None:
+        ev.append((end, P_ITER_END, ITER_END, (inst, inst.version)))
+
+
+def _remove(d: dict[int, list[MigrationTask]], key: int, t: MigrationTask) -> None:
+    lst = d[key]
+    lst.remove(t)
+    if not lst:
+        del d[key]
