@@ -33,6 +33,13 @@ STACKS: dict[str, Stack] = {
         Stack("bf", "Best-Fit dispatch on free KV memory, no migration (Mell §VIII)", "best_fit"),
         Stack("wf", "Worst-Fit dispatch on free KV memory, no migration (Mell §VIII)", "worst_fit"),
         Stack("ll", "least-loaded dispatch (fewest requests), no migration", "least_loaded"),
+        Stack(
+            "llumnix",
+            "Worst-Fit dispatch + Llumnix load balancing by live KV migration (Mell's LB)",
+            "worst_fit",
+            migration="llumnix",
+            mechanism="kv",
+        ),
     )
 }
 
