@@ -31,6 +31,7 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
+	$(BIN)/python benchmarks/mell_ops.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache
