@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from fleetserve.config import SimConfig
 
 
-class DispatchPolicy(ABC):
-    """Chooses the instance for each arriving request (or activates one, or rejects)."""
+class Policy(ABC):  # noqa: B024 - shared constructor, no abstract method of its own
+    """What every policy family shares: no parameters unless a subclass takes
+    them, and construction from a run's config."""
 
     def __init__(self, **params: Any) -> None:
         if params:
@@ -33,6 +34,10 @@ class DispatchPolicy(ABC):
     def from_config(cls, config: SimConfig) -> Self:
         """An instance with the parameters ``config`` sets for it (default: none)."""
         return cls()
+
+
+class DispatchPolicy(Policy):
+    """Chooses the instance for each arriving request (or activates one, or rejects)."""
 
     @abstractmethod
     def dispatch(
@@ -57,7 +62,7 @@ class AdmissionBudget(ABC):
         """Commit ``seq`` to the next batch (call only after ``fits`` said yes)."""
 
 
-class BatchingPolicy(ABC):
+class BatchingPolicy(Policy):
     """Per-instance batch scheduler: whom to admit from the waiting queue and
     whom to preempt when the KV cache runs out.
 
@@ -71,15 +76,6 @@ class BatchingPolicy(ABC):
 
     macro_step_safe: ClassVar[bool] = False
 
-    def __init__(self, **params: Any) -> None:
-        if params:
-            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Self:
-        """An instance with the parameters ``config`` sets for it (default: none)."""
-        return cls()
-
     @abstractmethod
     def admit(
         self, inst: InstanceView, waiting: Sequence[SeqView], budget: AdmissionBudget
@@ -91,34 +87,16 @@ class BatchingPolicy(ABC):
         """The running request to preempt (recompute) when memory runs out."""
 
 
-class MemoryPolicy(ABC):
+class MemoryPolicy(Policy):
     """GPU-pool and memory management: here, when to release idle instances."""
-
-    def __init__(self, **params: Any) -> None:
-        if params:
-            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Self:
-        """An instance with the parameters ``config`` sets for it (default: none)."""
-        return cls()
 
     @abstractmethod
     def on_idle(self, state: ClusterState, inst: InstanceView, now: float) -> list[ReleaseGpu]:
         """Called when ``inst`` has just become idle (no running or waiting request)."""
 
 
-class PlacementPolicy(ABC):
+class PlacementPolicy(Policy):
     """Initial placement of models on a fixed GPU pool."""
-
-    def __init__(self, **params: Any) -> None:
-        if params:
-            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Self:
-        """An instance with the parameters ``config`` sets for it (default: none)."""
-        return cls()
 
     @abstractmethod
     def place(self, rates: dict[str, float], n_gpus: int, tp: dict[str, int]) -> list[str]:
@@ -131,7 +109,7 @@ class PlacementPolicy(ABC):
         """
 
 
-class MigrationPolicy(ABC):
+class MigrationPolicy(Policy):
     """Periodic re-planning of where running requests live (Llumnix, Mell).
 
     The backend calls :meth:`plan` every ``interval_s`` seconds of its clock
@@ -147,29 +125,20 @@ class MigrationPolicy(ABC):
 
     interval_s: float | None = None
 
-    def __init__(self, **params: Any) -> None:
-        if params:
-            raise TypeError(f"{type(self).__name__} takes no parameters, got {sorted(params)}")
-
-    @classmethod
-    def from_config(cls, config: SimConfig) -> Self:
-        """An instance with the parameters ``config`` sets for it (default: none)."""
-        return cls()
-
     @abstractmethod
     def plan(self, state: ClusterState, now: float, rng: np.random.Generator) -> list[Any]:
         """Actions to apply now (see the class docstring)."""
 
-    def attach(self, dispatcher: DispatchPolicy) -> None:  # noqa: B027 - optional hook
+    def attach(self, dispatcher: DispatchPolicy) -> None:
         """Called once with the run's dispatch policy (Mell shares its packer)."""
 
-    def bind(self, ref: int, instance_id: int) -> None:  # noqa: B027 - optional hook
+    def bind(self, ref: int, instance_id: int) -> None:
         """The instance started for ``ActivateGpu(ref=ref)`` got ``instance_id``."""
 
-    def on_finish(self, request_id: int, instance_id: int, now: float) -> None:  # noqa: B027
+    def on_finish(self, request_id: int, instance_id: int, now: float) -> None:
         """Request ``request_id`` finished on ``instance_id`` (Mell's Depart)."""
 
-    def on_release(self, instance_id: int, now: float) -> None:  # noqa: B027
+    def on_release(self, instance_id: int, now: float) -> None:
         """Instance ``instance_id`` was released by the backend."""
 
 
