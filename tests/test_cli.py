@@ -631,3 +631,56 @@ def test_acceptance_command_on_real_trace(
     notes = " ".join(s.get("notes", []))
     assert "capped" in notes, s.get("notes")
     assert "capped" in o  # and the user is told on the console
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "workload"
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("azure_ok.csv", ()),
+        ("burstgpt_ok.csv", ()),
+        ("mooncake_ok.jsonl", ()),
+        ("native_ok.jsonl", ()),
+        ("lengths_ok.csv", ("--rate", "2")),
+    ],
+)
+def test_simulate_mell_any_format_elastic(
+    name: str, extra: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--stack mell`` on every trace format: a complete summary with
+    migrations split by mode (count and bytes) and the adaptive mechanism."""
+    out = tmp_path / "out"
+    rc, _, e = run_cli(
+        capsys,
+        "simulate",
+        "--trace",
+        FIXTURES / name,
+        *extra,
+        "--elastic",
+        "--stack",
+        "mell",
+        "--out",
+        out,
+        "--no-progress",
+    )
+    assert rc == 0, e
+    s = load_summary(out)
+    assert_summary_complete(s)
+    assert s["requests"]["finished"] == s["requests"]["total"]
+    assert s["config"]["policy"]["stack"] == "mell"
+    assert s["config"]["migration"]["mechanism"] == "adaptive"
+    for mode in ("kv", "token"):
+        assert set(s["migrations"]["by_mode"][mode]) == {"count", "bytes"}
+
+
+def test_simulate_mell_fixed_pool_is_a_one_line_error(
+    tiny_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    rc, o, e = run_cli(
+        capsys, "simulate", "--trace", tiny_trace, "--gpus", "2", "--stack", "mell", "--out", out
+    )
+    assert_one_line_error(rc, o, e, "elastic")
+    assert_no_results(out)

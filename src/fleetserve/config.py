@@ -223,23 +223,17 @@ class MellConfig:
         batching: request-operation batching (Departs, then Updates, then
             Allocates per epoch, redundant moves removed); False runs each
             operation's moves as they come.
-        allocate: ``epoch`` — arrivals wait for the next epoch and are
-            allocated in its batch (Algorithm 1 as written); ``arrival`` —
-            each arrival is allocated at once, its moves join the next epoch.
         w_requests: weight of a GPU's request count in its priority (fewer is better).
         w_free: weight of a GPU's free KV fraction in its priority (more is better).
         w_distance: weight of being on the same node, in GPU-to-GPU priority.
     """
 
     batching: bool = True
-    allocate: str = "epoch"
     w_requests: float = 1.0
     w_free: float = 1.0
     w_distance: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.allocate not in ("epoch", "arrival"):
-            raise ConfigError(f"mell.allocate must be 'epoch' or 'arrival', got {self.allocate!r}")
         for name in ("w_requests", "w_free", "w_distance"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"mell.{name} must be >= 0")

@@ -114,6 +114,10 @@ class ClusterState:
         elastic: whether the pool may activate and release GPUs.
         model_tp: tensor-parallel degree of each model's instances.
         gpus_per_node: GPUs per node; GPU ``g`` is on node ``g // gpus_per_node``.
+        request_blocks: per model, the KV blocks of one instance that requests
+            may fill (total blocks minus the admission watermark): the largest
+            request an instance holds, and Mell's per-GPU capacity ``C``.
+        block_size: tokens per KV block.
     """
 
     instances: dict[int, InstanceView] = field(default_factory=dict)
@@ -123,6 +127,8 @@ class ClusterState:
     elastic: bool = False
     model_tp: dict[str, int] = field(default_factory=dict)
     gpus_per_node: int = 8
+    request_blocks: dict[str, int] = field(default_factory=dict)
+    block_size: int = 16
 
     def instances_of(self, model: str) -> list[InstanceView]:
         """Active instances serving ``model``, in activation order."""

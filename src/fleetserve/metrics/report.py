@@ -237,7 +237,7 @@ def render_report(summary: Mapping[str, Any], files: Sequence[str | Path]) -> st
         ),
         ("GPU hours", fmt(_get(summary, "gpus", "gpu_hours"))),
     ]
-    if "lower_bound" in (summary.get("gpus") or {}):
+    if _get(summary, "gpus", "lower_bound") is not None:
         figures.append(("GPU lower bound (KV demand)", fmt(_get(summary, "gpus", "lower_bound"))))
     for kind, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "end-to-end")):
         st = lat.get(kind) or {}
@@ -283,7 +283,7 @@ def render_report(summary: Mapping[str, Any], files: Sequence[str | Path]) -> st
         ]
 
     by_mode = _get(summary, "migrations", "by_mode") or {}
-    if by_mode:
+    if any(d.get("count") for d in by_mode.values()):
         out += ["## Migrations by mode", ""]
         out += [
             _md_table(

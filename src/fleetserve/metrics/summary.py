@@ -24,8 +24,9 @@ between the simulator and the runtime):
   (a release and an activation at the same instant do not overlap;
   zero-length intervals are ignored). ``mean`` is the time-average of the
   active-GPU count over the run span, ``gpu_hours`` the total GPU-time of all
-  intervals. ``lower_bound`` (only when ``result.kv_bytes_per_gpu`` is set) is
-  the maximum over samples of ``ceil(kv_demand_bytes / kv_bytes_per_gpu)``.
+  intervals. ``lower_bound`` is the maximum over samples of
+  ``ceil(kv_demand_bytes / kv_bytes_per_gpu)``, or None when the run has no
+  single KV capacity per GPU (``result.kv_bytes_per_gpu`` unset: several models).
 * **KV utilization** — mean over time-series samples (taken every
   ``interval_s``, so the mean is a time-average) of ``kv_used / kv_capacity``
   of active GPUs; samples with zero capacity are excluded.
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from fleetserve.metrics.records import GpuInterval, RequestRecord, RunResult, TimeSeries
+from fleetserve.policy.mechanism import MODES
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +267,9 @@ def gpu_lower_bound(ts: TimeSeries, kv_bytes_per_gpu: int) -> int | None:
 
 
 def migration_stats(result: RunResult, span: float) -> dict[str, Any]:
-    """``count``, ``per_s``, ``bytes`` and ``by_mode: {mode: {count, bytes}}``."""
-    by_mode: dict[str, dict[str, int]] = {}
+    """``count``, ``per_s``, ``bytes`` and ``by_mode: {mode: {count, bytes}}``
+    (every mode listed, zeros included)."""
+    by_mode = {mode: {"count": 0, "bytes": 0} for mode in MODES}
     for m in result.migrations:
         d = by_mode.setdefault(m.mode, {"count": 0, "bytes": 0})
         d["count"] += 1
@@ -343,8 +346,11 @@ def summarize(result: RunResult, slo_scales: Sequence[float] = DEFAULT_SLO_SCALE
     out_tokens = sum(r.output_tokens for r in finished)
 
     gpus: dict[str, Any] = dict(gpu_stats(result.gpu_intervals, start_s, end_s))
-    if result.kv_bytes_per_gpu is not None:
-        gpus["lower_bound"] = gpu_lower_bound(result.timeseries, result.kv_bytes_per_gpu)
+    gpus["lower_bound"] = (
+        None
+        if result.kv_bytes_per_gpu is None
+        else gpu_lower_bound(result.timeseries, result.kv_bytes_per_gpu)
+    )
 
     by_model: dict[str, list[RequestRecord]] = {}
     for r in records:

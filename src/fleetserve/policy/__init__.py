@@ -27,6 +27,7 @@ from fleetserve.policy.base import (
     PlacementPolicy,
 )
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, MigrationMechanism, PendingMove
+from fleetserve.policy.mell import scheduler as mell_scheduler
 from fleetserve.policy.stacks import STACKS, Stack, get_stack
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "get_stack",
     "llumnix",
     "mechanism",
+    "mell_scheduler",
     "memory",
     "migration",
     "placement",

@@ -141,6 +141,10 @@ class MigrationPolicy(Policy):
     def on_release(self, instance_id: int, now: float) -> None:
         """Instance ``instance_id`` was released by the backend."""
 
+    def on_move_aborted(self, request_id: int) -> None:
+        """A planned move of ``request_id`` was aborted or dropped (the request
+        stays where it was; see :mod:`fleetserve.sim.migration`)."""
+
 
 DISPATCH: Registry[DispatchPolicy] = Registry("dispatch")
 BATCHING: Registry[BatchingPolicy] = Registry("batching")

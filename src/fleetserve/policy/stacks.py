@@ -40,6 +40,14 @@ STACKS: dict[str, Stack] = {
             migration="llumnix",
             mechanism="kv",
         ),
+        Stack(
+            "mell",
+            "Mell: epoch-batched Fig. 10 packing with adaptive KV/token migration (Mell §V-VI)",
+            "mell",
+            migration="mell",
+            memory="planned",
+            mechanism="adaptive",
+        ),
     )
 }
 

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fleetserve.cluster.state import blocks_for
@@ -211,6 +211,9 @@ class Migrations:
         self.records: list[MigrationRecord] = []
         self.aborted = 0
         self.touched: list[Instance] = []
+        # Told the request id of every aborted or dropped move (the simulator
+        # passes MigrationPolicy.on_move_aborted).
+        self.on_abort: Callable[[int], None] = _ignore
 
     # ------------------------------------------------------------- planning
     def plan_move(self, seq: Seq, dst: Instance, mode: str | None) -> None:
@@ -458,6 +461,7 @@ class Migrations:
         seq.record.aborted_migrations += 1
         self.aborted += 1
         logger.debug("migration of request %d aborted: %s", seq.id, reason)
+        self.on_abort(seq.id)
 
     def _ref(self, t: MigrationTask, *, src: bool = False, dst: bool = False) -> None:
         if src:
@@ -507,6 +511,10 @@ class Migrations:
                 assert t.reserved <= blocks_for(max(t.sent, t.final_kv), self.block_size)
         for iid in (*self._out, *self._in):
             assert iid in instances, f"a migration touches released instance {iid}"
+
+
+def _ignore(request_id: int) -> None:
+    pass
 
 
 def _iter_end(inst: Instance, end: float | None, ev: list[Event]) -> None:

@@ -200,6 +200,8 @@ class Simulator:
             elastic=cl.elastic,
             model_tp=dict.fromkeys(names, cl.tp),
             gpus_per_node=self.gpu.gpus_per_node,
+            request_blocks=dict(self.max_req_blocks),
+            block_size=cl.block_size,
         )
         self.instances: dict[int, Instance] = {}
         self._next_iid = 0
@@ -217,6 +219,7 @@ class Simulator:
             MECHANISM.get(pn["mechanism"])(),
             cl.block_size,
         )
+        self.mig.on_abort = self.migration.on_move_aborted
         self._compute_tokens: dict[str, int] = {}
         self._epoch = 0
         self.n_events = 0

@@ -1,0 +1,1 @@
+"""Mell (Fig. 10 packer and its epoch scheduler)."""
