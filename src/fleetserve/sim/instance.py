@@ -172,6 +172,13 @@ class Seq:
     @property
     def demand_tokens(self) -> int:
         """``max(kv_tokens, prompt + generated)`` (Mell's request size)."""
+        inst = self.inst
+        if self.running and inst is not None:
+            # Both terms from one lookup: with d = decode_steps - steps,
+            # prompt + generated = base + steps + d + 1 and kv_tokens is the same
+            # while an iteration is in flight (base + steps + d + 1), one less
+            # once the segment is over.
+            return self.base + inst.decode_steps + 1
         return max(self.kv_tokens, self.prompt_tokens + self.generated)
 
     @property
@@ -327,7 +334,7 @@ class Instance:
         """Decode iterations completed as of ``clock.now`` (in-flight segment included)."""
         if self.phase < DECODE:
             return self.steps
-        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
+        k = int(self._ends.searchsorted(self.clock.now, side="right"))
         return self.steps + (k if k < self._n else self._n)
 
     def kv_steps(self) -> int:
@@ -336,7 +343,7 @@ class Instance:
         already allocated, as :attr:`used_blocks` counts it)."""
         if self.phase < DECODE:
             return self.steps
-        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
+        k = int(self._ends.searchsorted(self.clock.now, side="right"))
         return self.steps + (k + 1 if k < self._n else self._n)
 
     def prefilling(self) -> list[Seq]:
@@ -721,6 +728,7 @@ class Instance:
         for s in self.running.values():
             assert s.running and s.inst is self and not s.in_prefill
             assert s.base + self.steps <= s.prompt_tokens + s.output_tokens - 1
+            assert s.demand_tokens == max(s.kv_tokens, s.prompt_tokens + s.generated), s.id
         for s in self.prefilling():
             assert s.in_prefill and s.inst is self and not s.running
         for s in self.waiting:
