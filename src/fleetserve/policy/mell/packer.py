@@ -26,45 +26,91 @@ live GPUs of that category.
 Operations (Fig. 10), with the details the figure leaves open:
 
 * ``allocate(i)``
-  - T/X: the L-GPU with room and the highest priority; else the most
+  - T/X: the L-GPU with room and the highest priority (or an M-GPU under
+    3C/4 whose T-content stays within C/4, property 5); else the most
     recently activated T-GPU if it has room; else a new GPU.
   - S/M: the L-GPU without S/M with ``S_L + S_i <= C`` (the figure writes
     ``<``; constraint (2) allows equality) and the highest priority, then
     its T-units are departed and re-allocated; else the most recently
     activated S-GPU (for S; it holds at most 3) or M-GPU (for M; at most 2)
     if it has room; else a new GPU.
-  - L: a new GPU; then the S/M-request that fits, from the S/M-GPU with the
-    highest priority for the new GPU, moves in; the GPU it left is refilled
-    with a request of the same class from the most recently activated GPU
-    of that class.
+  - L: a new GPU; then an S/M-request that fits moves in from an S/M-GPU
+    (*pull*, below); the GPU it left is refilled with a request of the same
+    class from the most recently activated GPU of that class.
 * ``depart(i)`` on GPU j
-  - j is the most recently activated GPU overall: just remove i.
+  - j is the most recently activated GPU overall: just remove i (the repair
+    pass still applies, e.g. an M left behind by a departed L goes to an
+    L-GPU it fits, property 4).
   - T/X: refill j with T-units from the most recently activated T-GPU while
     j is under 3C/4 and a unit fits (the figure's "move a T-request ... to
-    fit in j"; two units always suffice).
+    fit in j").
   - S/M from an S- or M-GPU: a request of the same class moves in from the
     most recently activated GPU of that class; T-units in j are re-allocated.
   - S/M from an L-GPU: pull an S/M-request as in ``allocate`` of an L.
   - L: every other request in j is re-allocated.
 * ``update(i)`` (size change)
   - X -> T: stays (it leaves its multi-item).
-  - to S or M from X/T/S, or to L from X/T/S: depart i and re-allocate i.
-  - M -> L: on an L-GPU depart and re-allocate i; on an M-GPU, if j
-    overflows, depart and re-allocate all other requests in j.
-  - growth within a class that overflows j (the figure's L -> L case, here
-    for every category): L-GPU — re-allocate all others; other GPUs —
-    re-allocate T-units, largest first, then the smaller S/M requests, until
-    j fits.
+  - to S or M from X/T/S, to L from X/T/S, and M -> L on an L-GPU: "depart
+    i and re-allocate i" -- i leaves j and is allocated as its new class
+    first; the refills Depart would do on j are left to the repair pass,
+    which does the same (j is touched) but sees where i went (i may land on
+    j again, and no T-unit is pulled into j for i's sake).
+  - M -> L on an M-GPU: if j overflows, depart and re-allocate all other
+    requests in j.
+  - growth within a class that overflows j: of the L-request (the figure's
+    L -> L) -- re-allocate all other requests in j; of any other request
+    (any GPU) -- re-allocate T-units, largest first, then the smaller S/M
+    requests, until j fits (the fewest moves; re-allocating an L-GPU's S/M
+    for a T-unit's growth would cost a pull and its refills for nothing).
+  - (not in Mell's model, for robustness) a shrink to a lower class departs
+    and re-allocates i; an S/M shrinking within its class on an S/M-GPU
+    moves to an L-GPU it now fits (property 4).
+
+*Pull* (an L-GPU without S/M takes one): among the S/M-requests on S/M-GPUs
+that fit, those on the most recently activated S- or M-GPU come first, then
+the highest GPU-to-GPU priority (Fig. 10: "the highest priority for GPU
+j"). The most recent GPU of a category is exempt, so taking from it needs
+no refill: one migration instead of a chain of refills.
 
 After every operation a *repair* pass restores the properties of Theorem 1
-on the GPUs the operation touched (what the figure does case by case, made
-uniform so growth and category changes are covered): a T-GPU under 3C/4
-pulls T-units from the most recently activated T-GPU; an S-GPU with fewer
-than three S (M-GPU with fewer than two M) pulls from the most recently
-activated S-GPU (M-GPU); an L-GPU without S/M pulls one that fits; L- and
-M-GPUs under 3C/4 pull T-units while T-GPUs exist; an M-GPU keeps at most
-one T-unit of T-content (at most C/4). A GPU a request was pulled from is
-repaired in turn if it is not the most recent of its (new) category.
+on the GPUs the operation touched and on the GPU that was the most recent
+of each category before (what the figure does case by case, made uniform
+so growth and category changes are covered). A GPU changed again after its
+repair (a later repair pulled from it) is repaired again. Two phases:
+
+1. S/M/L structure (properties 1, 2, 4), GPUs that just became S/M-GPUs
+   first (their S/M go to L-GPUs they fit, as ``allocate`` would place
+   them, before another GPU refills from them), then by category, L first:
+   an S-GPU with fewer than three S (M-GPU with fewer than two M) pulls from
+   the most recently activated S-GPU (M-GPU); an L-GPU without S/M pulls
+   one; an M-GPU keeps one T-unit of T-content (at most C/4).
+2. T-content (properties 3 and 5): a T-GPU under 3C/4 pulls T-units from
+   the most recently activated T-GPU, or, if it just became a T-GPU and
+   either an L/M-GPU that is not the most recent of its category is under
+   3C/4 or it holds at most two units, is dissolved: its units move to
+   L-GPUs with room, M-GPUs under 3C/4, the most recent T-GPU or another
+   T-GPU with room -- all of them or none (a partial dissolve would be
+   paid again by the refill); L-GPUs and M-GPUs with two M under 3C/4 pull
+   T-units while T-GPUs exist, including GPUs the operation did not touch
+   (when it created the first T-GPU, property 5 covers every L/M-GPU). The
+   most recent M-GPU with one M pulls none (it is exempt, and one M plus
+   C/4 of T-content cannot reach 3C/4 anyway).
+
+T-units displaced in phase 1 or by the operation itself (the "depart and
+re-allocate" of T-units when an S/M joins a GPU) are *lifted* -- taken off
+their GPU into the operation's buffer -- and re-allocated between the two
+phases, largest first: first to a T-GPU under 3C/4 that phase 2 refills
+anyway (no longer the most recent one), else as ``allocate`` places a
+T-unit. So a T-unit moves at most once for them, never onto a GPU that an
+S/M then evicts it from again (this is Mell's operation batching, §VI-C,
+within one operation: the buffered moves are executed once, where they end
+up; a unit that lands back on its own GPU does not move).
+
+Theorem 3 bounds an operation by ten migrations; its proof counts Fig. 10's
+moves only, not the repairs. Here ``item_moves`` counts every T-unit and
+S/M/L move the operation makes, repairs included; the choices above keep
+it at most ten on every random stream tried (max nine seen; the tests check
+it), but that bound is measured, not proven for this implementation.
 
 **Exceptions.** The properties are checked on every GPU except the most
 recently activated GPU of each category: at most **4** GPUs (the constant
@@ -79,7 +125,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 X, T, S, M, L = 0, 1, 2, 3, 4
 CLASS_NAMES = ("X", "T", "S", "M", "L")
@@ -159,7 +207,8 @@ class Bin:
     @property
     def n(self) -> int:
         """Requests on this GPU."""
-        return sum(len(d) for d in self.by)
+        by = self.by
+        return len(by[0]) + len(by[1]) + len(by[2]) + len(by[3]) + len(by[4])
 
     def category(self) -> int:
         by = self.by
@@ -231,6 +280,7 @@ class MellPacker:
         self._next_bin = 0
         self._cats: list[list[int]] = [[] for _ in range(5)]  # sorted bin ids by category
         self._lfree = _SortedPairs()  # (free, bin) of L-GPUs
+        self._tfree = _SortedPairs()  # (free, bin) of T-GPUs
         self._lopen = _SortedPairs()  # (L size, bin) of L-GPUs without S/M
         self._smpool = _SortedPairs()  # (size, rid) of S/M requests on S/M-GPUs
         self._keys: dict[int, tuple[int | None, int | None]] = {}  # bin -> (lfree, lopen) keys
@@ -238,9 +288,12 @@ class MellPacker:
         self._moves: list[Move] = []
         self._items = 0
         self._touched: dict[int, None] = {}
+        self._air: list[tuple[tuple[int, ...], Bin]] = []  # lifted T-units, their source
+        self._done: set[int] = set()  # bins repaired (and unchanged since) in this op
+        self._repairing = -1  # the bin being repaired now
         self._became: dict[int, None] = {}  # bins whose category changed in this op
         self._order: list[int] = []  # max-heap (negated) of live bin ids
-        self._mlow: dict[int, None] = {}  # M-GPUs under 3C/4 without T-content
+        self._mlow: dict[int, None] = {}  # M-GPUs under 3C/4
         self.new_bins: list[int] = []  # bins opened since the caller last cleared it
 
     # ------------------------------------------------------------- queries
@@ -344,10 +397,12 @@ class MellPacker:
         self._moves = []
         self._items = 0
         self._touched = {}
+        self._done = set()
         self._became = {}
 
     def _end(self) -> OpResult:
         self._repair_touched()
+        assert not self._air
         for bid in self._touched:
             b = self.bins.get(bid)
             if b is not None and b.cat == EMPTY:
@@ -356,6 +411,8 @@ class MellPacker:
 
     def _touch(self, b: Bin) -> None:
         self._touched[b.id] = None
+        if b.id != self._repairing:
+            self._done.discard(b.id)  # changed after its repair: repair it again
 
     # ---------------------------------------------------------- primitives
     def _new_bin(self) -> Bin:
@@ -376,7 +433,7 @@ class MellPacker:
     def _unindex(self, b: Bin) -> None:
         kf, ko = self._keys[b.id]
         if kf is not None:
-            self._lfree.remove(kf, b.id)
+            (self._lfree if b.cat == L else self._tfree).remove(kf, b.id)
         if ko is not None:
             self._lopen.remove(ko, b.id)
         self._keys[b.id] = (None, None)
@@ -407,6 +464,9 @@ class MellPacker:
                 (lr,) = b.by[L]
                 ko = self.size[lr]
                 self._lopen.add(ko, b.id)
+        elif cat == T:
+            kf = self.C - b.used
+            self._tfree.add(kf, b.id)
         elif cat in (S, M):
             size = self.size
             for c in (S, M):
@@ -453,6 +513,50 @@ class MellPacker:
     def _unit_size(self, unit: tuple[int, ...]) -> int:
         size = self.size
         return sum(size[r] for r in unit)
+
+    def _lift(self, unit: tuple[int, ...]) -> None:
+        """Take a T-unit off its GPU to be re-allocated by :meth:`_land` (the
+        operation's buffer: it moves once, wherever it lands)."""
+        self._air.append((unit, self._take(unit)))
+
+    def _land(self) -> None:
+        """Re-allocate the lifted T-units, largest first. A T-GPU that is
+        under 3C/4 and no longer the most recent one (property 3 has it
+        refilled from the most recent T-GPU next) takes them first; the rest
+        are allocated as new T-units are."""
+        while self._air:
+            air = sorted(self._air, key=lambda a: (-self._unit_size(a[0]), a[0]))
+            self._air = []
+            needy = self._needy_t()
+            for unit, src in air:
+                us = self._unit_size(unit)
+                dst = next((b for b in needy if self._wants_t(b, us)), None)
+                if dst is not None:
+                    self._put(unit, dst, src)
+                else:
+                    self._allocate(unit, src)
+
+    def _needy_t(self) -> list[Bin]:
+        """T-GPUs touched by this operation or just past their exemption that
+        are under 3C/4 and will be refilled rather than dissolved."""
+        lt = self.latest(T)
+        if lt is None:
+            return []
+        cap = self.C
+        cands = [self.bins[b] for b in self._touched if b in self.bins]
+        sl = self.second_latest(T)
+        if sl is not None:
+            cands.append(sl)
+        out: list[Bin] = []
+        for b in cands:
+            needy = b.cat == T and b is not lt and b.id not in self._became
+            if needy and 4 * b.used < 3 * cap and b not in out:
+                out.append(b)
+        return out
+
+    def _wants_t(self, b: Bin, us: int) -> bool:
+        """``b`` (a needy T-GPU) is still under 3C/4 and has room for ``us``."""
+        return 4 * b.used < 3 * self.C and b.used + us <= self.C
 
     def _move_unit(self, unit: tuple[int, ...], dst: Bin) -> None:
         src = self._take(unit)
@@ -551,28 +655,44 @@ class MellPacker:
     def _reallocate_t(self, b: Bin) -> None:
         """Depart and re-allocate every T-unit on ``b`` (Fig. 10, Allocate S/M)."""
         for unit in self.t_units(b):
-            self._take(unit)
-            self._allocate(unit, b)
+            self._lift(unit)
 
     def _pull_sm(self, j: Bin) -> None:
-        """Move into L-GPU ``j`` the S/M-request that fits from the S/M-GPU
-        with the highest priority for ``j``; refill the GPU it left."""
+        """Move into L-GPU ``j`` an S/M-request that fits: from the most recent
+        S- or M-GPU if one of theirs fits, else from the S/M-GPU with the
+        highest priority for ``j`` (the smallest fitting request of it);
+        refill the GPU it left."""
         if j.cat != L or j.by[S] or j.by[M]:
             return
         (lr,) = j.by[L]
         room = self.C - self.size[lr]
         best: Bin | None = None
-        best_r = -1
-        best_p = 0.0
-        a = self._smpool.a
-        for i in range(self._smpool.upto(room)):
-            _s, r = a[i]
-            src = self.where[r]
+        best_key = (0.0, 0, 0)
+        size = self.size
+        # the most recent S/M-GPU first: it needs no refill (it is exempt)
+        for src in (self.latest(S), self.latest(M)):
+            if src is None:
+                continue
             p = self.prio_to(src, j)
-            if best is None or p > best_p:
-                best, best_r, best_p = src, r, p
+            for c in (S, M):
+                for r in src.by[c]:
+                    key = (p, -size[r], -r)  # ties: the smallest, as in the pool
+                    if size[r] <= room and (best is None or key > best_key):
+                        best, best_key = src, key
+        if best is None:
+            a = self._smpool.a
+            cache: dict[int, float] = {}
+            for i in range(self._smpool.upto(room)):
+                r = a[i][1]
+                src = self.where[r]
+                q = cache.get(src.id)
+                if q is None:
+                    q = cache[src.id] = self.prio_to(src, j)
+                if best is None or q > best_key[0]:
+                    best, best_key = src, (q, -size[r], -r)
         if best is None:
             return
+        best_r = -best_key[2]
         c = self.cls[best_r]
         self._move_unit((best_r,), j)
         self._reallocate_t_overflow(j)
@@ -586,8 +706,7 @@ class MellPacker:
         for unit in units:
             if j.used <= self.C:
                 break
-            self._take(unit)
-            self._allocate(unit, j)
+            self._lift(unit)
 
     def _refill_class(self, j: Bin, c: int) -> None:
         """``j`` lost a class-``c`` (S or M) request: take one of that class from
@@ -632,8 +751,7 @@ class MellPacker:
                     self._take((r,))
                     self._allocate((r,), j)
             for unit in self.t_units(j):
-                self._take(unit)
-                self._allocate(unit, j)
+                self._lift(unit)
         return j
 
     def _refill_t(self, j: Bin) -> None:
@@ -658,11 +776,18 @@ class MellPacker:
         j = self.where[rid]
         old = self.cls[rid]
         new = size_class(size, self.C)
+        shrank = size < self.size[rid]
         self._unindex(j)
         self._set_size(rid, j, size)
         self._index(j)
         self._touch(j)
         if new == old:
+            if shrank and new in (S, M) and j.cat in (S, M):
+                # (not in Mell's model) it may fit an L-GPU now: property 4
+                dst = self._choose_l_for_sm(size)
+                if dst is not None:
+                    self._move_unit((rid,), dst)
+                    self._reallocate_t_overflow(dst)
             self._resolve_overflow(j, rid)
             return
         if new == T and old == X:
@@ -670,14 +795,16 @@ class MellPacker:
             self._resolve_overflow(j, rid)
             return
         if new in (S, M) or (new == L and old < M):
-            # "Depart i and re-allocate i" — as its old class, then as its new one.
-            self._depart(rid)
+            # "Depart i and re-allocate i": i leaves j and is allocated as its
+            # new class; j's Depart refills are left to the repair pass, which
+            # then sees where i went (i may even land on j again).
+            self._take((rid,))
             self.cls[rid] = new
             self._allocate((rid,), j)
             return
         if new == L and old == M:
             if j.cat == L and self._other_l(j, rid):
-                self._depart(rid)
+                self._take((rid,))  # as above
                 self.cls[rid] = new
                 self._allocate((rid,), j)
                 return
@@ -708,8 +835,7 @@ class MellPacker:
                     self._take((r,))
                     self._allocate((r,), j)
         for unit in self.t_units(j):
-            self._take(unit)
-            self._allocate(unit, j)
+            self._lift(unit)
 
     def _resolve_overflow(self, j: Bin, grown: int) -> None:
         """Growth within a class overflowed ``j``: L-GPU — re-allocate all the
@@ -717,9 +843,8 @@ class MellPacker:
         smaller S/M requests, until ``j`` fits."""
         if j.used <= self.C:
             return
-        if j.cat == L:
-            (lr,) = j.by[L]
-            self._reallocate_others(j, lr)
+        if j.cat == L and grown in j.by[L]:
+            self._reallocate_others(j, grown)
             return
         self._reallocate_t_overflow(j)
         for cc in (S, M):
@@ -733,32 +858,85 @@ class MellPacker:
     def _repair_touched(self) -> None:
         """Restore Theorem 1's properties on the GPUs this operation touched,
         and on the GPU that was the most recent of each category before (it
-        lost its exemption if a newer GPU joined the category)."""
+        lost its exemption if a newer GPU joined the category).
+
+        Two phases. First the S/M/L structure (properties 1, 2 and 4: S/M
+        refills, L-GPUs pulling an S/M); T-units these moves displace are
+        lifted, not re-allocated yet. Then the lifted T-units land and the
+        T-content is repaired (property 1's C/4, 3 and 5). T-moves never
+        change the S/M/L structure, so the second phase cannot undo the
+        first, and no T-unit is placed on a GPU that an S/M move then
+        evicts it from again."""
+        became = self._became
+        self._repair_phase(
+            (L, M, S),
+            False,
+            # GPUs that just became S/M-GPUs first (their S/M may belong on
+            # an L-GPU, property 4, before another GPU refills from them);
+            # then larger categories first: an L-GPU pulling an S/M may need
+            # no T-units
+            lambda x: (not (x.id in became and x.cat in (S, M)), -x.cat, x.id),
+            self._repair_sm,
+        )
+        self._land()
+        self._repair_phase((L, M, T), True, lambda x: (-x.cat, x.id), self._repair_t)
+        self._land()
+
+    def _repair_phase(
+        self,
+        cats: tuple[int, ...],
+        p5: bool,
+        key: Callable[[Bin], tuple[Any, ...]],
+        repair: Callable[[Bin], None],
+    ) -> None:
+        """Run ``repair`` on every touched GPU, and on the second most recent
+        GPU of each of ``cats``, until none changed since its repair (with
+        ``p5``: then on the L/M-GPUs property 5 has pull T-units)."""
         done: set[int] = set()
-        for _ in range(8):  # a pull can touch one more GPU; chains are short
+        self._done = done
+        for _ in range(16):  # a pull can touch one more GPU; chains are short
             pending = [b for b in self._touched if b not in done and b in self.bins]
-            for c in (L, M, S, T):
+            for c in cats:
                 sl = self.second_latest(c)
                 if sl is not None and sl.id not in done:
                     pending.append(sl.id)
+            if not pending and p5:
+                pending = self._p5_pending()
             if not pending:
                 return
             bins = [self.bins[b] for b in set(pending) if b in self.bins]
-            # larger categories first: an L-GPU pulling an S/M may need no T-units
-            for b in sorted(bins, key=lambda x: (-x.cat, x.id)):
+            for b in sorted(bins, key=key):
                 done.add(b.id)
                 if b.cat != EMPTY:
-                    self._repair(b)
+                    self._repairing = b.id
+                    repair(b)
+                    self._repairing = -1
 
-    def _repair(self, b: Bin) -> None:
-        cat = b.cat
+    def _p5_pending(self) -> list[int]:
+        """L/M-GPUs (not the most recent of their category) under 3C/4 while a
+        T-GPU exists: property 5 has them pull T-units. Untouched GPUs can be
+        among them when this operation created the first T-GPU."""
+        if self.latest(T) is None:
+            return []
         cap = self.C
-        if cat == T:
-            if b.id not in self._became or not self._dissolve_t(b):
-                self._refill_t(b)
-        elif cat in (S, M) and b.id in self._became and self._sm_to_l(b):
+        out: list[int] = []
+        lt_l, lt_m = self.latest(L), self.latest(M)
+        a = self._lfree.a
+        for i in range(len(a) - 1, -1, -1):
+            free, bid = a[i]
+            if 4 * free <= cap:
+                break
+            if lt_l is None or bid != lt_l.id:
+                out.append(bid)
+        out.extend(b for b in self._mlow if lt_m is None or b != lt_m.id)
+        return [b for b in out if b not in self._done]
+
+    def _repair_sm(self, b: Bin) -> None:
+        """Properties 1 (two M, T-content <= C/4), 2 and 4 on ``b``."""
+        cat = b.cat
+        if cat in (S, M) and b.id in self._became and self._sm_to_l(b):
             return
-        elif cat == S:
+        if cat == S:
             while len(b.by[S]) < 3:
                 n0 = len(b.by[S])
                 self._refill_class(b, S)
@@ -770,50 +948,88 @@ class MellPacker:
                 self._refill_class(b, M)
                 if len(b.by[M]) == n0:
                     break
-            if 4 * self.t_content(b) > cap:
+            if 4 * self.t_content(b) > self.C:
                 # keep the largest T-unit, re-allocate the rest (property 1)
                 units = sorted(self.t_units(b), key=lambda u: (-self._unit_size(u), u))
                 for unit in units[1:]:
-                    self._take(unit)
-                    self._allocate(unit, b)
-            if self.latest(T) is not None and 4 * b.used < 3 * cap:
-                self._refill_t_one(b)
-        elif cat == L:
-            if not b.by[S] and not b.by[M]:
-                self._pull_sm(b)
-            if self.latest(T) is not None:
+                    self._lift(unit)
+        elif cat == L and not b.by[S] and not b.by[M]:
+            self._pull_sm(b)
+
+    def _repair_t(self, b: Bin) -> None:
+        """Properties 3 and 5 on ``b`` (T-moves only)."""
+        cat = b.cat
+        if cat == T:
+            if b.id not in self._became or not self._dissolve_t(b):
                 self._refill_t(b)
+        elif cat == M:
+            # the most recent M-GPU with one M is exempt, and one M plus C/4 of
+            # T-content cannot reach 3C/4: pulling T-units would be wasted
+            useful = len(b.by[M]) == 2 or self.latest(M) is not b
+            if useful and self.latest(T) is not None and 4 * b.used < 3 * self.C:
+                self._refill_t_one(b)
+        elif cat == L and self.latest(T) is not None:
+            self._refill_t(b)
 
     def _dissolve_t(self, b: Bin) -> bool:
-        """``b`` just became a T-GPU. If an L/M-GPU is under 3C/4 (property 5
-        forbids T-GPUs then), or ``b`` is under 3C/4 with at most two T-units
-        (cheaper to move out than to fill up), its T-units move to L-GPUs
-        with room, M-GPUs under 3C/4, or the most recent T-GPU. True if ``b``
-        emptied (False: it stays and is refilled instead)."""
+        """``b`` just became a T-GPU. If an L/M-GPU other than the most recent
+        of its category is under 3C/4 (property 5 forbids T-GPUs then), or
+        ``b`` is under 3C/4 with at most two T-units (cheaper to move out than
+        to fill up), its T-units move to L-GPUs with room, M-GPUs under 3C/4,
+        the most recent T-GPU, or another T-GPU with room (the fullest that
+        fits: it only gets fuller) -- all of them or none (a partial move would
+        leave ``b`` to be refilled, paying twice). True if ``b`` emptied
+        (False: it stays and is refilled instead)."""
         cap = self.C
         units = sorted(self.t_units(b), key=lambda u: (-self._unit_size(u), u))
         a = self._lfree.a
-        low = bool(self._mlow) or (bool(a) and 4 * a[-1][0] > cap)
+        lt_l, lt_m = self.latest(L), self.latest(M)
+        low = any(lt_m is None or bid != lt_m.id for bid in self._mlow) or any(
+            4 * a[i][0] > cap and self.bins[a[i][1]] is not lt_l
+            for i in range(len(a) - 1, max(len(a) - 3, 0) - 1, -1)
+        )
         if not low and (4 * b.used >= 3 * cap or len(units) > 2):
             return False
+        lt = self.latest(T)
+        extra: dict[int, int] = {}  # planned additions per destination
+        plan: list[tuple[tuple[int, ...], Bin]] = []
         for unit in units:
             us = self._unit_size(unit)
             dst: Bin | None = None
-            a = self._lfree.a
-            if a and a[-1][0] >= us:
-                dst = self.bins[a[-1][1]]
-            else:
+            for i in range(len(a) - 1, -1, -1):
+                free, bid = a[i]
+                if free < us:
+                    break
+                if free - extra.get(bid, 0) >= us:
+                    dst = self.bins[bid]
+                    break
+            if dst is None:
                 for bid in self._mlow:
                     m = self.bins[bid]
-                    if m.used + us <= cap and 4 * (self.t_content(m) + us) <= cap:
+                    e = extra.get(bid, 0) + us
+                    if m.used + e <= cap and 4 * (self.t_content(m) + e) <= cap:
                         dst = m
                         break
+            if (
+                dst is None
+                and lt is not None
+                and lt is not b
+                and lt.used + extra.get(lt.id, 0) + us <= cap
+            ):
+                dst = lt
             if dst is None:
-                lt = self.latest(T)
-                if lt is not None and lt is not b and lt.used + us <= cap:
-                    dst = lt
+                # another T-GPU with room: it only gets fuller (best fit)
+                ta = self._tfree.a
+                for i in range(bisect.bisect_left(ta, (us, -1)), len(ta)):
+                    free, bid = ta[i]
+                    if bid != b.id and free - extra.get(bid, 0) >= us:
+                        dst = self.bins[bid]
+                        break
             if dst is None:
                 return False
+            extra[dst.id] = extra.get(dst.id, 0) + us
+            plan.append((unit, dst))
+        for unit, dst in plan:
             self._move_unit(unit, dst)
         return b.cat == EMPTY
 
@@ -931,3 +1147,6 @@ class MellPacker:
                     assert self.cls[r] == c, (r, c)
                     assert self.where[r] is b
         assert len(self._smpool) == len(self._inpool)
+        assert len(self._lfree) == len(self._cats[L])
+        assert len(self._tfree) == len(self._cats[T])
+        assert not self._air
