@@ -304,3 +304,14 @@ def test_gpus_within_four_thirds_of_optimal_plus_constant(ops) -> None:  # type:
             assert len(p.bins) <= 4 * opt / 3 + 4, (len(p.bins), opt, sizes)
 
     _stream(p, ops, after)
+
+
+def test_needs_update_on_class_change_or_overflow_only() -> None:
+    p = MellPacker(96)
+    p.allocate(0, 60)  # L, a new GPU
+    p.allocate(1, 20)  # T, onto that L-GPU (it has room)
+    assert p.where[1] is p.where[0]
+    assert not p.needs_update(1, 24)  # still T, 84 <= 96
+    assert p.needs_update(1, 25)  # 4 * 25 > 96: becomes S
+    assert not p.needs_update(0, 76)  # still L, 96 <= 96
+    assert p.needs_update(0, 77)  # still L, but 97 > 96 overflows

@@ -394,11 +394,12 @@ class MellPacker:
         self._set_size(rid, b, size)
         self._index(b)
 
-    def needs_update(self, rid: int) -> bool:
-        """Whether ``rid``'s class differs from its recorded class or its GPU
-        overflows (so ``update`` would act)."""
+    def needs_update(self, rid: int, size: int) -> bool:
+        """Whether resizing ``rid`` to ``size`` changes its class or overflows
+        its GPU, so that ``update`` must run; otherwise ``set_size`` suffices."""
         b = self.where[rid]
-        return size_class(self.size[rid], self.C) != self.cls[rid] or b.used > self.C
+        grown = b.used - self.size[rid] + size
+        return size_class(size, self.C) != self.cls[rid] or grown > self.C
 
     # -------------------------------------------------------- op framework
     def _check_size(self, rid: int, size: int) -> None:

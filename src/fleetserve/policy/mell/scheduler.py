@@ -79,7 +79,7 @@ from fleetserve.cluster.state import ClusterState, blocks_for
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.actions import ActivateGpu, Defer, Dispatch, Migrate, ReleaseGpu
 from fleetserve.policy.base import DISPATCH, MIGRATION, DispatchPolicy, MigrationPolicy
-from fleetserve.policy.mell.packer import MellPacker, Move, size_class
+from fleetserve.policy.mell.packer import MellPacker, Move, OpResult
 from fleetserve.workload.request import Request
 
 if TYPE_CHECKING:
@@ -87,13 +87,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class EpochStats:
-    """What one epoch's operations did (for tests and reports).
+class MellStats:
+    """What the scheduler's operations did over a run (for tests and reports).
 
     Attributes:
         departs, updates, allocates: operations run.
         raw_moves: migrations the operations produced (before netting).
-        issued_moves: ``Migrate`` actions in the plan.
+        dropped_moves: of those, moves of requests that departed again in the
+            same epoch (an arrival un-allocated at the pool cap): never issued.
+        reissued_moves: ``Migrate`` actions repeating an aborted move.
+        issued_moves: ``Migrate`` actions in the plans. Without batching,
+            ``issued = raw - dropped + reissued``; batching issues fewer.
         item_moves_max: the most item moves (Theorem 3's unit) of one operation.
     """
 
@@ -101,6 +105,8 @@ class EpochStats:
     updates: int = 0
     allocates: int = 0
     raw_moves: int = 0
+    dropped_moves: int = 0
+    reissued_moves: int = 0
     issued_moves: int = 0
     item_moves_max: int = 0
 
@@ -177,8 +183,7 @@ class MellScheduler(MigrationPolicy):
         self.aborted: set[int] = set()
         self.retiring: dict[int, None] = {}  # instances whose bin closed, awaiting idleness
         self._refs: dict[int, tuple[str, int]] = {}  # ref -> (model, bin) of this plan
-        self.last = EpochStats()
-        self.total = EpochStats()
+        self.stats = MellStats()
 
     @classmethod
     def from_config(cls, config: SimConfig) -> Self:
@@ -226,7 +231,7 @@ class MellScheduler(MigrationPolicy):
 
     # ------------------------------------------------------------------- plan
     def plan(self, state: ClusterState, now: float, rng: np.random.Generator) -> list[Any]:
-        stats = EpochStats()
+        stats = self.stats
         moves: dict[str, list[Move]] = {}
         self._refs.clear()
 
@@ -252,11 +257,9 @@ class MellScheduler(MigrationPolicy):
                     located[seq.id] = iid
                 p = ms_view.packer
                 size = min(p.C, max(1, blocks_for(seq.demand_tokens, state.block_size)))
-                old = p.size[seq.id]
-                if size == old:
+                if size == p.size[seq.id]:
                     continue
-                b = p.where[seq.id]
-                if size_class(size, p.C) != p.cls[seq.id] or b.used - old + size > p.C:
+                if p.needs_update(seq.id, size):
                     self._op(p.update(seq.id, size), moves.setdefault(view.model, []), stats)
                     stats.updates += 1
                 else:
@@ -275,22 +278,15 @@ class MellScheduler(MigrationPolicy):
                 res = p.allocate(req.id, size)
                 if len(p.new_bins) > before and not self._room(state, freed):
                     # Beyond the pool cap: undo (an ordinary Depart) and keep it held.
-                    self._op(p.depart(req.id), moves.setdefault(req.model, []), stats, res)
+                    self._op(res, moves.setdefault(req.model, []), stats)
+                    self._op(p.depart(req.id), moves[req.model], stats)
                     self.dispatcher.arrivals = waiting[i:]
                     break
                 self._op(res, moves.setdefault(req.model, []), stats)
                 stats.allocates += 1
 
         actions = self._actions(state, moves, located)
-        stats.issued_moves = sum(isinstance(a, Migrate) for a in actions)
-        self.last = stats
-        t = self.total
-        t.departs += stats.departs
-        t.updates += stats.updates
-        t.allocates += stats.allocates
-        t.raw_moves += stats.raw_moves
-        t.issued_moves += stats.issued_moves
-        t.item_moves_max = max(t.item_moves_max, stats.item_moves_max)
+        stats.issued_moves += sum(isinstance(a, Migrate) for a in actions)
         return actions
 
     # ---------------------------------------------------------------- helpers
@@ -304,18 +300,12 @@ class MellScheduler(MigrationPolicy):
             self.models[model] = ms
         return ms
 
-    def _op(self, res: Any, out: list[Move], stats: EpochStats, undo: Any = None) -> None:
-        """Buffer an operation's moves (``undo``: an allocation being reverted,
-        whose moves are buffered first)."""
-        for r in (undo, res):
-            if r is None:
-                continue
-            out.extend(r.moves)
-            stats.raw_moves += r.migrations
-            stats.item_moves_max = max(stats.item_moves_max, r.item_moves)
-
-    def _new_count(self) -> int:
-        return sum(len(ms.packer.new_bins) for ms in self.models.values())
+    @staticmethod
+    def _op(res: OpResult, out: list[Move], stats: MellStats) -> None:
+        """Buffer an operation's moves."""
+        out.extend(res.moves)
+        stats.raw_moves += res.migrations
+        stats.item_moves_max = max(stats.item_moves_max, res.item_moves)
 
     def _freeable(self, state: ClusterState) -> int:
         """GPUs this plan will release before it activates any: idle instances
@@ -369,28 +359,20 @@ class MellScheduler(MigrationPolicy):
                     activate.append(ActivateGpu(model, tp, ref=got))
                 return got
 
-            seq = moves.get(model, [])
-            if self.batching:
-                for rid, src, dst in net_moves(seq):
-                    if rid not in p.where:
-                        continue  # allocated and departed again (pool cap)
-                    target = inst(dst)
-                    targets.add(target)
-                    if src is None:
-                        dispatch.append(Dispatch(rid, target))
-                    else:
-                        migrate.append(Migrate(rid, target))
-            else:
-                departed = {mv.rid for mv in seq if mv.rid not in p.where}
-                for mv in seq:
-                    if mv.rid in departed:
-                        continue
-                    target = inst(mv.dst)
-                    targets.add(target)
-                    if mv.src is None:
-                        dispatch.append(Dispatch(mv.rid, target))
-                    else:
-                        migrate.append(Migrate(mv.rid, target))
+            raw = moves.get(model, [])
+            self.stats.dropped_moves += sum(
+                1 for mv in raw if mv.src is not None and mv.rid not in p.where
+            )
+            hops = net_moves(raw) if self.batching else [(m.rid, m.src, m.dst) for m in raw]
+            for rid, src, dst in hops:
+                if rid not in p.where:
+                    continue  # allocated and departed again (pool cap)
+                target = inst(dst)
+                targets.add(target)
+                if src is None:
+                    dispatch.append(Dispatch(rid, target))
+                else:
+                    migrate.append(Migrate(rid, target))
             p.new_bins.clear()
 
             # Requests whose move was aborted: move them again where the packer has them.
@@ -403,6 +385,7 @@ class MellScheduler(MigrationPolicy):
                 if want is not None and want >= 0 and located[rid] != want:
                     migrate.append(Migrate(rid, want))
                     targets.add(want)
+                    self.stats.reissued_moves += 1
             # Bins the packer closed: their instances retire.
             for bid in [bid for bid in ms.inst if bid not in p.bins]:
                 iid = ms.inst.pop(bid)
