@@ -32,6 +32,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/mell_ops.py
+	$(BIN)/python benchmarks/mell_ops.py --median-div 10
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache

@@ -5,28 +5,28 @@ Target (issue): median and P99 time of one ``Allocate`` / ``Depart`` /
 active GPUs and 20,000 running requests; median < 100 µs per operation.
 
 Setup. ``C = 780`` KV blocks per GPU (LLaMA-2-13B on an A100-40GB with
-16-token blocks). Request sizes follow LLM serving with Mell's ×10 length
-scaling (§VIII-B): a request's final KV size (prompt + output) is drawn from
-a ShareGPT-like heavy-tailed log-normal, median ``C/10`` blocks, sigma 1.1,
-rounded and capped at ``C`` (about 58 % tiny, 22 % T, 6.5 % S, 6.5 % M and
-7 % L by final size); its prompt, the size it arrives with, is a uniform
-40-95 % share of that; it then grows by *Update*s of ``+1 .. +C/16`` blocks
-(uniform) up to its final size. So every class is well represented (the
-class counts of the live requests are printed). The timed loop (below)
-departs and updates uniformly random live requests at the same rate, so a
-live request has received ``k`` updates with probability ``2^-(k+1)`` in the
-stationary state; the initial requests are drawn from that stationary
-distribution (prompt plus ``k`` growth steps, capped at the final size).
-They are allocated one by one (untimed), then an untimed warm-up of 10,000
-rounds of churn (the loop below) brings the state to its steady fill, and
-only then is the timing started. The actual numbers of GPUs and requests
-are printed after each phase.
+16-token blocks). A request's final KV size (prompt + output) is drawn from a
+heavy-tailed log-normal, median ``C / D`` blocks, sigma 1.1, rounded and
+capped at ``C``; its prompt, the size it arrives with, is a uniform 40-95 %
+share of that; it then grows by *Update*s of ``+1 .. +C/16`` blocks
+(uniform) up to its final size. The timed loop (below) departs and updates
+uniformly random live requests at the same rate, so a live request has
+received ``k`` updates with probability ``2^-(k+1)`` in the stationary
+state; the initial requests are drawn from that stationary distribution
+(prompt plus ``k`` growth steps, capped at the final size). They are
+allocated one by one (untimed), then an untimed warm-up of 10,000 rounds of
+churn (the loop below) brings the state to its steady fill, and only then is
+the timing started. The actual numbers of GPUs and requests and the class
+mix are printed after each phase.
 
-Scale. The live requests average about C/7.5 blocks, so the issue's 20,000
-requests occupy about 2,900 GPUs at Mell's fill, not 1,000 (20 requests per
-GPU needs a mean size under C/20: the mostly-tiny mix this benchmark used
-before). The default keeps the 20,000 requests, the larger of the two
-scales; ``--requests 6600`` gives about 1,000 GPUs instead.
+Scale. The issue's scale is 1,000 active GPUs with 20,000 running requests,
+i.e. about 20 requests per GPU, which needs a mean live size near C/20. The
+default ``D = 33`` gives that: 20,000 requests on about 1,000-1,050 GPUs at
+Mell's fill (mostly tiny requests in multi-items, about 1,200 T, 180 S,
+120 M and 50 L requests live). ``--median-div 10`` is a heavier,
+ShareGPT-like mix with Mell's x10 length scaling (§VIII-B; about 58 % tiny,
+22 % T, 6.5 % S, 6.5 % M, 7 % L by final size): there the same 20,000
+requests occupy about 2,900 GPUs. ``make bench`` runs both.
 
 Timed loop. ``N`` rounds, each one Depart of a uniformly random live request,
 one Allocate of a new request (replacing the departure) and one Update of a
@@ -44,7 +44,7 @@ Everything is drawn from one seeded generator, so the run is deterministic
 
 Exit status 1 if any median is >= 100 µs ("target missed"), after printing
 everything. Run: ``make bench`` (or ``.venv/bin/python benchmarks/mell_ops.py
-[--requests N] [--ops N]``).
+[--requests N] [--ops N] [--median-div D]``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from fleetserve.policy.mell.packer import CATEGORY_NAMES, CLASS_NAMES, MellPacke
 
 C = 780  # KV blocks: LLaMA-2-13B on an A100-40GB, 16-token blocks
 N_REQUESTS = 20_000  # requests in the steady state
-FINAL_MEDIAN = C / 10  # blocks; log-normal final (prompt + output) size
+MEDIAN_DIV = 33  # final (prompt + output) size: log-normal, median C / MEDIAN_DIV
 FINAL_SIGMA = 1.1
 PROMPT_SHARE = (0.40, 0.95)  # the prompt's share of the final size (uniform)
 GROWTH_MAX = C // 16  # an Update grows a request by 1 .. C/16 blocks
@@ -97,8 +97,9 @@ class Live:
 class Workload:
     """Sizes and choices, all from one seeded generator (drawn in batches)."""
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, final_median: float) -> None:
         self.rng = rng
+        self.final_median = final_median
         self._final: list[int] = []
         self._growth: list[int] = []
         self._unit: list[float] = []
@@ -106,7 +107,7 @@ class Workload:
     def request(self) -> tuple[int, int]:
         """A new request: (prompt size, final size) in blocks."""
         if not self._final:
-            raw = self.rng.lognormal(np.log(FINAL_MEDIAN), FINAL_SIGMA, 65_536)
+            raw = self.rng.lognormal(np.log(self.final_median), FINAL_SIGMA, 65_536)
             self._final = np.clip(np.rint(raw), 1, C).astype(int).tolist()
         final = self._final.pop()
         lo, hi = PROMPT_SHARE
@@ -201,11 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Mell packer operation latency (see the docstring)")
     ap.add_argument("--requests", type=int, default=N_REQUESTS, help="live requests")
     ap.add_argument("--ops", type=int, default=N_OPS, help="timed rounds")
+    ap.add_argument(
+        "--median-div",
+        type=float,
+        default=MEDIAN_DIV,
+        help="final-size median is C / this (default %(default)s)",
+    )
     args = ap.parse_args(argv)
+    if args.requests < 1 or args.ops < 1 or args.median_div < 1:
+        ap.error("--requests, --ops and --median-div must be >= 1")
     n_requests, n_ops = args.requests, args.ops
     t_start = time.perf_counter()
     rng = np.random.default_rng(SEED)
-    w = Workload(rng)
+    w = Workload(rng, C / args.median_div)
     p = MellPacker(C)
     live = Live()
     final: dict[int, int] = {}
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         live.add(rid)
     next_rid = n_requests
     build_s = time.perf_counter() - t0
-    print(f"Mell packer ops, C = {C} blocks, seed {SEED}")
+    print(f"Mell packer ops, C = {C} blocks, final-size median C/{args.median_div:g}, seed {SEED}")
     print(f"built ({build_s:.1f} s):   {state_line(p)}")
     print(mix_line(p))
 
