@@ -5,14 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench bench-engine venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,engine]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,6 +34,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/mell_ops.py
 	$(BIN)/python benchmarks/mell_ops.py --median-div 10
+	$(MAKE) bench-engine
+
+# The engine on this machine's CPU: decode speed vs HuggingFace, KV migration.
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/engine_decode.py
+	$(BIN)/python benchmarks/engine_migration.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache

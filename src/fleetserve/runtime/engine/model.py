@@ -1,0 +1,207 @@
+"""LLaMA-family math (RMSNorm, RoPE, grouped-query attention, SwiGLU) in PyTorch.
+
+Weights use the engine's own short names; :mod:`.checkpoint` maps HuggingFace
+names onto them. Per decoder layer (``H`` hidden, ``nh`` heads, ``nkv`` KV
+heads, ``d`` head_dim, ``I`` intermediate)::
+
+    name   shape        HF name (model.layers.{i}.)
+    ln1    [H]          input_layernorm.weight
+    q      [nh*d, H]    self_attn.q_proj.weight      (+ q_bias [nh*d], Qwen2)
+    k      [nkv*d, H]   self_attn.k_proj.weight      (+ k_bias [nkv*d])
+    v      [nkv*d, H]   self_attn.v_proj.weight      (+ v_bias [nkv*d])
+    o      [H, nh*d]    self_attn.o_proj.weight
+    ln2    [H]          post_attention_layernorm.weight
+    gate   [I, H]       mlp.gate_proj.weight
+    up     [I, H]       mlp.up_proj.weight
+    down   [H, I]       mlp.down_proj.weight
+
+A layer's tensors are views into one flat buffer (:func:`layer_views`), so the
+engine can keep a whole layer in one contiguous region of its arena and drop or
+restore it as a unit. The embedding, the final norm and the LM head are
+ordinary tensors (``lm_head`` is the embedding itself when tied).
+
+:func:`dense_forward` is the reference: a plain causal forward over one token
+sequence with no cache, used by tests to check the paged engine and the
+checkpoint loader.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fleetserve.runtime.engine.config import EngineModelConfig
+
+__all__ = [
+    "ModelWeights",
+    "Rotary",
+    "apply_rope",
+    "attention_padded",
+    "dense_forward",
+    "layer_numel",
+    "layer_shapes",
+    "layer_views",
+    "mlp",
+    "qkv",
+    "rms_norm",
+]
+
+LayerWeights = dict[str, torch.Tensor]
+
+
+def layer_shapes(cfg: EngineModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of one decoder layer's tensors, in buffer order."""
+    s = cfg.spec
+    h, d, i = s.hidden_size, s.head_dim, s.intermediate_size
+    q, kv = s.num_heads * d, s.num_kv_heads * d
+    out: list[tuple[str, tuple[int, ...]]] = [
+        ("ln1", (h,)),
+        ("q", (q, h)),
+        ("k", (kv, h)),
+        ("v", (kv, h)),
+    ]
+    if cfg.attention_bias:
+        out += [("q_bias", (q,)), ("k_bias", (kv,)), ("v_bias", (kv,))]
+    out += [("o", (h, q)), ("ln2", (h,)), ("gate", (i, h)), ("up", (i, h)), ("down", (h, i))]
+    return out
+
+
+def layer_numel(cfg: EngineModelConfig) -> int:
+    """Elements of one decoder layer."""
+    return sum(math.prod(shape) for _, shape in layer_shapes(cfg))
+
+
+def layer_views(cfg: EngineModelConfig, flat: torch.Tensor) -> LayerWeights:
+    """Split a flat buffer of at least :func:`layer_numel` elements into named views."""
+    out: LayerWeights = {}
+    off = 0
+    for name, shape in layer_shapes(cfg):
+        n = math.prod(shape)
+        out[name] = flat[off : off + n].view(shape)
+        off += n
+    if off > flat.numel():
+        raise ValueError(f"buffer of {flat.numel()} elements < layer size {off}")
+    return out
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    """A model's tensors: embedding, final norm, LM head and the layers held.
+
+    ``layers`` maps a layer index to its tensors; an engine holding a layer
+    range keeps only those (see :class:`~fleetserve.runtime.engine.engine.Engine`).
+    """
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: dict[int, LayerWeights]
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as LLaMA computes it (in fp32, then back to the input dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class Rotary:
+    """RoPE tables (HF's rotate-half layout), with Llama-3 frequency scaling."""
+
+    def __init__(self, cfg: EngineModelConfig, device: torch.device | str = "cpu") -> None:
+        d = cfg.spec.head_dim
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        sc = cfg.rope_scaling
+        if sc is not None:
+            low_wl = sc.original_max_position_embeddings / sc.low_freq_factor
+            high_wl = sc.original_max_position_embeddings / sc.high_freq_factor
+            wl = 2 * math.pi / inv
+            scaled = torch.where(wl > low_wl, inv / sc.factor, inv)
+            smooth = (sc.original_max_position_embeddings / wl - sc.low_freq_factor) / (
+                sc.high_freq_factor - sc.low_freq_factor
+            )
+            mid = (1 - smooth) * scaled / sc.factor + smooth * scaled
+            is_mid = (wl >= high_wl) & (wl <= low_wl)
+            inv = torch.where(is_mid, mid, scaled)
+        self.inv_freq = inv.to(device)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of shape [N, head_dim] for integer positions [N]."""
+        f = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [N, heads, d] by the tables [N, d] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def qkv(
+    cfg: EngineModelConfig,
+    w: LayerWeights,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalised, projected and rotated q [N, nh, d], k and v [N, nkv, d]."""
+    s = cfg.spec
+    xn = rms_norm(x, w["ln1"], cfg.rms_norm_eps)
+    q = F.linear(xn, w["q"], w.get("q_bias"))
+    k = F.linear(xn, w["k"], w.get("k_bias"))
+    v = F.linear(xn, w["v"], w.get("v_bias"))
+    n = x.shape[0]
+    q = apply_rope(q.view(n, s.num_heads, s.head_dim), cos, sin)
+    k = apply_rope(k.view(n, s.num_kv_heads, s.head_dim), cos, sin)
+    return q, k, v.view(n, s.num_kv_heads, s.head_dim)
+
+
+def mlp(cfg: EngineModelConfig, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP of the post-attention RMSNorm of ``h``."""
+    x = rms_norm(h, w["ln2"], cfg.rms_norm_eps)
+    return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
+
+
+def attention_padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Grouped-query attention on padded batches.
+
+    Args:
+        q: [B, nh, Tq, d]; k, v: [B, nkv, Tk, d] (nh a multiple of nkv).
+        mask: boolean [B, 1, Tq, Tk], True where a query may attend; every row
+            must allow at least one key.
+
+    Returns:
+        [B, nh, Tq, d].
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def dense_forward(
+    cfg: EngineModelConfig, weights: ModelWeights, token_ids: list[int] | torch.Tensor
+) -> torch.Tensor:
+    """Reference causal forward of one sequence without a cache: logits [T, V]."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=weights.embed.device)
+    t = ids.shape[0]
+    h = F.embedding(ids, weights.embed)
+    rot = Rotary(cfg, h.device)
+    cos, sin = rot.cos_sin(torch.arange(t), h.dtype)
+    causal = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()[None, None]
+    for li in range(cfg.spec.num_layers):
+        w = weights.layers[li]
+        q, k, v = qkv(cfg, w, h, cos, sin)
+        a = attention_padded(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal
+        )
+        h = h + F.linear(a[0].transpose(0, 1).reshape(t, -1), w["o"])
+        h = h + mlp(cfg, w, h)
+    h = rms_norm(h, weights.norm, cfg.rms_norm_eps)
+    return F.linear(h, weights.lm_head)
