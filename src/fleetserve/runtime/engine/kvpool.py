@@ -131,9 +131,7 @@ class KVPool:
     def kv(self, model: str) -> torch.Tensor:
         """The arena as model ``model`` sees it: [num_pages, 2, block_size, head_dim]."""
         d = self._models[model].head_dim
-        return self.arena[:, : 2 * self.block_size * d].view(
-            self.num_pages, 2, self.block_size, d
-        )
+        return self.arena[:, : 2 * self.block_size * d].view(self.num_pages, 2, self.block_size, d)
 
     def pages_per_token_block(self, model: str, n_layers: int | None = None) -> int:
         lay = self._models[model]
