@@ -82,6 +82,7 @@ def test_random_operations_keep_integrity(ops: list[tuple[int, int, int]]) -> No
     reservations = []
     weights: list[str] = []
     next_id = 0
+    next_key = 0
     for op, who, n in ops:
         live = sorted(r for r in range(next_id) if pool.has(r))
         if op == 0:
@@ -118,7 +119,8 @@ def test_random_operations_keep_integrity(ops: list[tuple[int, int, int]]) -> No
                     pool.release(res)
         elif op == 6:
             numel = n * pool.page_elems // 3
-            key = f"w{len(weights)}-{n}"
+            key = f"w{next_key}"
+            next_key += 1
             if pool.can_alloc_weights(numel):
                 try:
                     pool.alloc_weights(key, numel)

@@ -194,6 +194,10 @@ def load_config(path: str | Path) -> EngineModelConfig:
         raise InputError(f"expected true or false, got {bias!r}", file=file, field="attention_bias")
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{file}: mlp_bias is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(
+            f"{file}: use_sliding_window is true; the engine runs full attention only"
+        )
     hidden_act = cfg.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{file}: hidden_act {hidden_act!r} is not supported (only silu)")

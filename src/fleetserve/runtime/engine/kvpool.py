@@ -281,11 +281,15 @@ class KVPool:
             del self._tables[rid]
             raise PoolFull(f"request {rid}: needs {need} pages, {len(res.pages)} reserved")
         del self._reservations[res.id]
-        used, spare = res.pages[:need], res.pages[need:]
+        pages = np.asarray(res.pages, dtype=np.int64)
+        used, spare = pages[:need], res.pages[need:]
         res.pages = []
-        self._ensure_cap(t, ntb)
-        block = torch.tensor(used, dtype=torch.int64).view(ntb, len(t.layers), -1)
-        t.pages[:ntb, torch.tensor(t.layers, dtype=torch.int64)] = block
+        block = torch.from_numpy(used).view(ntb, len(t.layers), -1)
+        if len(t.layers) == self._models[model].num_layers and ntb:
+            t.pages = block  # the table is the reserved pages, in order (no copy)
+        else:
+            self._ensure_cap(t, ntb)
+            t.pages[:ntb, torch.tensor(t.layers, dtype=torch.int64)] = block
         t.ntb = ntb
         self.owner[used] = rid
         self._give(spare)

@@ -1,6 +1,6 @@
 """LLaMA-family math (RMSNorm, RoPE, grouped-query attention, SwiGLU) in PyTorch.
 
-Weights use the engine's own short names; :mod:`.checkpoint` maps HuggingFace
+Weights use the engine's own short names; :mod:`.weights` maps HuggingFace
 names onto them. Per decoder layer (``H`` hidden, ``nh`` heads, ``nkv`` KV
 heads, ``d`` head_dim, ``I`` intermediate)::
 

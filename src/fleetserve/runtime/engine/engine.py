@@ -1,0 +1,1076 @@
+"""The engine: several models, one arena, continuous batching.
+
+An :class:`Engine` hosts one or more models (all or a range of their layers)
+and one :class:`~.kvpool.KVPool` arena that holds their layer weights and the
+KV cache of every request. ``step()`` is one iteration:
+
+1. every running request needs room for its next token; while the pool
+   cannot give it, the batching policy names a victim, which is preempted by
+   recompute (its KV freed, it re-enters the waiting queue at the head);
+2. if nothing was preempted, the batching policy admits waiting requests
+   (queue order) through an admission budget (free pages, batch limits);
+3. per model, one forward over its prefills and decodes (linear layers on the
+   packed tokens, attention on a padded batch gathered from the paged KV);
+4. each request samples its next token with its own generator, streams it,
+   and stops on EOS, a stop string or ``max_tokens``.
+
+Layer ranges and remote attention (KunServe): :meth:`Engine.run_layers` runs
+layers ``[a, b)`` of a batch whose hidden states come from elsewhere; the KV
+of a layer may live on another engine, whose :meth:`Engine.remote_attention`
+computes that layer's attention from the q/k/v sent to it. Dropping a layer
+(:meth:`Engine.drop_layer`) frees its weight pages for KV at once; restoring
+takes them back.
+
+The engine makes no policy decision of its own: whom to admit and whom to
+preempt come from the ``batching`` policy (``fleetserve.policy``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.policy.batching import Fcfs
+from fleetserve.runtime.engine.config import EngineModelConfig
+from fleetserve.runtime.engine.kvpool import KVPool
+from fleetserve.runtime.engine.migration import (
+    ImportHandle,
+    KVChunk,
+    RequestState,
+    gather_pages,
+    restore_detok,
+    scatter_pages,
+    snapshot_detok,
+)
+from fleetserve.runtime.engine.model import (
+    LayerWeights,
+    Rotary,
+    attention_padded,
+    layer_numel,
+    layer_views,
+    mlp,
+    qkv,
+    rms_norm,
+)
+from fleetserve.runtime.engine.sampling import SamplingParams, sample_one
+from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from fleetserve.runtime.engine.weights import WeightSource, layer_tensors, load_weight_source
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Batch", "Engine", "EngineRequest", "StepOutput"]
+
+TokenCallback = Callable[["EngineRequest", int, str], None]
+FinishCallback = Callable[["EngineRequest"], None]
+RemoteAttention = Callable[["Batch", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+WAITING, RUNNING, PAUSED, FINISHED = "waiting", "running", "paused", "finished"
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request on this engine (the engine's ``SeqView``).
+
+    ``tokens`` is prompt + generated; the KV cache holds ``n_cached`` of them
+    (a running request's last sampled token is not cached until the next step).
+    """
+
+    id: int
+    model: str
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    arrival_s: float = 0.0
+    n_cached: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    preemptions: int = 0
+    on_token: TokenCallback | None = None
+    on_finish: FinishCallback | None = None
+    _held: str = ""  # text held back while it may be the start of a stop string
+
+    # --- SeqView --------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompt_len
+
+    @property
+    def output_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.n_cached
+
+    @property
+    def demand_tokens(self) -> int:
+        return max(self.n_cached, len(self.tokens))
+
+    @property
+    def migrating(self) -> bool:
+        return self.status == PAUSED
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A padded batch of requests of one model, for the layer loop.
+
+    ``starts[b]`` tokens of request b are cached already; ``lens[b]`` new ones
+    are in this batch, packed in order (token i of the packed hidden states is
+    request ``b_idx[i]``'s token at position ``pos[i]``)::
+
+        packed rows:  [r0 t0, r0 t1, r0 t2 | r1 t0 | r2 t0, r2 t1]
+        b_idx:        [  0,     0,     0,     1,      2,     2  ]
+        t_idx:        [  0,     1,     2,     0,      0,     1  ]
+        pos:          [ s0,   s0+1,  s0+2,   s1,     s2,   s2+1 ]
+    """
+
+    model: str
+    rids: tuple[int, ...]
+    starts: torch.Tensor  # [B] int64
+    lens: torch.Tensor  # [B] int64
+    b_idx: torch.Tensor  # [N]
+    t_idx: torch.Tensor  # [N]
+    pos: torch.Tensor  # [N]
+    mask: torch.Tensor  # [B, 1, max_len, max_ctx] bool
+    last: torch.Tensor  # [B] packed row of each request's last new token
+
+    @property
+    def size(self) -> int:
+        return len(self.rids)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.mask.shape[2])
+
+    @property
+    def max_ctx(self) -> int:
+        return int(self.mask.shape[3])
+
+    @staticmethod
+    def build(
+        model: str, rids: Sequence[int], starts: Sequence[int], lens: Sequence[int], device: Any
+    ) -> Batch:
+        st = torch.tensor(starts, dtype=torch.int64)
+        ln = torch.tensor(lens, dtype=torch.int64)
+        b_idx = torch.repeat_interleave(torch.arange(len(rids)), ln)
+        first = torch.cumsum(ln, 0) - ln
+        t_idx = torch.arange(int(ln.sum())) - first[b_idx]
+        pos = st[b_idx] + t_idx
+        max_len = int(ln.max())
+        max_ctx = int((st + ln).max())
+        q = torch.arange(max_len)[None, :, None]
+        k = torch.arange(max_ctx)[None, None, :]
+        ok = (k <= st[:, None, None] + q) & (q < ln[:, None, None])
+        ok[:, :, 0] = True  # padded query rows attend to one key (discarded)
+        return Batch(
+            model,
+            tuple(rids),
+            st,
+            ln,
+            b_idx.to(device),
+            t_idx.to(device),
+            pos.to(device),
+            ok[:, None].to(device),
+            (first + ln - 1).to(device),
+        )
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one ``step()`` did."""
+
+    prefilled: list[int] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.prefilled or self.decoded or self.preempted)
+
+
+@dataclass(slots=True)
+class _Model:
+    cfg: EngineModelConfig
+    source: WeightSource
+    tokenizer: Tokenizer
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    rotary: Rotary
+    layers: dict[int, LayerWeights]
+
+
+class _View:
+    """The engine as the batching policy sees it (an ``InstanceView``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.id = engine.engine_id
+        self.model = "+".join(engine.models)
+        self.gpus = (engine.engine_id,)
+        self.tp = 1
+        self.block_size = engine.pool.block_size
+        self.decode_steps = engine.steps
+
+    @property
+    def total_blocks(self) -> int:
+        return self.e.pool.num_pages - self.e.pool.weight_pages()
+
+    @property
+    def used_blocks(self) -> int:
+        return self.e.pool.kv_pages
+
+    @property
+    def free_blocks(self) -> int:
+        return self.e.pool.num_free
+
+    reserved_blocks = 0
+
+    @property
+    def available_blocks(self) -> int:
+        return self.e.pool.num_free
+
+    @property
+    def num_running(self) -> int:
+        return len(self.e.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.e.waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self.e.has_work()
+
+    def seqs(self) -> list[Any]:
+        return [*self.e.running, *self.e.waiting]
+
+
+class _Budget(AdmissionBudget):
+    """Free pages, batch size and batch tokens left for this step's prefills."""
+
+    def __init__(self, engine: Engine, running: int) -> None:
+        self.e = engine
+        self.pages = engine.pool.num_free
+        self.seqs = engine.max_running - running
+        self.tokens = engine.max_batch_tokens - running
+
+    def _pages(self, seq: Any) -> int:
+        req = self.e.requests[seq.id]
+        lay = self.e.pool.pages_per_token_block(req.model)
+        return -(-(len(req.tokens) + 1) // self.e.pool.block_size) * lay
+
+    def fits(self, seq: Any) -> bool:
+        n = len(self.e.requests[seq.id].tokens)
+        return self.seqs >= 1 and n <= self.tokens and self._pages(seq) <= self.pages
+
+    def take(self, seq: Any) -> None:
+        self.seqs -= 1
+        self.tokens -= len(self.e.requests[seq.id].tokens)
+        self.pages -= self._pages(seq)
+
+
+class Engine:
+    """A PyTorch LLaMA-family engine with a unified paged KV arena.
+
+    Args:
+        models: built-in names, checkpoint folders, weight sources, or
+            ``(source, layers)`` pairs to hold only ``layers`` of a model.
+        arena_bytes: the arena: layer weights plus KV. Allocated once.
+        block_size: tokens per KV block.
+        device: ``cpu`` or ``cuda`` (``cuda:N``).
+        dtype: weights and KV element type.
+        batching: the batching policy (default vLLM FCFS).
+        max_running: most requests in one batch.
+        max_batch_tokens: most tokens (prefill + decode) in one step.
+        engine_id: this engine's id in views and logs.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[str | WeightSource | tuple[str | WeightSource, Iterable[int]]],
+        arena_bytes: int,
+        *,
+        block_size: int = 16,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batching: BatchingPolicy | None = None,
+        max_running: int = 256,
+        max_batch_tokens: int = 8192,
+        engine_id: int = 0,
+    ) -> None:
+        if not models:
+            raise ConfigError("an engine needs at least one model")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but torch sees no CUDA device")
+        self.dtype = dtype
+        self.engine_id = engine_id
+        self.batching = batching if batching is not None else Fcfs()
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        srcs: list[tuple[WeightSource, list[int] | None]] = []
+        for m in models:
+            if isinstance(m, tuple):
+                given, held = m
+                srcs.append((self._source(given), sorted(set(held))))
+            else:
+                srcs.append((self._source(m), None))
+        hd = max(s.cfg.spec.head_dim for s, _ in srcs)
+        self.pool = KVPool(arena_bytes, block_size, hd, dtype, self.device)
+        self.models: dict[str, _Model] = {}
+        for src, lay in srcs:
+            self._load(src, lay)
+        self.requests: dict[int, EngineRequest] = {}
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.steps = 0
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------- models
+    @staticmethod
+    def _source(s: str | WeightSource) -> WeightSource:
+        return load_weight_source(s) if isinstance(s, str) else s
+
+    def _load(self, src: WeightSource, layers: list[int] | None) -> None:
+        cfg = src.cfg
+        name = cfg.name
+        if name in self.models:
+            raise ConfigError(f"model {name!r} is loaded twice in one engine")
+        n = cfg.spec.num_layers
+        held = list(range(n)) if layers is None else layers
+        if held and (held[0] < 0 or held[-1] >= n):
+            raise ConfigError(f"model {name!r}: layers {held} outside [0, {n})")
+        self.pool.add_model(name, n, cfg.spec.num_kv_heads, cfg.spec.head_dim)
+        dev, dt = self.device, self.dtype
+        m = _Model(
+            cfg=cfg,
+            source=src,
+            tokenizer=load_tokenizer(getattr(src, "folder", None), cfg),
+            embed=src.tensor("embed").to(dev, dt),
+            norm=src.tensor("norm").to(dev, dt),
+            lm_head=src.tensor("lm_head").to(dev, dt),
+            rotary=Rotary(cfg, dev),
+            layers={},
+        )
+        self.models[name] = m
+        need = len(held) * self.pool.region_pages(layer_numel(cfg))
+        if need > self.pool.num_free:
+            have = self.pool.num_free * self.pool.page_bytes
+            raise ConfigError(
+                f"model {name!r}: its {len(held)} layers need {need * self.pool.page_bytes:,} "
+                f"bytes of the arena, {have:,} are left (arena_bytes too small)"
+            )
+        for li in held:
+            self.restore_layer(name, li)
+
+    def layer_bytes(self, model: str) -> int:
+        """Arena bytes one layer of ``model`` occupies (whole pages)."""
+        numel = layer_numel(self.models[model].cfg)
+        return self.pool.region_pages(numel) * self.pool.page_bytes
+
+    def held_layers(self, model: str) -> list[int]:
+        return sorted(self.models[model].layers)
+
+    def drop_layer(self, model: str, layer: int) -> int:
+        """Drop a layer's weights; its pages join the KV pool. Returns bytes freed."""
+        m = self.models[model]
+        if layer not in m.layers:
+            raise ValueError(f"model {model!r}: layer {layer} is not held")
+        del m.layers[layer]
+        return self.pool.free_weights(f"{model}/{layer}") * self.pool.page_bytes
+
+    def can_restore_layer(self, model: str) -> bool:
+        return self.pool.can_alloc_weights(layer_numel(self.models[model].cfg))
+
+    def restore_layer(self, model: str, layer: int, tensors: LayerWeights | None = None) -> None:
+        """Take a layer's pages back from the pool and load its weights.
+
+        ``tensors`` come from a peer (network) or default to the weight source
+        (host copy / checkpoint). Raises PoolFull when the pool lacks the pages.
+        """
+        m = self.models[model]
+        if layer in m.layers:
+            raise ValueError(f"model {model!r}: layer {layer} is already held")
+        flat = self.pool.alloc_weights(f"{model}/{layer}", layer_numel(m.cfg))
+        views = layer_views(m.cfg, flat)
+        src = tensors if tensors is not None else layer_tensors(m.source, layer)
+        for k, v in views.items():
+            v.copy_(src[k])
+        m.layers[layer] = views
+
+    # ----------------------------------------------------------- requests
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self._model(model).tokenizer
+
+    def _model(self, model: str) -> _Model:
+        m = self.models.get(model)
+        if m is None:
+            raise ConfigError(f"unknown model {model!r}; this engine hosts {sorted(self.models)}")
+        return m
+
+    def add_request(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: int | None = None,
+        arrival_s: float = 0.0,
+        on_token: TokenCallback | None = None,
+        on_finish: FinishCallback | None = None,
+    ) -> int:
+        """Queue a request; returns its id. Tokens stream through ``on_token``."""
+        m = self._model(model)
+        p = params if params is not None else SamplingParams()
+        ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ConfigError("empty prompt")
+        vocab = m.cfg.spec.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        limit = m.cfg.spec.max_context
+        if len(ids) + p.max_tokens > limit:
+            raise ConfigError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
+                f"context window of {model} ({limit})"
+            )
+        rid = next(self._ids) if request_id is None else request_id
+        # an automatic id must not name a block table opened outside the queue
+        # (a pipeline stage, remote KV); an explicit one may (imported KV)
+        while request_id is None and (rid in self.requests or self.pool.has(rid)):
+            rid = next(self._ids)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid} is in use")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(p.seed if p.seed is not None else rid)
+        req = EngineRequest(
+            id=rid,
+            model=model,
+            tokens=ids,
+            prompt_len=len(ids),
+            params=p,
+            generator=gen,
+            detok=IncrementalDetokenizer(m.tokenizer),
+            arrival_s=arrival_s,
+            on_token=on_token,
+            on_finish=on_finish,
+        )
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        """Finish ``rid`` now (reason ``abort``), freeing its KV at once."""
+        req = self.requests.get(rid)
+        if req is None or req.status == FINISHED:
+            return
+        self._finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, rid: int) -> EngineRequest:
+        """Forget a finished request (the caller has read its output)."""
+        req = self.requests[rid]
+        if req.status != FINISHED:
+            raise ValueError(f"request {rid} is {req.status}")
+        return self.requests.pop(rid)
+
+    def generate(
+        self, model: str, prompts: Sequence[str | Sequence[int]], params: SamplingParams
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion; returns each one's generated token ids."""
+        rids = [self.add_request(model, p, params) for p in prompts]
+        while any(self.requests[r].status != FINISHED for r in rids):
+            self.step()
+        return [self.pop_finished(r).output_ids for r in rids]
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> StepOutput:
+        """One iteration (see the module docstring)."""
+        out = StepOutput()
+        self.steps += 1
+        view = _View(self)
+        pool = self.pool
+        # 1. room for every running request's next token, preempting if needed
+        self.running = [r for r in self.running if r.status == RUNNING]
+        while self.running:
+            need = sum(pool.pages_to_grow(r.id, r.n_cached + 1) for r in self.running)
+            if need <= pool.num_free:
+                break
+            victim = self.batching.victim(view, list(self.running))
+            self._preempt(self.requests[victim.id])
+            out.preempted.append(victim.id)
+        for r in self.running:
+            pool.grow(r.id, r.n_cached + 1)
+        decodes = list(self.running)
+        # 2. admission (only when nothing was preempted this step)
+        prefills: list[EngineRequest] = []
+        if not out.preempted and self.waiting:
+            budget = _Budget(self, len(self.running))
+            chosen = self.batching.admit(view, list(self.waiting), budget)
+            for seq in chosen:
+                req = self.requests[seq.id]
+                if not pool.has(req.id):
+                    pool.open(req.id, req.model)
+                pool.grow(req.id, len(req.tokens))
+                req.status = RUNNING
+                self.waiting.remove(req)
+                self.running.append(req)
+                prefills.append(req)
+        if not decodes and not prefills:
+            return out
+        # 3. one forward per model
+        by_model: dict[str, list[EngineRequest]] = {}
+        for r in [*prefills, *decodes]:
+            by_model.setdefault(r.model, []).append(r)
+        for model, reqs in by_model.items():
+            starts = [r.n_cached for r in reqs]
+            lens = [len(r.tokens) - r.n_cached for r in reqs]
+            ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
+            logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+            for i, r in enumerate(reqs):
+                r.n_cached = len(r.tokens)
+                tok = sample_one(logits[i], r.params, r.generator)
+                out.tokens[r.id] = tok
+                self._append(r, tok)
+                if r.status == FINISHED:
+                    out.finished.append(r.id)
+        out.prefilled = [r.id for r in prefills]
+        out.decoded = [r.id for r in decodes]
+        self.running = [r for r in self.running if r.status == RUNNING]
+        return out
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.pool.free(req.id)
+        req.n_cached = 0
+        req.status = WAITING
+        req.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        logger.debug("engine %d: preempted request %d", self.engine_id, req.id)
+
+    def _append(self, req: EngineRequest, tok: int) -> None:
+        """Record a sampled token; stream it; check the stop conditions."""
+        req.tokens.append(tok)
+        m = self.models[req.model]
+        p = req.params
+        if tok in m.cfg.eos_token_ids and not p.ignore_eos:
+            self._emit(req, tok, "", final=True)
+            self._finish(req, "stop")
+            return
+        piece = req.detok.push(tok)
+        if p.stop:
+            text = req._held + piece
+            for s in p.stop:
+                at = (req.text + text).find(s, max(0, len(req.text) - len(s)))
+                if at >= 0:
+                    cut = at - len(req.text)
+                    self._emit(req, tok, text[: max(cut, 0)], final=True)
+                    self._finish(req, "stop")
+                    return
+            # hold back a suffix that may begin a stop string
+            keep = max(
+                (k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                default=0,
+            )
+            req._held = text[len(text) - keep :] if keep else ""
+            piece = text[: len(text) - keep]
+        if req.generated >= p.max_tokens:
+            self._emit(req, tok, piece + req._held + req.detok.flush(), final=True)
+            self._finish(req, "length")
+            return
+        self._emit(req, tok, piece)
+
+    def _emit(self, req: EngineRequest, tok: int, piece: str, final: bool = False) -> None:
+        req.text += piece
+        if final:
+            req._held = ""
+        if req.on_token is not None:
+            req.on_token(req, tok, piece)
+
+    def _finish(self, req: EngineRequest, reason: str) -> None:
+        req.finish_reason = reason
+        if self.pool.has(req.id):
+            self.pool.free(req.id)
+        if req.status == WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.status = FINISHED
+        if req.on_finish is not None:
+            req.on_finish(req)
+
+    # ------------------------------------------------------------- forward
+    def forward(
+        self,
+        model: str,
+        rids: Sequence[int],
+        starts: Sequence[int],
+        lens: Sequence[int],
+        token_ids: Sequence[int],
+    ) -> torch.Tensor:
+        """Embed, run every layer (local KV), head: logits [B, V] of each
+        request's last new token. Tables must already hold the tokens."""
+        batch = Batch.build(model, rids, starts, lens, self.device)
+        h = self.embed(model, token_ids)
+        h = self.run_layers(batch, h, range(self.models[model].cfg.spec.num_layers))
+        return self.head(batch, h)
+
+    @torch.inference_mode()
+    def embed(self, model: str, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return F.embedding(ids, self.models[model].embed)
+
+    @torch.inference_mode()
+    def head(self, batch: Batch, h: torch.Tensor) -> torch.Tensor:
+        m = self.models[batch.model]
+        x = rms_norm(h[batch.last], m.norm, m.cfg.rms_norm_eps)
+        return F.linear(x, m.lm_head)
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        batch: Batch,
+        h: torch.Tensor,
+        layers: range,
+        remote: Mapping[int, RemoteAttention] | None = None,
+    ) -> torch.Tensor:
+        """Run layers ``layers`` of ``batch.model`` on packed hidden states ``h``.
+
+        The weights of every layer in ``layers`` must be held here. A layer's
+        attention runs here when the requests' KV of that layer is here (their
+        tables must cover ``starts + lens`` tokens), or through ``remote[l]``
+        (another engine's :meth:`remote_attention`) when it is not.
+        """
+        m = self.models[batch.model]
+        cfg = m.cfg
+        missing = [li for li in layers if li not in m.layers]
+        if missing:  # before anything runs: no KV written for the layers before it
+            raise FleetserveError(
+                f"engine {self.engine_id}: layer {missing[0]} of {cfg.name} not held "
+                f"(holds {sorted(m.layers)})"
+            )
+        local = [li for li in layers if li not in (remote or {})]
+        tables = self._tables(batch, local) if local else None
+        cos, sin = m.rotary.cos_sin(batch.pos, h.dtype)
+        for li in layers:
+            w = m.layers[li]
+            q, k, v = qkv(cfg, w, h, cos, sin)
+            fn = remote.get(li) if remote else None
+            if fn is not None:
+                a = fn(batch, q, k, v)
+            else:
+                assert tables is not None
+                a = self._attend(batch, tables, li, q, k, v)
+            h = h + F.linear(a, w["o"])
+            h = h + mlp(cfg, w, h)
+        return h
+
+    @torch.inference_mode()
+    def remote_attention(
+        self, batch: Batch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of ``layer`` for ``batch``, whose KV of that layer lives here:
+        stores the new k/v in this engine's pages and returns [N, heads*d]."""
+        dev = self.device
+        return self._attend(
+            batch, self._tables(batch, (layer,)), layer, q.to(dev), k.to(dev), v.to(dev)
+        )
+
+    def _tables(self, batch: Batch, layers: Iterable[int]) -> torch.Tensor:
+        """Padded block tables [B, max_tb, num_layers, kv_heads] (-1 -> page 0).
+
+        Every request must have a table here holding ``layers``: a missing
+        layer would read as page 0 and write its K/V over another's pages.
+        """
+        pool = self.pool
+        need = set(layers)
+        for r in batch.rids:
+            if not pool.has(r):
+                raise FleetserveError(f"engine {self.engine_id}: request {r} has no KV here")
+            lack = need.difference(pool.layers(r))
+            if lack:
+                raise FleetserveError(
+                    f"engine {self.engine_id}: the KV table of request {r} lacks layers "
+                    f"{sorted(lack)} (it holds {list(pool.layers(r))})"
+                )
+        max_tb = -(-batch.max_ctx // pool.block_size)
+        tabs = [pool.table(r) for r in batch.rids]
+        out = torch.zeros((len(tabs), max_tb, *tabs[0].shape[1:]), dtype=torch.int64)
+        for i, t in enumerate(tabs):
+            n = min(t.shape[0], max_tb)
+            out[i, :n] = t[:n]
+        return out.clamp_(min=0).to(self.device)
+
+    def _attend(
+        self,
+        batch: Batch,
+        tables: torch.Tensor,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.models[batch.model].cfg
+        s = cfg.spec
+        bs = self.pool.block_size
+        kv = self.pool.kv(batch.model)
+        tab = tables[:, :, layer]  # [B, max_tb, nkv]
+        # write the new tokens' K/V into their pages
+        page = tab[batch.b_idx, batch.pos // bs]  # [N, nkv]
+        off = (batch.pos % bs)[:, None]
+        kv[page, 0, off] = k
+        kv[page, 1, off] = v
+        # gather each request's context
+        g = kv[tab]  # [B, max_tb, nkv, 2, bs, d]
+        b, ntb = tab.shape[0], tab.shape[1]
+        keys = g[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(b, s.num_kv_heads, ntb * bs, -1)
+        vals = g[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(b, s.num_kv_heads, ntb * bs, -1)
+        ctx = batch.max_ctx
+        qp = q.new_zeros(b, batch.max_len, s.num_heads, s.head_dim)
+        qp[batch.b_idx, batch.t_idx] = q
+        a = attention_padded(qp.transpose(1, 2), keys[:, :, :ctx], vals[:, :, :ctx], batch.mask)
+        return a.transpose(1, 2)[batch.b_idx, batch.t_idx].reshape(q.shape[0], -1)
+
+    # ---------------------------------------------------------- migration
+    # KV export/import with reservations, request state, pause/resume and token
+    # migration; the drivers (blocking, live multi-stage, tokens) are in
+    # :mod:`.migration`.
+    def export_kv(
+        self,
+        rid: int,
+        first_tb: int = 0,
+        n_tb: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> KVChunk:
+        """A copy of the KV of token-blocks ``[first_tb, first_tb + n_tb)`` of ``rid``.
+
+        Args:
+            rid: a request holding KV here (running or paused).
+            first_tb: the first token-block.
+            n_tb: how many token-blocks; default: up to the last one holding
+                cached tokens (the last may be partial).
+            layers: which layers (held by the request); default: all it holds.
+
+        Returns:
+            A :class:`~.migration.KVChunk`, gathered in one index operation.
+        """
+        req = self.requests.get(rid)
+        if req is None or not self.pool.has(rid):
+            raise ValueError(f"engine {self.engine_id}: request {rid} holds no KV here")
+        bs = self.pool.block_size
+        held = self.pool.layers(rid)
+        lay = held if layers is None else tuple(sorted(set(layers)))
+        if not set(lay) <= set(held):
+            raise ValueError(f"request {rid}: layers {sorted(set(lay) - set(held))} not held")
+        have = min(-(-req.n_cached // bs), self.pool.token_blocks(rid))
+        n = have - first_tb if n_tb is None else n_tb
+        if first_tb < 0 or n < 0 or first_tb + n > have:
+            raise ValueError(
+                f"request {rid}: token-blocks [{first_tb}, {first_tb + n}) outside [0, {have})"
+            )
+        table = self.pool.table(rid).numpy()[first_tb : first_tb + n]
+        if lay != tuple(range(table.shape[1])):
+            table = table[:, list(lay)]
+        data = gather_pages(self.pool, req.model, table)
+        covered = min(max(req.n_cached - first_tb * bs, 0), n * bs)
+        return KVChunk(req.model, lay, first_tb, covered, bs, self.dtype, data)
+
+    def _import_pages(self, model: str, n_tokens: int, layers: tuple[int, ...]) -> int:
+        ntb = -(-n_tokens // self.pool.block_size)
+        return ntb * self.pool.pages_per_token_block(model, len(layers))
+
+    def _import_layers(self, model: str, layers: Sequence[int] | None) -> tuple[int, ...]:
+        n = self._model(model).cfg.spec.num_layers
+        lay = tuple(range(n)) if layers is None else tuple(sorted(set(layers)))
+        if not lay or lay[0] < 0 or lay[-1] >= n:
+            raise ValueError(f"model {model!r}: layers {list(lay)} outside [0, {n})")
+        return lay
+
+    def can_import(self, model: str, n_tokens: int, layers: Sequence[int] | None = None) -> bool:
+        """Whether :meth:`begin_import` of ``n_tokens`` tokens would succeed now."""
+        lay = self._import_layers(model, layers)
+        return self.pool.can_reserve(self._import_pages(model, n_tokens, lay))
+
+    def begin_import(
+        self, model: str, n_tokens: int, layers: Sequence[int] | None = None
+    ) -> ImportHandle:
+        """Reserve the pages for ``n_tokens`` tokens of an incoming request's KV.
+
+        Args:
+            model: the request's model (hosted here).
+            n_tokens: tokens to reserve for (grow later with :meth:`grow_import`).
+            layers: the layers coming in; default: all of the model's.
+
+        Raises:
+            PoolFull: the pages are not free (nothing is reserved).
+        """
+        lay = self._import_layers(model, layers)
+        if n_tokens < 0:
+            raise ValueError("n_tokens must be >= 0")
+        res = self.pool.reserve(self._import_pages(model, n_tokens, lay))
+        return ImportHandle(model, lay, n_tokens, res, self.pool)
+
+    def _check_handle(self, handle: ImportHandle) -> None:
+        if handle.pool is not self.pool:
+            raise ValueError(f"import handle does not belong to engine {self.engine_id}")
+        if not handle.is_open:
+            raise ValueError(f"import is {handle.state}")
+
+    def grow_import(self, handle: ImportHandle, n_tokens: int) -> None:
+        """Reserve more pages so the import can hold ``n_tokens`` tokens.
+
+        Raises:
+            PoolFull: the extra pages are not free (the reservation is unchanged).
+        """
+        self._check_handle(handle)
+        extra = self._import_pages(handle.model, n_tokens, handle.layers) - len(
+            handle.reservation.pages
+        )
+        if extra > 0:
+            self.pool.reserve(extra, handle.reservation)
+        handle.n_tokens = max(handle.n_tokens, n_tokens)
+
+    def write_import(self, handle: ImportHandle, chunk: KVChunk) -> None:
+        """Copy ``chunk`` into the reserved pages (one scatter); may be called per stage."""
+        self._check_handle(handle)
+        if chunk.model != handle.model or chunk.layers != handle.layers:
+            raise ValueError(
+                f"chunk of {chunk.model} layers {list(chunk.layers)} does not match the "
+                f"import of {handle.model} layers {list(handle.layers)}"
+            )
+        bs = self.pool.block_size
+        if chunk.block_size != bs or chunk.dtype != self.dtype:
+            raise ValueError(
+                f"chunk has block_size {chunk.block_size} / {chunk.dtype}; this engine "
+                f"uses {bs} / {self.dtype}"
+            )
+        end_tb = chunk.first_tb + chunk.n_tb
+        if chunk.end_token > handle.n_tokens:
+            raise ValueError(
+                f"chunk reaches token {chunk.end_token}; {handle.n_tokens} reserved "
+                "(call grow_import first)"
+            )
+        if chunk.n_tb == 0:
+            return
+        per_tb = self.pool.pages_per_token_block(handle.model, len(handle.layers))
+        pages = handle.pages()[chunk.first_tb * per_tb : end_tb * per_tb]
+        shape = (chunk.n_tb, len(handle.layers), -1)
+        scatter_pages(self.pool, handle.model, pages.reshape(shape), chunk.data)
+        if len(handle.filled) < end_tb:
+            handle.filled.extend([0] * (end_tb - len(handle.filled)))
+        for tb in range(chunk.first_tb, end_tb):
+            handle.filled[tb] = min(bs, max(0, chunk.end_token - tb * bs))
+
+    def abort_import(self, handle: ImportHandle) -> None:
+        """Give the reserved pages back; nothing of the import remains."""
+        self._check_handle(handle)
+        self.pool.release(handle.reservation)
+        handle.state = "aborted"
+
+    def _new_rid(self, preferred: int | None) -> int:
+        free = preferred is not None and preferred >= 0 and preferred not in self.requests
+        if free and preferred is not None and not self.pool.has(preferred):
+            return preferred
+        rid = next(self._ids)
+        while rid in self.requests or self.pool.has(rid):
+            rid = next(self._ids)
+        return rid
+
+    def _restore_request(self, state: RequestState, rid: int, status: str) -> EngineRequest:
+        m = self._model(state.model)
+        spec = m.cfg.spec
+        if not state.tokens or not 0 < state.prompt_len <= len(state.tokens):
+            raise ValueError(f"request state {state.id}: bad tokens / prompt_len")
+        if min(state.tokens) < 0 or max(state.tokens) >= spec.vocab_size:
+            raise ValueError(f"request state {state.id}: token ids outside [0, {spec.vocab_size})")
+        if state.prompt_len + state.params.max_tokens > spec.max_context:
+            raise ValueError(
+                f"request state {state.id}: exceeds the context window of {state.model}"
+            )
+        gen = torch.Generator(device="cpu")
+        gen.set_state(state.generator_state.clone())
+        return EngineRequest(
+            id=rid,
+            model=state.model,
+            tokens=list(state.tokens),
+            prompt_len=state.prompt_len,
+            params=state.params,
+            generator=gen,
+            detok=restore_detok(m.tokenizer, state.detok),
+            arrival_s=state.arrival_s,
+            status=status,
+            text=state.text,
+            preemptions=state.preemptions,
+            on_token=state.on_token,
+            on_finish=state.on_finish,
+            _held=state.held,
+        )
+
+    def commit_import(
+        self, handle: ImportHandle, state: RequestState, *, request_id: int | None = None
+    ) -> int:
+        """Adopt the imported KV as request ``state``, running here from where it was.
+
+        The request's KV must cover its ``state.n_cached`` tokens (all written).
+        It becomes RUNNING here with the same tokens, parameters, generator
+        state, streamed text and callbacks; its next token comes from this
+        engine's next ``step()``.
+
+        Args:
+            handle: an open import of ``state.model``.
+            state: the request (from the source's :meth:`export_state` after
+                its last step, e.g. while paused).
+            request_id: the id here; default: the source's id when free here.
+
+        Returns:
+            The request's id on this engine.
+        """
+        self._check_handle(handle)
+        if state.model != handle.model:
+            raise ValueError(f"state of {state.model} committed to an import of {handle.model}")
+        if state.n_cached < 1 or state.n_cached != len(state.tokens) - 1:
+            raise ValueError(
+                f"request state {state.id}: n_cached {state.n_cached} with {len(state.tokens)} "
+                "tokens is not a running request's (use import_tokens)"
+            )
+        if handle.written_tokens() < state.n_cached:
+            raise ValueError(
+                f"import holds the KV of {handle.written_tokens()} tokens, the request "
+                f"has {state.n_cached} cached"
+            )
+        rid = self._new_rid(state.id if request_id is None else request_id)
+        if request_id is not None and rid != request_id:
+            raise ValueError(f"request id {request_id} is in use")
+        req = self._restore_request(state, rid, RUNNING)
+        req.n_cached = state.n_cached
+        self.pool.adopt(handle.reservation, rid, state.model, handle.layers, state.n_cached)
+        handle.state = "committed"
+        self.requests[rid] = req
+        self.running.append(req)
+        return rid
+
+    def export_state(self, rid: int) -> RequestState:
+        """Everything about ``rid`` but its KV (a snapshot; the request is unchanged)."""
+        req = self.requests.get(rid)
+        if req is None:
+            raise KeyError(f"engine {self.engine_id}: no request {rid}")
+        if req.status == FINISHED:
+            raise ValueError(f"request {rid} is finished")
+        return RequestState(
+            id=req.id,
+            model=req.model,
+            tokens=tuple(req.tokens),
+            prompt_len=req.prompt_len,
+            params=req.params,
+            generator_state=req.generator.get_state(),
+            n_cached=req.n_cached,
+            text=req.text,
+            held=req._held,
+            detok=snapshot_detok(req.detok),
+            arrival_s=req.arrival_s,
+            preemptions=req.preemptions,
+            on_token=req.on_token,
+            on_finish=req.on_finish,
+        )
+
+    def pause(self, rid: int) -> None:
+        """Take a running request out of the batches; it keeps its KV (status PAUSED).
+
+        A paused request is neither scheduled nor preempted by :meth:`step`.
+        """
+        req = self.requests.get(rid)
+        if req is None or req.status != RUNNING:
+            status = "unknown" if req is None else req.status
+            raise ValueError(f"request {rid} is {status}; only a running request can pause")
+        req.status = PAUSED
+        self.running.remove(req)
+
+    def resume(self, rid: int) -> None:
+        """Put a paused request back into the batches."""
+        req = self.requests.get(rid)
+        if req is None or req.status != PAUSED:
+            status = "unknown" if req is None else req.status
+            raise ValueError(f"request {rid} is {status}; only a paused request can resume")
+        req.status = RUNNING
+        self.running.append(req)
+
+    def release_migrated(self, rid: int) -> None:
+        """End ``rid`` here after it moved to another engine: its KV is freed,
+        ``finish_reason`` is ``migrated``, and ``on_finish`` is not called (the
+        request goes on elsewhere)."""
+        req = self.requests.get(rid)
+        if req is None or req.status == FINISHED:
+            raise ValueError(f"request {rid} is not live on engine {self.engine_id}")
+        if self.pool.has(rid):
+            self.pool.free(rid)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.status = FINISHED
+        req.finish_reason = "migrated"
+
+    def import_tokens(self, state: RequestState, *, request_id: int | None = None) -> int:
+        """Token migration: queue ``state`` here to be re-prefilled from its token ids.
+
+        It enters the waiting queue (at the tail) with prompt + generated
+        tokens and no KV; the step that admits it recomputes the KV and samples
+        its next token, continuing from the state's generator, text and
+        callbacks.
+
+        Returns:
+            The request's id on this engine.
+        """
+        rid = self._new_rid(state.id if request_id is None else request_id)
+        if request_id is not None and rid != request_id:
+            raise ValueError(f"request id {request_id} is in use")
+        req = self._restore_request(state, rid, WAITING)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    # --------------------------------------------------------- integrity
+    def check_integrity(self) -> None:
+        """The pool's invariants plus: every live request's table covers its
+        cached tokens, finished requests hold no pages, each request is in
+        exactly one of waiting / running / finished."""
+        self.pool.check_integrity()
+        seen: set[int] = set()
+        for r in self.waiting:
+            assert r.status == WAITING and r.id not in seen, f"request {r.id}: waiting twice"
+            seen.add(r.id)
+        for r in self.running:
+            assert r.status == RUNNING and r.id not in seen, f"request {r.id}: running twice"
+            seen.add(r.id)
+            assert self.pool.capacity_tokens(r.id) >= r.n_cached, f"request {r.id}: KV lost"
+        for r in self.requests.values():
+            if r.status == FINISHED:
+                assert not self.pool.has(r.id), f"request {r.id}: finished but holds pages"
+            elif r.status in (WAITING, RUNNING):
+                assert r.id in seen, f"request {r.id}: {r.status} but in no queue"

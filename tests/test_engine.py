@@ -1,0 +1,196 @@
+"""The engine's executor: paged KV shared by two models, continuous batching,
+preemption by recompute, sampling and stop conditions (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fleetserve.errors import ConfigError  # noqa: E402
+from fleetserve.runtime.engine.engine import Engine, EngineRequest  # noqa: E402
+from fleetserve.runtime.engine.model import dense_forward, layer_numel  # noqa: E402
+from fleetserve.runtime.engine.sampling import SamplingParams  # noqa: E402
+from fleetserve.runtime.engine.tokenizer import ByteTokenizer  # noqa: E402
+from fleetserve.runtime.engine.weights import load_weight_source, model_weights  # noqa: E402
+
+A, B = "tiny-llama-a", "tiny-llama-b"
+MiB = 1 << 20
+PROMPTS = ["Hello world", "The quick brown fox jumps", "a", "Paged attention shares one arena"]
+
+
+def weights_bytes(*models: str) -> int:
+    """Arena bytes the models' layers take (whole pages)."""
+    e = Engine([A], 64 * MiB)
+    return (
+        sum(
+            e.pool.region_pages(layer_numel(load_weight_source(m).cfg))
+            for m in models
+            for _ in range(load_weight_source(m).cfg.spec.num_layers)
+        )
+        * e.pool.page_bytes
+    )
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[str, str], list[int]]:
+    """Greedy continuations from the dense (cache-free) reference forward."""
+    tok = ByteTokenizer()
+    out: dict[tuple[str, str], list[int]] = {}
+    for m in (A, B):
+        src = load_weight_source(m)
+        w = model_weights(src)
+        for p in PROMPTS:
+            ids = tok.encode(p)
+            gen: list[int] = []
+            for _ in range(10):
+                gen.append(int(dense_forward(src.cfg, w, ids + gen)[-1].argmax()))
+            out[(m, p)] = gen
+    return out
+
+
+def test_two_models_share_one_arena_and_match_the_dense_forward(
+    reference: dict[tuple[str, str], list[int]],
+) -> None:
+    eng = Engine([A, B], weights_bytes(A, B) + 4 * MiB)
+    arena_ptr, arena_numel = eng.pool.arena.data_ptr(), eng.pool.arena.numel()
+    free0 = eng.pool.num_free
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    rids: dict[int, tuple[str, str]] = {}
+    # staggered arrivals: prefills and decodes of both models share steps
+    pending = [(m, p) for p in PROMPTS for m in (A, B)]
+    while pending or eng.has_work():
+        if pending:
+            m, p = pending.pop(0)
+            rids[eng.add_request(m, p, greedy)] = (m, p)
+        eng.step()
+        eng.check_integrity()
+        assert eng.pool.arena.data_ptr() == arena_ptr
+        assert eng.pool.arena.numel() == arena_numel
+        if eng.running:
+            assert eng.pool.kv_pages > 0
+    for rid, key in rids.items():
+        req = eng.pop_finished(rid)
+        assert req.finish_reason == "length"
+        assert req.output_ids == reference[key], key
+    # every block returned to free when the requests ended
+    assert eng.pool.num_free == free0 and eng.pool.kv_pages == 0
+
+
+def test_preemption_by_recompute_keeps_the_tokens(
+    reference: dict[tuple[str, str], list[int]],
+) -> None:
+    # room for only a few token-blocks: four requests cannot all run at once
+    cfg = load_weight_source(A).cfg
+    per_block = cfg.spec.num_layers * cfg.spec.num_kv_heads
+    page_bytes = 2 * 16 * cfg.spec.head_dim * 4
+    eng = Engine([A], weights_bytes(A) + 5 * per_block * page_bytes)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    rids = {eng.add_request(A, p, greedy): p for p in PROMPTS}
+    preempted = 0
+    while eng.has_work():
+        out = eng.step()
+        preempted += len(out.preempted)
+        eng.check_integrity()
+    assert preempted > 0
+    for rid, p in rids.items():
+        assert eng.pop_finished(rid).output_ids == reference[(A, p)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    alone = Engine([A], 64 * MiB).generate(A, ["Once upon a time"], p)[0]
+    eng = Engine([A], 64 * MiB)
+    rid = eng.add_request(A, "Once upon a time", p)
+    eng.add_request(A, "noise " * 10, SamplingParams(max_tokens=20, temperature=1.0, seed=1))
+    while eng.has_work():
+        eng.step()
+    assert eng.pop_finished(rid).output_ids == alone
+    other = Engine([A], 64 * MiB).generate(
+        A, ["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.9, seed=8)
+    )[0]
+    assert other != alone  # a different seed gives a different continuation
+    top1 = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=3)
+    greedy = SamplingParams(max_tokens=8)
+    e = Engine([A], 64 * MiB)
+    assert e.generate(A, ["abc"], top1) == e.generate(A, ["abc"], greedy)
+
+
+def test_streaming_stop_strings_eos_and_length() -> None:
+    eng = Engine([A], 64 * MiB)
+    full = eng.generate(A, ["Hello world"], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    text = eng.tokenizer(A).decode(full)
+    # a 2-character stop string that first occurs after a few characters
+    at = next(
+        i
+        for i in range(2, len(text) - 1)
+        if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+    )
+    stop = text[at : at + 2]
+    pieces: list[str] = []
+    finished: list[EngineRequest] = []
+    rid = eng.add_request(
+        A,
+        "Hello world",
+        SamplingParams(max_tokens=16, ignore_eos=True, stop=(stop,)),
+        on_token=lambda r, t, s: pieces.append(s),
+        on_finish=finished.append,
+    )
+    while eng.has_work():
+        eng.step()
+    req = eng.pop_finished(rid)
+    assert req.finish_reason == "stop"
+    assert req.text == text[: text.index(stop)]
+    assert "".join(pieces) == req.text
+    assert finished == [req]
+    # EOS: make the model's first greedy token the EOS id
+    eos_cfg = eng.models[A].cfg
+    first = full[0]
+    object.__setattr__(eos_cfg, "eos_token_ids", (first,))
+    try:
+        r = eng.add_request(A, "Hello world", SamplingParams(max_tokens=16))
+        while eng.has_work():
+            eng.step()
+        got = eng.pop_finished(r)
+        assert got.finish_reason == "stop" and got.output_ids == [first]
+    finally:
+        object.__setattr__(eos_cfg, "eos_token_ids", (257,))
+    r = eng.add_request(A, "Hello world", SamplingParams(max_tokens=3, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    got = eng.pop_finished(r)
+    assert got.finish_reason == "length" and len(got.output_ids) == 3
+
+
+def test_abort_frees_at_once_and_clear_errors() -> None:
+    eng = Engine([A], 64 * MiB)
+    free0 = eng.pool.num_free
+    rid = eng.add_request(A, "Hello", SamplingParams(max_tokens=50))
+    eng.step()
+    assert eng.pool.num_free < free0
+    eng.abort(rid)
+    assert eng.pool.num_free == free0 and eng.requests[rid].finish_reason == "abort"
+    eng.check_integrity()
+    with pytest.raises(ConfigError, match="unknown model"):
+        eng.add_request("nope", "x")
+    with pytest.raises(ConfigError, match="context window"):
+        eng.add_request(A, [1] * 4000, SamplingParams(max_tokens=200))
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ConfigError, match="neither a built-in model nor a checkpoint"):
+        Engine(["tiny-llama-z"], 64 * MiB)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    p = SamplingParams(max_tokens=10, ignore_eos=True)
+    cpu = Engine([A], 64 * MiB).generate(A, PROMPTS, p)
+    gpu = Engine([A], 64 * MiB, device="cuda").generate(A, PROMPTS, p)
+    assert gpu == cpu
+
+
+def test_arena_too_small_for_the_weights_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="arena_bytes too small"):
+        Engine([A], 1 * MiB)
