@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +297,135 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; a clear error for anything else."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        values = tuple(int(t) for t in items)
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise FleetserveError(
+            f"{flag} expects comma-separated integers >= 1, e.g. 1,2,4; got {text!r}"
+        )
+    return values
+
+
+@contextmanager
+def _points_progress(
+    console: Console, label: str, total: int, show: bool
+) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A rich bar over ``total`` points, as a ``progress(done, total, label)`` callback."""
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} {task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(label, total=max(total, 1), info="")
+
+        def advance(done: int, n: int, what: str) -> None:
+            bar.update(task, completed=done, total=n, info=what)
+
+        yield advance
+
+
+def cmd_profile_engine(args: argparse.Namespace, console: Console) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise FleetserveError(
+            "profile-engine needs PyTorch, which is not installed; "
+            "install the engine extra: pip install 'fleetserve[engine]'"
+        )
+    from fleetserve.runtime.engine import profiler
+
+    device = args.device.strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise FleetserveError(f"--device expects cpu, cuda or cuda:N; got {args.device!r}")
+    dtype = profiler.DTYPES.get(args.dtype.strip().lower())
+    if dtype is None:
+        raise FleetserveError(
+            f"--dtype expects one of {', '.join(profiler.DTYPES)}; got {args.dtype!r}"
+        )
+    base = profiler.QUICK_GRID if args.quick else profiler.DEFAULT_GRID
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise FleetserveError(f"{flag} must be >= {least}, got {value}")
+    grid = profiler.ProfileGrid(
+        batch_sizes=base.batch_sizes
+        if args.batch_sizes is None
+        else _int_list(args.batch_sizes, "--batch-sizes"),
+        context_lengths=base.context_lengths
+        if args.context_lengths is None
+        else _int_list(args.context_lengths, "--context-lengths"),
+        prompt_lengths=base.prompt_lengths
+        if args.prompt_lengths is None
+        else _int_list(args.prompt_lengths, "--prompt-lengths"),
+        repeats=base.repeats if args.repeats is None else args.repeats,
+        warmup=base.warmup if args.warmup is None else args.warmup,
+    )
+    arena = None
+    if args.arena_gib is not None:
+        if not args.arena_gib > 0:
+            raise FleetserveError(f"--arena-gib must be positive, got {args.arena_gib}")
+        arena = int(args.arena_gib * 2**30)
+    if args.block_size < 1:
+        raise FleetserveError(f"--block-size must be >= 1, got {args.block_size}")
+    gpu_name = args.gpu_name
+    if gpu_name is not None:
+        gpu_name = gpu_name.strip().lower()
+        if not gpu_name or "," in gpu_name:
+            raise FleetserveError("--gpu-name must be a non-empty name without commas")
+        from fleetserve.spec import GPUS
+
+        if gpu_name not in GPUS:
+            console.print(
+                f"[yellow]note:[/] {gpu_name!r} is not a catalog GPU; calibrate() with "
+                "fleetserve.spec.get_gpu will not resolve it",
+                highlight=False,
+            )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FleetserveError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    engine = profiler.build_engine(
+        args.model,
+        grid,
+        device=device,
+        dtype=dtype,
+        arena_bytes=arena,
+        block_size=args.block_size,
+    )
+    label = f"profile {next(iter(engine.models))}"
+    with _points_progress(console, label, grid.points, not args.no_progress) as cb:
+        result = profiler.profile_engine(
+            engine, grid, gpu_name=gpu_name, seed=args.seed, progress=cb
+        )
+    profiler.save_profile(out, result)
+    peak = profiler.throughput_summary(result.rows)
+    rates = ", ".join(f"peak {phase} {rate:,.0f} tok/s" for phase, rate in peak.items())
+    n_pre = sum(r.phase == "prefill" for r in result.rows)
+    skipped = f", {len(result.skipped)} skipped" if result.skipped else ""
+    console.print(
+        f"{len(result.rows)} rows ({n_pre} prefill, {len(result.rows) - n_pre} decode{skipped}) "
+        f"in {time.perf_counter() - t0:.1f} s; {rates}; gpu={result.rows[0].gpu}; "
+        f"profile in [bold]{out}[/]",
+        highlight=False,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -336,6 +467,44 @@ def build_parser() -> argparse.ArgumentParser:
     # Test-only: multiply the arrival windows (e.g. 0.02 for a seconds-long smoke run).
     rep.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     rep.set_defaults(func=cmd_reproduce)
+
+    prof = sub.add_parser(
+        "profile-engine",
+        help="measure the engine's prefill/decode iteration times (cost-model profile CSV)",
+    )
+    prof.add_argument("--model", required=True, help="built-in engine model or checkpoint folder")
+    prof.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    prof.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    prof.add_argument("--batch-sizes", help="comma-separated batch sizes (default 1,2,4,8,16,32)")
+    prof.add_argument(
+        "--context-lengths",
+        help="decode context per sequence, incl. the new token (default 64,256,1024)",
+    )
+    prof.add_argument("--prompt-lengths", help="prefill prompt lengths (default 32,128,512)")
+    prof.add_argument("--repeats", type=int, help="timed iterations per point (default 5)")
+    prof.add_argument("--warmup", type=int, help="untimed iterations per point (default 1)")
+    prof.add_argument(
+        "--gpu-name",
+        help="the CSV's gpu column; a GPU catalog name to calibrate from it "
+        "(default: detected on CUDA, 'cpu' on the CPU)",
+    )
+    prof.add_argument(
+        "--arena-gib",
+        type=float,
+        help="engine arena (weights + KV) in GiB (default: enough for the grid, "
+        "capped by free memory)",
+    )
+    prof.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    prof.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    prof.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
+    prof.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny grid (batch 1,2; context 16,40; prompt 8,24; 2 repeats); flags override it",
+    )
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prof.add_argument("--out", required=True, help="profile CSV to write")
+    prof.set_defaults(func=cmd_profile_engine)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)

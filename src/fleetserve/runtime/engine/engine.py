@@ -67,7 +67,7 @@ from fleetserve.runtime.engine.weights import WeightSource, layer_tensors, load_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Batch", "Engine", "EngineRequest", "StepOutput"]
+__all__ = ["AttnGroup", "Batch", "Engine", "EngineRequest", "StepOutput"]
 
 TokenCallback = Callable[["EngineRequest", int, str], None]
 FinishCallback = Callable[["EngineRequest"], None]
@@ -132,8 +132,51 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AttnGroup:
+    """Requests of a batch whose attention is one padded call over their paged KV.
+
+    Member j is request ``idx[j]`` of the batch; packed row ``rows[i]`` is
+    member ``g_b[i]``'s query slot ``g_t[i]``; ``mask`` [G, 1, q_len, ctx] is
+    True where a query may attend.
+    """
+
+    idx: torch.Tensor  # [G]
+    rows: torch.Tensor  # [Ng]
+    g_b: torch.Tensor  # [Ng]
+    g_t: torch.Tensor  # [Ng]
+    mask: torch.Tensor  # [G, 1, q_len, ctx] bool
+
+    @staticmethod
+    def build(
+        members: Sequence[int],
+        st: torch.Tensor,
+        ln: torch.Tensor,
+        first: torch.Tensor,
+        device: Any,
+    ) -> AttnGroup:
+        ci = torch.tensor(members, dtype=torch.int64)
+        cst, cln = st[ci], ln[ci]
+        g_b = torch.repeat_interleave(torch.arange(ci.numel()), cln)
+        g_t = torch.arange(int(cln.sum())) - (torch.cumsum(cln, 0) - cln)[g_b]
+        q = torch.arange(int(cln.max()))[None, :, None]
+        k = torch.arange(int((cst + cln).max()))[None, None, :]
+        ok = (k <= cst[:, None, None] + q) & (q < cln[:, None, None])
+        ok[:, :, 0] = True  # padded query rows attend to one key (discarded)
+        return AttnGroup(
+            ci.to(device),
+            (first[ci][g_b] + g_t).to(device),
+            g_b.to(device),
+            g_t.to(device),
+            ok[:, None].to(device),
+        )
+
+
+_GROUP_MIN = 8  # a decode bucket takes this many requests before it may close
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
-    """A padded batch of requests of one model, for the layer loop.
+    """A batch of requests of one model, for the layer loop.
 
     ``starts[b]`` tokens of request b are cached already; ``lens[b]`` new ones
     are in this batch, packed in order (token i of the packed hidden states is
@@ -143,29 +186,32 @@ class Batch:
         b_idx:        [  0,     0,     0,     1,      2,     2  ]
         t_idx:        [  0,     1,     2,     0,      0,     1  ]
         pos:          [ s0,   s0+1,  s0+2,   s1,     s2,   s2+1 ]
+
+    Attention (:meth:`Engine._attend`) runs per request for ``fresh`` ones
+    (nothing cached: whole prompts, by packed rows ``[lo, hi)``; causal
+    attention on their own k/v, no gather, no padding) and per
+    :class:`AttnGroup` for the others: decodes bucketed by context length (a
+    bucket closes when the next context is under half its longest and it has
+    ``_GROUP_MIN`` members, so padding stays under 2x without many small
+    calls), each continuation (cached context and several new tokens) alone.
     """
 
     model: str
     rids: tuple[int, ...]
-    starts: torch.Tensor  # [B] int64
-    lens: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64, CPU
+    lens: torch.Tensor  # [B] int64, CPU
     b_idx: torch.Tensor  # [N]
     t_idx: torch.Tensor  # [N]
     pos: torch.Tensor  # [N]
-    mask: torch.Tensor  # [B, 1, max_len, max_ctx] bool
     last: torch.Tensor  # [B] packed row of each request's last new token
+    max_len: int
+    max_ctx: int
+    fresh: tuple[tuple[int, int], ...]
+    groups: tuple[AttnGroup, ...]
 
     @property
     def size(self) -> int:
         return len(self.rids)
-
-    @property
-    def max_len(self) -> int:
-        return int(self.mask.shape[2])
-
-    @property
-    def max_ctx(self) -> int:
-        return int(self.mask.shape[3])
 
     @staticmethod
     def build(
@@ -177,12 +223,21 @@ class Batch:
         first = torch.cumsum(ln, 0) - ln
         t_idx = torch.arange(int(ln.sum())) - first[b_idx]
         pos = st[b_idx] + t_idx
-        max_len = int(ln.max())
-        max_ctx = int((st + ln).max())
-        q = torch.arange(max_len)[None, :, None]
-        k = torch.arange(max_ctx)[None, None, :]
-        ok = (k <= st[:, None, None] + q) & (q < ln[:, None, None])
-        ok[:, :, 0] = True  # padded query rows attend to one key (discarded)
+        sl, nl, fl = st.tolist(), ln.tolist(), first.tolist()
+        fresh = tuple((f, f + n) for s, n, f in zip(sl, nl, fl, strict=True) if s == 0)
+        members: list[list[int]] = [[i] for i in range(len(sl)) if sl[i] > 0 and nl[i] > 1]
+        decodes = sorted(
+            ((s + 1, i) for i, s in enumerate(sl) if s > 0 and nl[i] == 1), reverse=True
+        )
+        buckets: list[list[int]] = []
+        top = 0
+        for ctx, i in decodes:
+            if buckets and (2 * ctx > top or len(buckets[-1]) < _GROUP_MIN):
+                buckets[-1].append(i)
+            else:
+                buckets.append([i])
+                top = ctx
+        members += buckets
         return Batch(
             model,
             tuple(rids),
@@ -191,8 +246,11 @@ class Batch:
             b_idx.to(device),
             t_idx.to(device),
             pos.to(device),
-            ok[:, None].to(device),
             (first + ln - 1).to(device),
+            int(ln.max()),
+            int((st + ln).max()),
+            fresh,
+            tuple(AttnGroup.build(m, st, ln, first, device) for m in members),
         )
 
 
@@ -553,9 +611,14 @@ class Engine:
             lens = [len(r.tokens) - r.n_cached for r in reqs]
             ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
             logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+            # greedy requests: one argmax and one device->host copy for the batch
+            greedy = (
+                logits.argmax(-1).tolist() if any(r.params.temperature == 0 for r in reqs) else []
+            )
             for i, r in enumerate(reqs):
                 r.n_cached = len(r.tokens)
-                tok = sample_one(logits[i], r.params, r.generator)
+                p = r.params
+                tok = greedy[i] if p.temperature == 0 else sample_one(logits[i], p, r.generator)
                 out.tokens[r.id] = tok
                 self._append(r, tok)
                 if r.status == FINISHED:
@@ -746,16 +809,35 @@ class Engine:
         off = (batch.pos % bs)[:, None]
         kv[page, 0, off] = k
         kv[page, 1, off] = v
-        # gather each request's context
-        g = kv[tab]  # [B, max_tb, nkv, 2, bs, d]
-        b, ntb = tab.shape[0], tab.shape[1]
-        keys = g[:, :, :, 0].permute(0, 2, 1, 3, 4).reshape(b, s.num_kv_heads, ntb * bs, -1)
-        vals = g[:, :, :, 1].permute(0, 2, 1, 3, 4).reshape(b, s.num_kv_heads, ntb * bs, -1)
-        ctx = batch.max_ctx
-        qp = q.new_zeros(b, batch.max_len, s.num_heads, s.head_dim)
-        qp[batch.b_idx, batch.t_idx] = q
-        a = attention_padded(qp.transpose(1, 2), keys[:, :, :ctx], vals[:, :, :ctx], batch.mask)
-        return a.transpose(1, 2)[batch.b_idx, batch.t_idx].reshape(q.shape[0], -1)
+        nh, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        out = q.new_empty(q.shape[0], nh * d)
+        # whole prompts: causal attention on their own k/v (no gather, no padding)
+        for lo, hi in batch.fresh:
+            a = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1)[None],
+                k[lo:hi].transpose(0, 1)[None],
+                v[lo:hi].transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )
+            out[lo:hi] = a[0].transpose(0, 1).reshape(hi - lo, nh * d)
+        # the rest, group by group: padded attention over K/V gathered from the
+        # pages, keys and values each in one index_select (rows: request, head, block)
+        for g in batch.groups:
+            n, q_len, ctx = g.mask.shape[0], g.mask.shape[2], g.mask.shape[3]
+            ntb = -(-ctx // bs)
+            flat = tab[g.idx, :ntb].transpose(1, 2).reshape(-1)
+            shape = (n, nkv, ntb * bs, d)
+            keys = kv[:, 0].index_select(0, flat).view(shape)[:, :, :ctx]
+            vals = kv[:, 1].index_select(0, flat).view(shape)[:, :, :ctx]
+            if q_len == 1:  # decodes
+                qp = q[g.rows].unsqueeze(1)
+            else:
+                qp = q.new_zeros(n, q_len, nh, d)
+                qp[g.g_b, g.g_t] = q[g.rows]
+            a = attention_padded(qp.transpose(1, 2), keys, vals, g.mask)
+            out[g.rows] = a.transpose(1, 2)[g.g_b, g.g_t].reshape(-1, nh * d)
+        return out
 
     # ---------------------------------------------------------- migration
     # KV export/import with reservations, request state, pause/resume and token
@@ -969,7 +1051,14 @@ class Engine:
             raise ValueError(f"request id {request_id} is in use")
         req = self._restore_request(state, rid, RUNNING)
         req.n_cached = state.n_cached
-        self.pool.adopt(handle.reservation, rid, state.model, handle.layers, state.n_cached)
+        self.pool.adopt(
+            handle.reservation,
+            rid,
+            state.model,
+            handle.layers,
+            state.n_cached,
+            pages=handle.pages(),
+        )
         handle.state = "committed"
         self.requests[rid] = req
         self.running.append(req)

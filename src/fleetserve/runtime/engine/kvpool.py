@@ -37,6 +37,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -264,8 +265,12 @@ class KVPool:
         model: str,
         layers: tuple[int, ...] | range,
         n_tokens: int,
+        pages: np.ndarray[Any, np.dtype[np.int64]] | None = None,
     ) -> None:
         """Commit a reservation as the block table of a new request ``rid``.
+
+        ``pages``, when given, is ``res.pages`` already as an int64 array (the
+        caller's cache; saves the conversion in a migration's stop-and-copy).
 
         The first ``token_blocks * len(layers) * kv_heads`` reserved pages, in
         table order (token-block, layer, head), become the table; any surplus
@@ -281,7 +286,10 @@ class KVPool:
             del self._tables[rid]
             raise PoolFull(f"request {rid}: needs {need} pages, {len(res.pages)} reserved")
         del self._reservations[res.id]
-        pages = np.asarray(res.pages, dtype=np.int64)
+        if pages is None or len(pages) != len(res.pages):
+            pages = np.asarray(res.pages, dtype=np.int64)
+        else:
+            pages = pages.copy()  # the table must not share the caller's array
         used, spare = pages[:need], res.pages[need:]
         res.pages = []
         block = torch.from_numpy(used).view(ntb, len(t.layers), -1)
