@@ -194,3 +194,24 @@ def test_cuda_engine_matches_cpu() -> None:
 def test_arena_too_small_for_the_weights_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="arena_bytes too small"):
         Engine([A], 1 * MiB)
+
+
+def test_a_request_that_outgrows_the_arena_ends_with_capacity_not_a_hang() -> None:
+    cfg = load_weight_source(A).cfg
+    per_block = cfg.spec.num_layers * cfg.spec.num_kv_heads
+    page_bytes = 2 * 16 * cfg.spec.head_dim * 4
+    eng = Engine([A], weights_bytes(A) + 2 * per_block * page_bytes)  # 32 tokens of KV
+    rid = eng.add_request(A, "Hello", SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        eng.step()
+        eng.check_integrity()
+    req = eng.pop_finished(rid)
+    assert req.finish_reason == "capacity"
+    assert 20 <= len(req.output_ids) < 100  # it ran until the arena was full
+    assert eng.pool.kv_pages == 0
+    with pytest.raises(ConfigError, match="KV pages"):
+        eng.add_request(A, [1] * 40, SamplingParams(max_tokens=1))
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        Engine([A], 64 * MiB, max_batch_tokens=8).add_request(A, [1] * 9)

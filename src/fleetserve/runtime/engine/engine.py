@@ -516,6 +516,18 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
                 f"context window of {model} ({limit})"
             )
+        if len(ids) > self.max_batch_tokens:
+            raise ConfigError(
+                f"prompt ({len(ids)} tokens) is longer than the engine's max_batch_tokens "
+                f"({self.max_batch_tokens})"
+            )
+        need = self.pool.pages_per_token_block(model) * -(-(len(ids) + 1) // self.pool.block_size)
+        kv_pages = self.pool.num_pages - self.pool.weight_pages()
+        if need > kv_pages:
+            raise ConfigError(
+                f"prompt ({len(ids)} tokens) needs {need} KV pages; the arena has {kv_pages} "
+                "for KV (raise arena_bytes)"
+            )
         rid = next(self._ids) if request_id is None else request_id
         # an automatic id must not name a block table opened outside the queue
         # (a pipeline stage, remote KV); an explicit one may (imported KV)
@@ -601,6 +613,7 @@ class Engine:
                 self.running.append(req)
                 prefills.append(req)
         if not decodes and not prefills:
+            self._fail_unfittable(out)
             return out
         # 3. one forward per model
         by_model: dict[str, list[EngineRequest]] = {}
@@ -627,6 +640,28 @@ class Engine:
         out.decoded = [r.id for r in decodes]
         self.running = [r for r in self.running if r.status == RUNNING]
         return out
+
+    def _fail_unfittable(self, out: StepOutput) -> None:
+        """Finish (reason ``capacity``) a head-of-queue request that cannot fit
+        even in an otherwise empty arena: its KV outgrew what the arena has for
+        KV, so waiting would never end (vLLM aborts such a sequence too)."""
+        pool = self.pool
+        if self.running or not self.waiting or pool.kv_pages or pool.usage()["reserved"]:
+            return
+        head = self.waiting[0]
+        need = pool.pages_per_token_block(head.model) * -(
+            -(len(head.tokens) + 1) // pool.block_size
+        )
+        if need > pool.num_free:
+            logger.warning(
+                "engine %d: request %d needs %d KV pages, only %d exist: finished (capacity)",
+                self.engine_id,
+                head.id,
+                need,
+                pool.num_free,
+            )
+            self._finish(head, "capacity")
+            out.finished.append(head.id)
 
     def _preempt(self, req: EngineRequest) -> None:
         self.pool.free(req.id)
