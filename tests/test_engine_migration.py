@@ -7,6 +7,7 @@ mode, yields exactly the tokens of an unmigrated run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import cache
 
@@ -420,3 +421,41 @@ def test_cuda_migration_matches_the_unmigrated_run(mode: str) -> None:
     run_all(e1, e2)
     got = [final(e1, e2, r, st if r == rids[1] else None).output_ids for r in rids]
     assert got == want
+
+
+def test_precommit_sets_the_request_up_paused_and_abort_undoes_it() -> None:
+    """The destination side of live migration's pre-commit, step by step."""
+    a, b = engine(A, engine_id=0), engine(A, engine_id=1)
+    free_b = b.pool.num_free
+    rid = a.add_request(A, "The quick brown fox jumps over", GREEDY)
+    for _ in range(3):
+        a.step()
+    req = a.requests[rid]
+    handle = b.begin_import(A, req.n_cached)
+    b.write_import(handle, a.export_kv(rid))
+    early = a.export_state(rid)
+    pre = b.precommit_import(handle, early)
+    assert b.requests[pre].status == "paused" and b.requests[pre] not in b.running
+    b.step()  # a paused request is neither scheduled nor preempted
+    b.check_integrity()
+    a.step()  # the source goes on: the pre-committed state now lags
+    late = a.export_state(rid)
+    with pytest.raises(ValueError, match="does not continue"):
+        b.finish_import(pre, dataclasses.replace(late, prompt_len=late.prompt_len - 1))
+    with pytest.raises(ValueError, match="not a paused running request"):
+        b.finish_import(pre, dataclasses.replace(late, n_cached=1))
+    b.abort_paused(pre)
+    assert pre not in b.requests and b.pool.num_free == free_b
+    b.check_integrity()
+    # and a full pre-commit round continues with the unmigrated tokens
+    handle = b.begin_import(A, req.n_cached)
+    b.write_import(handle, a.export_kv(rid))
+    pre = b.precommit_import(handle, a.export_state(rid))
+    a.step()
+    b.grow_paused(pre, req.n_cached)
+    a.pause(rid)
+    b.write_paused(pre, a.export_kv(rid))
+    b.finish_import(pre, a.export_state(rid))
+    a.release_migrated(rid)
+    run_all(a, b)
+    assert tuple(b.requests[pre].output_ids) == reference(A, "The quick brown fox jumps over")

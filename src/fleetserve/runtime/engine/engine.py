@@ -1055,6 +1055,101 @@ class Engine:
             _held=state.held,
         )
 
+    def precommit_import(self, handle: ImportHandle, state: RequestState) -> int:
+        """Set the incoming request up here, PAUSED, while the source still runs.
+
+        Llumnix's destination prepares the request during the copy stages, so
+        that the stop-and-copy only moves the tail. The reservation becomes the
+        request's block table at once (``handle.n_tokens`` tokens of pages);
+        ``state`` may lag behind the source (it is a snapshot from before the
+        source's last steps): :meth:`finish_import` applies the final state.
+        Further pages come from :meth:`grow_paused`, data from
+        :meth:`write_paused`; :meth:`abort_paused` undoes it all.
+
+        Returns:
+            The request's id on this engine.
+        """
+        self._check_handle(handle)
+        if state.model != handle.model:
+            raise ValueError(f"state of {state.model} committed to an import of {handle.model}")
+        rid = self._new_rid(state.id)
+        req = self._restore_request(state, rid, PAUSED)
+        req.n_cached = state.n_cached
+        self.pool.adopt(
+            handle.reservation,
+            rid,
+            state.model,
+            handle.layers,
+            handle.n_tokens,
+            pages=handle.pages(),
+        )
+        handle.state = "committed"
+        self.requests[rid] = req
+        return rid
+
+    def _paused(self, rid: int) -> EngineRequest:
+        req = self.requests.get(rid)
+        if req is None or req.status != PAUSED:
+            raise ValueError(f"engine {self.engine_id}: request {rid} is not paused here")
+        return req
+
+    def grow_paused(self, rid: int, n_tokens: int) -> None:
+        """More pages for a pre-committed request (check/commit; PoolFull, unchanged)."""
+        self._paused(rid)
+        self.pool.grow(rid, n_tokens)
+
+    def write_paused(self, rid: int, chunk: KVChunk) -> None:
+        """Copy ``chunk`` into a paused request's own pages (one scatter)."""
+        req = self._paused(rid)
+        layers = self.pool.layers(rid)
+        if chunk.model != req.model or chunk.layers != layers:
+            raise ValueError(f"chunk of {chunk.model} {list(chunk.layers)} does not match {rid}")
+        end_tb = chunk.first_tb + chunk.n_tb
+        if end_tb > self.pool.token_blocks(rid):
+            raise ValueError(f"chunk reaches token-block {end_tb}; request {rid} has fewer")
+        table = self.pool.table(rid).numpy()[chunk.first_tb : end_tb]
+        if len(layers) != table.shape[1]:
+            table = table[:, list(layers)]
+        scatter_pages(self.pool, req.model, table, chunk.data)
+
+    def finish_import(self, rid: int, state: RequestState) -> None:
+        """Bring a pre-committed request to ``state`` (the source's, paused) and run it.
+
+        Only what changed since the pre-commit is applied: the new tokens
+        (validated), the sampler's generator state, the streamed text and the
+        detokenizer. The request's pages must cover ``state.n_cached`` tokens.
+        """
+        req = self._paused(rid)
+        old = len(req.tokens)
+        if (
+            state.model != req.model
+            or state.prompt_len != req.prompt_len
+            or len(state.tokens) < old
+        ):
+            raise ValueError(f"request {rid}: final state does not continue the pre-committed one")
+        if state.n_cached != len(state.tokens) - 1:
+            raise ValueError(f"request state {state.id}: not a paused running request")
+        if self.pool.capacity_tokens(rid) < state.n_cached:
+            raise ValueError(f"request {rid}: pages cover fewer than {state.n_cached} tokens")
+        new = state.tokens[old:]
+        vocab = self.models[req.model].cfg.spec.vocab_size
+        if new and (min(new) < 0 or max(new) >= vocab):
+            raise ValueError(f"request state {state.id}: token ids outside [0, {vocab})")
+        req.tokens.extend(new)
+        req.generator.set_state(state.generator_state)
+        req.text, req._held = state.text, state.held
+        req.detok = restore_detok(self.models[req.model].tokenizer, state.detok)
+        req.n_cached = state.n_cached
+        req.preemptions = state.preemptions
+        req.status = RUNNING
+        self.running.append(req)
+
+    def abort_paused(self, rid: int) -> None:
+        """Undo a pre-commit: free the request's pages and forget it."""
+        self._paused(rid)
+        self.pool.free(rid)
+        del self.requests[rid]
+
     def commit_import(
         self, handle: ImportHandle, state: RequestState, *, request_id: int | None = None
     ) -> int:

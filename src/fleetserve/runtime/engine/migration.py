@@ -10,10 +10,18 @@ Three ways to move a running request from engine ``src`` to engine ``dst``
   release on ``src``. The request stalls for the whole copy.
 * :func:`migrate_live` — Llumnix-style multi-stage copy::
 
-      stage 1   copy every full token-block          (request keeps decoding on src)
+      stage 1   copy every full token-block; pre-commit on dst: the request
+                is set up there, PAUSED, on the reserved pages, from a state
+                that will lag               (request keeps decoding on src)
       stage k   copy the blocks that filled up since  (request keeps decoding on src)
-      final     reserve the tail; pause; copy the rest, incl. the partial last
-                block; commit on dst (the stall ends); release on src
+      final     grow the tail's pages; pause; copy the rest, incl. the partial
+                last block; apply the final state on dst (new tokens, generator,
+                text) and run it there (the stall ends); release on src
+
+  The pre-commit (``precommit_import`` / ``grow_paused`` / ``write_paused`` /
+  ``finish_import`` / ``abort_paused``) keeps building the request and its
+  block table out of the stall, as Llumnix's destination prepares during the
+  copy stages: the stop-and-copy only moves the tail and a state delta.
 
   The destination reserves its pages before the first copy and grows the
   reservation as the request grows, so both engines hold the KV until the
@@ -484,8 +492,12 @@ def migrate_live(
     moved = 0
     stages = 0
 
+    pre: int | None = None  # the request's id on dst once pre-committed
+
     def aborted(reason: str, handle: ImportHandle | None) -> MigrationStats:
-        if handle is not None and handle.is_open:
+        if pre is not None:
+            dst.abort_paused(pre)
+        elif handle is not None and handle.is_open:
             dst.abort_import(handle)
         t = time.perf_counter() - t0
         return MigrationStats(
@@ -511,11 +523,20 @@ def migrate_live(
             if left <= tail_blocks or n_full == copied:
                 break
             try:
-                dst.grow_import(handle, n_full * bs)
+                if pre is None:
+                    dst.grow_import(handle, n_full * bs)
+                else:
+                    dst.grow_paused(pre, n_full * bs)
             except PoolFull:
                 return aborted("destination full", handle)
             chunk = src.export_kv(rid, copied, n_full - copied, layers)
-            dst.write_import(handle, chunk)
+            if pre is None:
+                dst.write_import(handle, chunk)
+                # set the request up on dst now, while the source decodes on
+                # (its state lags; the final stage applies the difference)
+                pre = dst.precommit_import(handle, src.export_state(rid))
+            else:
+                dst.write_paused(pre, chunk)
             moved += chunk.nbytes
             copied = n_full
             stages += 1
@@ -527,18 +548,29 @@ def migrate_live(
                 return aborted(f"{req.status} on the source", handle)
         # final stop-and-copy; the pages for the tail are reserved first
         try:
-            dst.grow_import(handle, req.n_cached)
+            if pre is None:
+                dst.grow_import(handle, req.n_cached)
+            else:
+                dst.grow_paused(pre, req.n_cached)
         except PoolFull:
             return aborted("destination full", handle)
         src.pause(rid)
         t_pause = time.perf_counter()
         state = src.export_state(rid)
         chunk = src.export_kv(rid, copied, layers=layers)
-        dst.write_import(handle, chunk)
-        new = dst.commit_import(handle, state)
+        if pre is None:
+            dst.write_import(handle, chunk)
+            new = dst.commit_import(handle, state)
+        else:
+            dst.write_paused(pre, chunk)
+            dst.finish_import(pre, state)
+            new = pre
         t_commit = time.perf_counter()
     except BaseException:
-        if handle.is_open:
+        if pre is not None and dst.requests.get(pre) is not None:
+            if dst.requests[pre].status == _PAUSED:
+                dst.abort_paused(pre)
+        elif handle.is_open:
             dst.abort_import(handle)
         cur = src.requests.get(rid)
         if cur is req and req.status == _PAUSED:
