@@ -17,7 +17,9 @@ Setup. Two engines (``--device``, default CPU) each host ``--model``
     size into a preallocated one (torch's default thread count, then one
     thread), ``numpy.copyto`` likewise, ``Engine.export_kv`` of the whole
     request (one gather into a new tensor) and ``Engine.write_import`` of that
-    chunk into pages reserved on the second engine (one scatter). Medians over
+    chunk into pages reserved on the second engine (one scatter), and
+    :func:`copy_pages`, the fused path within one process (page runs copied
+    arena to arena as slices: one copy). Medians over
     ``--repeats`` rounds. The memcpy reference is the fastest of the three
     memcpy figures. Export and import are each one copy of the KV, so the
     end-to-end figure, ``bytes / (t_export + t_import)``, is at most about half
@@ -49,6 +51,7 @@ from fleetserve.runtime.engine.engine import Engine
 from fleetserve.runtime.engine.migration import (
     KVChunk,
     MigrationStats,
+    copy_pages,
     migrate_blocking,
     migrate_live,
 )
@@ -104,6 +107,7 @@ def bandwidth(e1: Engine, e2: Engine, rid: int, repeats: int) -> tuple[int, dict
         "np": [],
         "export": [],
         "import": [],
+        "direct": [],
     }
     holder: list[KVChunk] = [chunk]
 
@@ -112,6 +116,12 @@ def bandwidth(e1: Engine, e2: Engine, rid: int, repeats: int) -> tuple[int, dict
 
     def import_() -> None:
         e2.write_import(h, holder[0])
+
+    src_pages = e1.pool.table(rid).numpy()
+    dst_pages = h.pages()[: src_pages.size]
+
+    def direct() -> None:
+        copy_pages(e1.pool, e2.pool, model, src_pages, dst_pages)
 
     for _ in range(repeats + 2):  # two warm-up rounds
         times["copy_"].append(_timed(lambda: dst_t.copy_(src_t), dev))
@@ -122,6 +132,7 @@ def bandwidth(e1: Engine, e2: Engine, rid: int, repeats: int) -> tuple[int, dict
             times["np"].append(_timed(lambda: np.copyto(dst_n, src_n), dev))
         times["export"].append(_timed(export, dev))
         times["import"].append(_timed(import_, dev))
+        times["direct"].append(_timed(direct, dev))
     # the import really holds the request's KV
     pages = torch.as_tensor(h.pages()).view(chunk.n_tb, len(h.layers), -1).to(dev)
     assert torch.equal(e2.pool.kv(model)[pages], e1.pool.kv(model)[e1.pool.table(rid).to(dev)])
@@ -197,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         ("export_kv (one gather)", med["export"], gbs["export"]),
         ("write_import (one scatter)", med["import"], gbs["import"]),
         ("export + import (end to end)", e2e_s, e2e),
+        ("direct page copy (export+import fused)", med["direct"], gbs["direct"]),
     ]
     print()
     print(
@@ -215,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     print("  (export and import are one copy each: end to end is at most ~50% of memcpy)")
+    frac_d = gbs["direct"] / best
+    print(
+        f"  within one process: direct page copy (copy_pages) -> {100 * frac_d:.1f}% of memcpy: "
+        f"{'MET' if frac_d >= 0.5 else 'MISSED'}"
+    )
 
     # (b) stall
     blocking, live, rid = stalls(e1, e2, rid, args.migrations)

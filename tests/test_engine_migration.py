@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from functools import cache
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -459,3 +460,24 @@ def test_precommit_sets_the_request_up_paused_and_abort_undoes_it() -> None:
     a.release_migrated(rid)
     run_all(a, b)
     assert tuple(b.requests[pre].output_ids) == reference(A, "The quick brown fox jumps over")
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_copy_pages_moves_a_request_kv_arena_to_arena(fragmented: bool) -> None:
+    from fleetserve.runtime.engine.migration import copy_pages
+
+    a, b = engine(A, engine_id=0), engine(A, engine_id=1)
+    rid = a.add_request(A, "The quick brown fox jumps over the lazy dog", GREEDY)
+    a.step()
+    req = a.requests[rid]
+    h = b.begin_import(A, req.n_cached)
+    src = a.pool.table(rid).numpy()
+    dst = h.pages()[: src.size].reshape(src.shape)
+    if fragmented:  # every page to a shuffled destination: the gather/scatter path
+        dst = np.random.default_rng(0).permutation(dst.reshape(-1)).reshape(src.shape)
+    n = copy_pages(a.pool, b.pool, A, src, dst)
+    assert n == src.size * a.pool.page_bytes
+    kv_a, kv_b = a.pool.kv(A), b.pool.kv(A)
+    assert torch.equal(kv_b[torch.from_numpy(dst)], kv_a[torch.from_numpy(src)])
+    b.abort_import(h)
+    b.check_integrity()
