@@ -481,3 +481,21 @@ def test_copy_pages_moves_a_request_kv_arena_to_arena(fragmented: bool) -> None:
     assert torch.equal(kv_b[torch.from_numpy(dst)], kv_a[torch.from_numpy(src)])
     b.abort_import(h)
     b.check_integrity()
+
+
+def test_export_without_copy_is_a_view_of_one_page_run_else_a_copy() -> None:
+    a = engine(A)
+    rid = a.add_request(A, "The quick brown fox jumps over the lazy dog", GREEDY)
+    a.step()
+    copied = a.export_kv(rid)
+    view = a.export_kv(rid, copy=False)
+    assert torch.equal(view.data, copied.data)
+    flat = a.pool.table(rid).reshape(-1)
+    assert bool((flat.diff() == 1).all())  # a fresh engine: one run
+    assert view.data.data_ptr() == a.pool.kv(A)[int(flat[0])].data_ptr()  # no copy
+    # one layer only: the pages are no longer one run, so it is a copy
+    part = a.export_kv(rid, layers=[1], copy=False)
+    arena = a.pool.arena.untyped_storage().data_ptr()
+    assert part.data.untyped_storage().data_ptr() != arena
+    assert view.data.untyped_storage().data_ptr() == arena
+    assert torch.equal(part.data, copied.data[:, 1:2])

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -890,8 +891,17 @@ class Engine:
         first_tb: int = 0,
         n_tb: int | None = None,
         layers: Sequence[int] | None = None,
+        *,
+        copy: bool = True,
     ) -> KVChunk:
         """A copy of the KV of token-blocks ``[first_tb, first_tb + n_tb)`` of ``rid``.
+
+        With ``copy=False`` the chunk is a *view* of the arena when the pages
+        are one consecutive run in table order (the pool hands out the lowest
+        free pages first, so a request's pages mostly are); the importer's
+        scatter is then the only copy. The view is valid until the request's
+        pages change: consume it before the source steps again (the migration
+        drivers write it at once). Otherwise it is a copy as usual.
 
         Args:
             rid: a request holding KV here (running or paused).
@@ -920,7 +930,16 @@ class Engine:
         table = self.pool.table(rid).numpy()[first_tb : first_tb + n]
         if lay != tuple(range(table.shape[1])):
             table = table[:, list(lay)]
-        data = gather_pages(self.pool, req.model, table)
+        flat = table.reshape(-1)
+        if not copy and flat.size and int(flat[-1]) - int(flat[0]) == flat.size - 1:
+            if bool((np.diff(flat) == 1).all()):  # one run: a view, no copy
+                kv = self.pool.kv(req.model)
+                p0 = int(flat[0])
+                data = kv[p0 : p0 + flat.size].view(*table.shape, *kv.shape[1:])
+            else:
+                data = gather_pages(self.pool, req.model, table)
+        else:
+            data = gather_pages(self.pool, req.model, table)
         covered = min(max(req.n_cached - first_tb * bs, 0), n * bs)
         return KVChunk(req.model, lay, first_tb, covered, bs, self.dtype, data)
 

@@ -464,7 +464,7 @@ def migrate_blocking(src: Engine, dst: Engine, rid: int) -> MigrationStats:
                 reason="destination full",
             )
         handle = dst.begin_import(req.model, state.n_cached, layers)
-        chunk = src.export_kv(rid, layers=layers)
+        chunk = src.export_kv(rid, layers=layers, copy=False)
         dst.write_import(handle, chunk)
         new = dst.commit_import(handle, state)
         t_commit = time.perf_counter()
@@ -569,7 +569,7 @@ def migrate_live(
                     dst.grow_paused(pre, n_full * bs)
             except PoolFull:
                 return aborted("destination full", handle)
-            chunk = src.export_kv(rid, copied, n_full - copied, layers)
+            chunk = src.export_kv(rid, copied, n_full - copied, layers, copy=False)
             if pre is None:
                 dst.write_import(handle, chunk)
                 # set the request up on dst now, while the source decodes on
@@ -597,7 +597,7 @@ def migrate_live(
         src.pause(rid)
         t_pause = time.perf_counter()
         state = src.export_state(rid)
-        chunk = src.export_kv(rid, copied, layers=layers)
+        chunk = src.export_kv(rid, copied, layers=layers, copy=False)
         if pre is None:
             dst.write_import(handle, chunk)
             new = dst.commit_import(handle, state)
