@@ -62,7 +62,7 @@ from fleetserve.runtime.engine.model import (
     qkv,
     rms_norm,
 )
-from fleetserve.runtime.engine.sampling import SamplingParams, sample_one
+from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from fleetserve.runtime.engine.weights import WeightSource, layer_tensors, load_weight_source
 
@@ -536,8 +536,7 @@ class Engine:
             rid = next(self._ids)
         if rid in self.requests:
             raise ValueError(f"request id {rid} is in use")
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(p.seed if p.seed is not None else rid)
+        gen = request_generator(p, rid)
         req = EngineRequest(
             id=rid,
             model=model,
@@ -1092,19 +1091,22 @@ class Engine:
         if state.model != handle.model:
             raise ValueError(f"state of {state.model} committed to an import of {handle.model}")
         rid = self._new_rid(state.id)
-        req = self._restore_request(state, rid, PAUSED)
+        self._adopt_import(handle, state, rid, PAUSED, handle.n_tokens)
+        return rid
+
+    def _adopt_import(
+        self, handle: ImportHandle, state: RequestState, rid: int, status: str, n_tokens: int
+    ) -> EngineRequest:
+        """Restore ``state`` as request ``rid`` here on the import's pages
+        (``n_tokens`` of them become its table) and register it."""
+        req = self._restore_request(state, rid, status)
         req.n_cached = state.n_cached
         self.pool.adopt(
-            handle.reservation,
-            rid,
-            state.model,
-            handle.layers,
-            handle.n_tokens,
-            pages=handle.pages(),
+            handle.reservation, rid, state.model, handle.layers, n_tokens, pages=handle.pages()
         )
         handle.state = "committed"
         self.requests[rid] = req
-        return rid
+        return req
 
     def _paused(self, rid: int) -> EngineRequest:
         req = self.requests.get(rid)
@@ -1204,19 +1206,7 @@ class Engine:
         rid = self._new_rid(state.id if request_id is None else request_id)
         if request_id is not None and rid != request_id:
             raise ValueError(f"request id {request_id} is in use")
-        req = self._restore_request(state, rid, RUNNING)
-        req.n_cached = state.n_cached
-        self.pool.adopt(
-            handle.reservation,
-            rid,
-            state.model,
-            handle.layers,
-            state.n_cached,
-            pages=handle.pages(),
-        )
-        handle.state = "committed"
-        self.requests[rid] = req
-        self.running.append(req)
+        self.running.append(self._adopt_import(handle, state, rid, RUNNING, state.n_cached))
         return rid
 
     def export_state(self, rid: int) -> RequestState:

@@ -64,7 +64,7 @@ import torch
 from fleetserve.errors import ConfigError
 from fleetserve.runtime.engine.engine import Batch, Engine, RemoteAttention
 from fleetserve.runtime.engine.kvpool import PoolFull
-from fleetserve.runtime.engine.sampling import SamplingParams, sample_one
+from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
 __all__ = ["PipelineGroup", "PipelineRequest", "RemoteKV", "check_stage_ranges"]
@@ -394,8 +394,7 @@ class PipelineGroup:
         rid = next(self._ids)
         while rid in self.requests:
             rid = next(self._ids)
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(p.seed if p.seed is not None else rid)
+        gen = request_generator(p, rid)
         key = _free_key(self._engines)
         req = PipelineRequest(
             id=rid,

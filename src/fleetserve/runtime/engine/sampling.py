@@ -8,7 +8,7 @@ import torch
 
 from fleetserve.errors import ConfigError
 
-__all__ = ["SamplingParams", "sample_one"]
+__all__ = ["SamplingParams", "request_generator", "sample_one"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,13 @@ class SamplingParams:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+
+
+def request_generator(p: SamplingParams, rid: int) -> torch.Generator:
+    """A request's own sampler generator: seeded by ``p.seed``, else by its id."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(p.seed if p.seed is not None else rid)
+    return gen
 
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
