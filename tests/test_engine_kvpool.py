@@ -132,3 +132,23 @@ def test_random_operations_keep_integrity(ops: list[tuple[int, int, int]]) -> No
         pool.check_integrity()
         u = pool.usage()
         assert u["free"] + u["kv"] + u["weights"] + u["reserved"] == u["pages"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=50))
+def test_every_take_hands_out_the_lowest_free_pages(ops: list[tuple[bool, int]]) -> None:
+    """Small takes pop the heap, large ones (n >= pages / 256) scan the owner
+    array: both give the lowest free pages, and the heap stays consistent."""
+    pool = KVPool(1024 * 2 * BS * 8 * 4, BS, head_dim_max=8)
+    pool.add_model("a", num_layers=3, kv_heads=2, head_dim=8)
+    assert pool.num_pages == 1024  # threshold: 4 pages
+    held = []
+    for take, n in ops:
+        if take and pool.can_reserve(n):
+            free = sorted(set(range(pool.num_pages)) - {p for r in held for p in r.pages})
+            res = pool.reserve(n)
+            assert res.pages == free[:n]
+            held.append(res)
+        elif held:
+            pool.release(held.pop(n % len(held)))
+        pool.check_integrity()

@@ -346,3 +346,29 @@ def test_pipeline_and_remote_kv_across_devices() -> None:
     for e in (s0, s1, kv, c0):
         assert e.pool.kv_pages == 0
         e.check_integrity()
+
+
+def test_pipeline_stop_strings_and_text_match_single_engine() -> None:
+    """The group applies the engine's stop-string rule (shared code)."""
+    n = builtin_config(A).spec.num_layers
+    full = reference(A, GREEDY, (PROMPTS[0],))[0]
+    text = Engine([(A, [])], PAGE * 8).tokenizer(A).decode(full)
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 1)
+        if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+    )
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, stop=(stop,), ignore_eos=True)
+    eng = Engine([A], arena(A, n))
+    rid = eng.add_request(A, PROMPTS[0], params)
+    while eng.has_work():
+        eng.step()
+    single = eng.pop_finished(rid)
+    group = PipelineGroup(stage_engines(A, [range(0, 2), range(2, 4)]), A)
+    gid = group.add_request(PROMPTS[0], params)
+    while group.has_work():
+        group.step()
+    piped = group.pop_finished(gid)
+    assert single.finish_reason == piped.finish_reason == "stop"
+    assert piped.text == single.text == text[: text.index(stop)]
+    assert piped.output_ids == single.output_ids

@@ -499,3 +499,28 @@ def test_export_without_copy_is_a_view_of_one_page_run_else_a_copy() -> None:
     assert part.data.untyped_storage().data_ptr() != arena
     assert view.data.untyped_storage().data_ptr() == arena
     assert torch.equal(part.data, copied.data[:, 1:2])
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_planned_page_copy_copies_the_data_at_run_time(fragmented: bool) -> None:
+    """A live migration plans its stop-and-copy before the pause: the plan holds
+    page ids and views, so running it copies what the pages hold *then*."""
+    from fleetserve.runtime.engine.migration import plan_page_copy
+
+    a, b = engine(A, engine_id=0), engine(A, engine_id=1)
+    rid = a.add_request(A, "The quick brown fox jumps over the lazy dog", GREEDY)
+    a.step()
+    h = b.begin_import(A, a.requests[rid].n_cached)
+    src = a.pool.table(rid).numpy()
+    dst = h.pages()[: src.size].reshape(src.shape)
+    if fragmented:
+        dst = np.random.default_rng(1).permutation(dst.reshape(-1)).reshape(src.shape)
+    plan = plan_page_copy(a.pool, b.pool, A, src, dst)
+    assert (plan.gather is not None) == fragmented
+    kv_a, kv_b = a.pool.kv(A), b.pool.kv(A)
+    s_idx, d_idx = torch.from_numpy(src), torch.from_numpy(dst)
+    kv_a[s_idx] = kv_a[s_idx] + 1.0  # the source changes after the plan
+    assert plan.run() == src.size * a.pool.page_bytes
+    assert torch.equal(kv_b[d_idx], kv_a[s_idx])
+    b.abort_import(h)
+    b.check_integrity()

@@ -62,7 +62,12 @@ from fleetserve.runtime.engine.model import (
     qkv,
     rms_norm,
 )
-from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
+from fleetserve.runtime.engine.sampling import (
+    SamplingParams,
+    apply_stop_strings,
+    request_generator,
+    sample_one,
+)
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from fleetserve.runtime.engine.weights import WeightSource, layer_tensors, load_weight_source
 
@@ -678,26 +683,18 @@ class Engine:
         m = self.models[req.model]
         p = req.params
         if tok in m.cfg.eos_token_ids and not p.ignore_eos:
-            self._emit(req, tok, "", final=True)
+            # text held back for a stop string that did not come is output
+            self._emit(req, tok, req._held + req.detok.flush(), final=True)
             self._finish(req, "stop")
             return
         piece = req.detok.push(tok)
         if p.stop:
-            text = req._held + piece
-            for s in p.stop:
-                at = (req.text + text).find(s, max(0, len(req.text) - len(s)))
-                if at >= 0:
-                    cut = at - len(req.text)
-                    self._emit(req, tok, text[: max(cut, 0)], final=True)
-                    self._finish(req, "stop")
-                    return
-            # hold back a suffix that may begin a stop string
-            keep = max(
-                (k for s in p.stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                default=0,
-            )
-            req._held = text[len(text) - keep :] if keep else ""
-            piece = text[: len(text) - keep]
+            piece, held, stopped = apply_stop_strings(req.text, req._held, piece, p.stop)
+            if stopped:
+                self._emit(req, tok, piece, final=True)
+                self._finish(req, "stop")
+                return
+            req._held = held
         if req.generated >= p.max_tokens:
             self._emit(req, tok, piece + req._held + req.detok.flush(), final=True)
             self._finish(req, "length")

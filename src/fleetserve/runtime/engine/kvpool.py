@@ -373,8 +373,22 @@ class KVPool:
 
     # ---------------------------------------------------------------- helpers
     def _take(self, n: int, owner: int) -> list[int]:
+        """The ``n`` lowest free pages, now owned by ``owner`` (``n <= num_free``).
+
+        Small takes pop the min-heap (stale entries, pages no longer free, are
+        skipped). A large take (``n`` at least 1/256 of the arena, e.g. an
+        import's reservation) scans ``owner`` once with NumPy instead: the
+        same pages, without a heap pop per page; the heap keeps their entries,
+        which go stale and are skipped or dropped at the next rebuild.
+        """
+        own = self.owner
+        if n * 256 >= self.num_pages:
+            got = np.flatnonzero(own == FREE)[:n]
+            own[got] = owner
+            self.num_free -= n
+            return got.tolist()
         out: list[int] = []
-        heap, own = self._heap, self.owner
+        heap = self._heap
         while len(out) < n:
             p = heapq.heappop(heap)
             if own[p] == FREE:

@@ -6,8 +6,10 @@ Three ways to move a running request from engine ``src`` to engine ``dst``
 ``commit_import`` / ``abort_import``, ``export_state``, ``pause`` / ``resume``,
 ``release_migrated`` and ``import_tokens``):
 
-* :func:`migrate_blocking` — pause, copy all of the KV, commit on ``dst``,
-  release on ``src``. The request stalls for the whole copy.
+* :func:`migrate_blocking` — reserve the pages on ``dst``, pause, copy all of
+  the KV, commit on ``dst``, release on ``src``. The request stalls for the
+  whole copy (the reservation comes before the pause: nothing runs on the
+  source in between, so the request's size cannot change).
 * :func:`migrate_live` — Llumnix-style multi-stage copy::
 
       stage 1   copy every full token-block; pre-commit on dst: the request
@@ -21,7 +23,10 @@ Three ways to move a running request from engine ``src`` to engine ``dst``
   The pre-commit (``precommit_import`` / ``grow_paused`` / ``write_paused`` /
   ``finish_import`` / ``abort_paused``) keeps building the request and its
   block table out of the stall, as Llumnix's destination prepares during the
-  copy stages: the stop-and-copy only moves the tail and a state delta.
+  copy stages: the stop-and-copy only moves the tail and a state delta. The
+  tail's copy is planned before the pause too (:func:`plan_page_copy`: page
+  ids and arena views on both sides, once the tail's pages are reserved), so
+  the stall is the state export, the copies themselves and the hand-over.
 
   The destination reserves its pages before the first copy and grows the
   reservation as the request grows, so both engines hold the KV until the
@@ -70,12 +75,14 @@ __all__ = [
     "ImportHandle",
     "KVChunk",
     "MigrationStats",
+    "PageCopy",
     "RequestState",
     "copy_pages",
     "gather_pages",
     "migrate_blocking",
     "migrate_live",
     "migrate_tokens",
+    "plan_page_copy",
     "restore_detok",
     "scatter_pages",
     "snapshot_detok",
@@ -379,24 +386,64 @@ def copy_pages(
     Returns:
         Bytes copied.
     """
+    return plan_page_copy(src_pool, dst_pool, model, src_pages, dst_pages).run()
+
+
+@dataclass(slots=True, eq=False)
+class PageCopy:
+    """A planned page copy between two arenas (see :func:`plan_page_copy`).
+
+    ``runs`` are (source view, destination view) pairs of consecutive pages;
+    when the pages are too fragmented for runs, ``gather`` holds the page ids
+    for one gather/scatter instead. The views stay valid while the pages keep
+    their owners (the arena never moves).
+    """
+
+    dst_pool: KVPool
+    model: str
+    nbytes: int
+    runs: list[tuple[torch.Tensor, torch.Tensor]]
+    gather: tuple[KVPool, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
+
+    def run(self) -> int:
+        """Copy now; returns the bytes copied."""
+        if self.gather is not None:
+            src_pool, s, d = self.gather
+            scatter_pages(self.dst_pool, self.model, d, gather_pages(src_pool, self.model, s))
+        for a, b in self.runs:
+            b.copy_(a)
+        return self.nbytes
+
+
+def plan_page_copy(
+    src_pool: KVPool,
+    dst_pool: KVPool,
+    model: str,
+    src_pages: np.ndarray[Any, Any],
+    dst_pages: np.ndarray[Any, Any],
+) -> PageCopy:
+    """Plan :func:`copy_pages` ahead: find the runs and make their views now,
+    so that running the copy later is only the copies (a live migration plans
+    its stop-and-copy before it pauses the request)."""
     s = np.ascontiguousarray(src_pages, dtype=np.int64).reshape(-1)
     d = np.ascontiguousarray(dst_pages, dtype=np.int64).reshape(-1)
     if s.shape != d.shape:
         raise ValueError(f"{s.size} source pages vs {d.size} destination pages")
     if s.size == 0:
-        return 0
+        return PageCopy(dst_pool, model, 0, [])
     src_kv, dst_kv = src_pool.kv(model), dst_pool.kv(model)
-    page_bytes = int(src_kv[0].numel() * src_kv.element_size())
+    nbytes = int(s.size * src_kv[0].numel() * src_kv.element_size())
     cut = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     if len(cut) + 1 > max(1, s.size // 8):  # fragmented: one gather + one scatter
-        scatter_pages(dst_pool, model, d, gather_pages(src_pool, model, s))
-        return int(s.size * page_bytes)
+        return PageCopy(dst_pool, model, nbytes, [], (src_pool, s, d))
     starts = np.concatenate(([0], cut)).tolist()
     ends = np.concatenate((cut, [s.size])).tolist()
     sl, dl = s.tolist(), d.tolist()
-    for a, b in zip(starts, ends, strict=True):
-        dst_kv[dl[a] : dl[a] + (b - a)].copy_(src_kv[sl[a] : sl[a] + (b - a)].to(dst_kv.device))
-    return int(s.size * page_bytes)
+    runs = [  # copy_ also copies across devices
+        (src_kv[sl[a] : sl[a] + (b - a)], dst_kv[dl[a] : dl[a] + (b - a)])
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    return PageCopy(dst_pool, model, nbytes, runs)
 
 
 # -------------------------------------------------------------------- drivers
@@ -445,31 +492,30 @@ def migrate_blocking(src: Engine, dst: Engine, rid: int) -> MigrationStats:
     t0 = time.perf_counter()
     req = _check_kv_pair(src, dst, rid)
     layers = src.pool.layers(rid)
+    if not dst.can_import(req.model, req.n_cached, layers):
+        t1 = time.perf_counter()
+        return MigrationStats(
+            "blocking",
+            rid,
+            None,
+            req.n_cached,
+            total_s=t1 - t0,
+            aborted=True,
+            reason="destination full",
+        )
+    # the destination reserves before the stop (nothing runs on the source in
+    # between, so the request's size cannot change)
+    handle = dst.begin_import(req.model, req.n_cached, layers)
     src.pause(rid)
     t_pause = time.perf_counter()
-    handle: ImportHandle | None = None
     try:
         state = src.export_state(rid)
-        if not dst.can_import(req.model, state.n_cached, layers):
-            src.resume(rid)
-            t1 = time.perf_counter()
-            return MigrationStats(
-                "blocking",
-                rid,
-                None,
-                state.n_cached,
-                stall_s=t1 - t_pause,
-                total_s=t1 - t0,
-                aborted=True,
-                reason="destination full",
-            )
-        handle = dst.begin_import(req.model, state.n_cached, layers)
         chunk = src.export_kv(rid, layers=layers, copy=False)
         dst.write_import(handle, chunk)
         new = dst.commit_import(handle, state)
         t_commit = time.perf_counter()
     except BaseException:
-        if handle is not None and handle.is_open:
+        if handle.is_open:
             dst.abort_import(handle)
         if src.requests[rid].status == _PAUSED:
             src.resume(rid)
@@ -594,15 +640,25 @@ def migrate_live(
                 dst.grow_paused(pre, req.n_cached)
         except PoolFull:
             return aborted("destination full", handle)
-        src.pause(rid)
-        t_pause = time.perf_counter()
-        state = src.export_state(rid)
-        chunk = src.export_kv(rid, copied, layers=layers, copy=False)
-        if pre is None:
+        if pre is None:  # no stage ran (a short request): as a blocking copy
+            src.pause(rid)
+            t_pause = time.perf_counter()
+            state = src.export_state(rid)
+            chunk = src.export_kv(rid, copied, layers=layers, copy=False)
             dst.write_import(handle, chunk)
             new = dst.commit_import(handle, state)
+            stall_bytes = chunk.nbytes
         else:
-            dst.write_paused(pre, chunk)
+            # plan the tail's copy (page ids and arena views on both sides)
+            # before the stop: nothing runs on the source in between
+            n_tb = -(-req.n_cached // bs)
+            tail = _plan_tail(src, dst, rid, pre, copied, n_tb)
+            src.pause(rid)
+            t_pause = time.perf_counter()
+            state = src.export_state(rid)
+            if -(-state.n_cached // bs) != n_tb:
+                raise RuntimeError(f"request {rid} grew between the plan and the pause")
+            stall_bytes = tail.run()
             dst.finish_import(pre, state)
             new = pre
         t_commit = time.perf_counter()
@@ -617,7 +673,7 @@ def migrate_live(
             src.resume(rid)
         raise
     src.release_migrated(rid)
-    moved += chunk.nbytes
+    moved += stall_bytes
     stall = t_commit - t_pause
     total = time.perf_counter() - t0
     return MigrationStats(
@@ -627,10 +683,29 @@ def migrate_live(
         state.n_cached,
         stages=stages + 1,
         bytes=moved,
-        stall_bytes=chunk.nbytes,
+        stall_bytes=stall_bytes,
         stall_s=stall,
         total_s=total,
     )
+
+
+def _plan_tail(
+    src: Engine, dst: Engine, rid: int, pre: int, first_tb: int, end_tb: int
+) -> PageCopy:
+    """The copy of token-blocks ``[first_tb, end_tb)`` of ``rid`` on ``src``
+    into the same blocks of the pre-committed ``pre`` on ``dst``.
+
+    Both tables list the same held layers (``-1`` marks a layer not held), so
+    their valid entries in table order pair up page for page.
+    """
+    s_tab = src.pool.table(rid).numpy()[first_tb:end_tb]
+    d_tab = dst.pool.table(pre).numpy()[first_tb:end_tb]
+    s, d = s_tab[s_tab >= 0], d_tab[d_tab >= 0]
+    if s.shape != d.shape:
+        raise RuntimeError(
+            f"request {pre} on engine {dst.engine_id}: {d.size} tail pages for {s.size}"
+        )
+    return plan_page_copy(src.pool, dst.pool, src.requests[rid].model, s, d)
 
 
 def migrate_tokens(src: Engine, dst: Engine, rid: int) -> MigrationStats:

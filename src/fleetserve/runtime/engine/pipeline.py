@@ -64,7 +64,12 @@ import torch
 from fleetserve.errors import ConfigError
 from fleetserve.runtime.engine.engine import Batch, Engine, RemoteAttention
 from fleetserve.runtime.engine.kvpool import PoolFull
-from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
+from fleetserve.runtime.engine.sampling import (
+    SamplingParams,
+    apply_stop_strings,
+    request_generator,
+    sample_one,
+)
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
 __all__ = ["PipelineGroup", "PipelineRequest", "RemoteKV", "check_stage_ranges"]
@@ -228,6 +233,7 @@ class PipelineRequest:
     detok: IncrementalDetokenizer
     n_cached: int = 0
     text: str = ""
+    held: str = ""  # text held back: it may begin a stop string
     finish_reason: str | None = None
     engines: list[Engine] = field(default_factory=list)  # those holding a table of it
 
@@ -496,17 +502,21 @@ class PipelineGroup:
         req.tokens.append(tok)
         p = req.params
         if tok in self.cfg.eos_token_ids and not p.ignore_eos:
+            req.text += req.held + req.detok.flush()
+            req.held = ""
             self._finish(req, "stop")
             return
-        req.text += req.detok.push(tok)
-        for s in p.stop:
-            at = req.text.find(s)
-            if at >= 0:
-                req.text = req.text[:at]
+        piece = req.detok.push(tok)
+        if p.stop:  # the engine's stop-string rule, text held back likewise
+            piece, req.held, stopped = apply_stop_strings(req.text, req.held, piece, p.stop)
+            if stopped:
+                req.text += piece
                 self._finish(req, "stop")
                 return
+        req.text += piece
         if req.generated >= p.max_tokens:
-            req.text += req.detok.flush()
+            req.text += req.held + req.detok.flush()
+            req.held = ""
             self._finish(req, "length")
 
     def _finish(self, req: PipelineRequest, reason: str) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fleetserve.errors import ConfigError
 
-__all__ = ["SamplingParams", "request_generator", "sample_one"]
+__all__ = ["SamplingParams", "apply_stop_strings", "request_generator", "sample_one"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +72,31 @@ def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) ->
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def apply_stop_strings(
+    emitted: str, held: str, piece: str, stop: Sequence[str]
+) -> tuple[str, str, bool]:
+    """Stream text through stop strings: what to emit now, what to hold back.
+
+    ``emitted`` is the text streamed so far, ``held`` the text held back at the
+    last token (it may begin a stop string), ``piece`` the new token's text. A
+    stop string is searched where it could newly appear (it may start in the
+    emitted tail); when any is found the output is cut before the earliest. Otherwise the
+    longest suffix that is a proper prefix of some stop string is held back,
+    so no client ever sees text that a stop string later removes.
+
+    Returns:
+        ``(emit, held, stopped)``: the text to stream now, the new held-back
+        text (empty when stopped), and whether a stop string was found.
+    """
+    text = held + piece
+    whole = emitted + text
+    hits = [h for s in stop if (h := whole.find(s, max(0, len(emitted) - len(s)))) >= 0]
+    if hits:  # the earliest stop string wins, whatever its place in ``stop``
+        return text[: max(min(hits) - len(emitted), 0)], "", True
+    keep = max(
+        (k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])),
+        default=0,
+    )
+    return text[: len(text) - keep], text[len(text) - keep :] if keep else "", False
