@@ -684,3 +684,29 @@ def test_published_vllm_ci_latency_h200(model: str, tp: int, measured_s: float) 
     c = bind(model, "h200-141gb", tp)
     pred = e2e_static_batch(c, batch=8, prompt=32, output=128)
     assert abs(rel_err(pred, measured_s)) < REL_TOL_PUBLISHED, pred
+
+
+def test_compute_share_stretches_only_the_compute_bound_term(cost: InstanceCost) -> None:
+    """MuxServe's spatial-temporal sharing: a job on a fraction of the compute
+    units; compute-bound work stretches by 1/share, memory-bound work does not."""
+    lens = [2048, 2048]
+    full = cost.prefill_time(lens)
+    assert cost.prefill_time(lens, share=1.0) == full
+    half = cost.prefill_time(lens, share=0.5)
+    assert half > 1.5 * full  # a long prefill is compute-bound
+    # a batch-1 decode with a short context is memory-bound (weights streamed)
+    d_full = cost.decode_time_scalar(1, 128.0)
+    assert cost.decode_time_scalar(1, 128.0, share=1.0) == d_full
+    assert cost.decode_time_scalar(1, 128.0, share=0.5) == pytest.approx(d_full, rel=1e-9)
+    assert d_full == pytest.approx(float(cost.decode_time(1, np.array([128.0]))[0]))
+    # smaller shares never make anything faster
+    for s in (0.9, 0.5, 0.2, 0.05):
+        assert cost.decode_time_scalar(64, 64 * 1024.0, share=s) >= cost.decode_time_scalar(
+            64, 64 * 1024.0
+        )
+        assert cost.mixed_time([(512, 0)], 8, 8000, share=s) >= cost.mixed_time([(512, 0)], 8, 8000)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="share"):
+            cost.prefill_time(lens, share=bad)
+        with pytest.raises(ValueError, match="share"):
+            cost.decode_time_scalar(1, 10.0, share=bad)

@@ -243,17 +243,40 @@ class InstanceCost:
         )
 
     # --- the general iteration --------------------------------------------
-    def _iteration(self, new_tokens: float, logits: float, pairs: float, kv_read: float) -> float:
-        """Time of an iteration given its aggregate work (see module docstring)."""
+    def _iteration(
+        self, new_tokens: float, logits: float, pairs: float, kv_read: float, share: float = 1.0
+    ) -> float:
+        """Time of an iteration given its aggregate work (see module docstring).
+
+        ``share`` is the fraction of the GPUs' compute units the iteration runs
+        on (MuxServe's spatial-temporal multiplexing, see
+        :meth:`prefill_time`): the compute term is divided by it, the memory,
+        communication and fixed terms are not.
+        """
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"compute share must be in (0, 1], got {share}")
         compute = new_tokens * self._c_tok + logits * self._c_logit + pairs * self._c_pair
         memory = self._m_w + (kv_read + new_tokens) * self._m_kv
-        return self._fixed + new_tokens * self._comm_tok + max(compute, memory)
+        return self._fixed + new_tokens * self._comm_tok + max(compute / share, memory)
 
-    def prefill_time(self, prompt_lens: Sequence[int] | npt.NDArray[np.integer]) -> float:
+    def prefill_time(
+        self, prompt_lens: Sequence[int] | npt.NDArray[np.integer], share: float = 1.0
+    ) -> float:
         """One prefill iteration over whole prompts (nothing cached before).
+
+        Compute sharing (MuxServe). Jobs of different models may run at once
+        on one GPU group, each on a ``share`` of its compute units (MuxServe
+        partitions SMs with MPS). The model: only the compute-bound term
+        stretches, ``t = fixed + comm + max(t_compute / share, t_memory)``. A
+        compute-bound prefill thus takes ``1 / share`` times longer, while a
+        memory-bound decode (weights and KV streamed from HBM) barely slows
+        down until its compute term, stretched, overtakes the memory term.
+        Concurrent jobs do not slow each other's memory traffic in this model
+        (HBM bandwidth is not partitioned): a documented simplification.
 
         Args:
             prompt_lens: prompt length of each sequence in the batch (each >= 1).
+            share: fraction of compute units, in (0, 1].
 
         Returns:
             Seconds; 0.0 for an empty batch.
@@ -267,7 +290,7 @@ class InstanceCost:
             li = int(length)
             total += li
             pairs2 += li * (li + 1)
-        return self._iteration(float(total), float(n), pairs2 * 0.5, 0.0)
+        return self._iteration(float(total), float(n), pairs2 * 0.5, 0.0, share)
 
     def decode_time(
         self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
@@ -292,16 +315,27 @@ class InstanceCost:
         out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair + a_c, x * self._m_kv + a_m)
         return out
 
-    def decode_time_scalar(self, batch: int, ctx_total: float) -> float:
-        """Scalar form of :meth:`decode_time` (same value, same rounding)."""
+    def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
+        """Scalar form of :meth:`decode_time` (same value, same rounding); with
+        ``share`` < 1 the compute term runs on that fraction of the compute
+        units (see :meth:`prefill_time`)."""
         x = float(ctx_total)
         k = self._fixed + batch * self._comm_tok
+        if share != 1.0:
+            if not 0.0 < share <= 1.0:
+                raise ValueError(f"compute share must be in (0, 1], got {share}")
+            compute = (batch * self._c_tok1 + x * self._c_pair) / share
+            return k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv)
         a_c = batch * self._c_tok1 + k
         a_m = self._m_w + batch * self._m_kv + k
         return max(x * self._c_pair + a_c, x * self._m_kv + a_m)
 
     def mixed_time(
-        self, chunks: Sequence[tuple[int, int]], decode_batch: int, decode_ctx_total: int
+        self,
+        chunks: Sequence[tuple[int, int]],
+        decode_batch: int,
+        decode_ctx_total: int,
+        share: float = 1.0,
     ) -> float:
         """One chunked-prefill iteration: prefill chunks plus a decode batch.
 
@@ -310,6 +344,7 @@ class InstanceCost:
             decode_batch: decode sequences in the same iteration.
             decode_ctx_total: KV tokens the decode sequences read in total
                 (including the tokens being appended).
+            share: fraction of compute units (see :meth:`prefill_time`).
 
         Returns:
             Seconds; 0.0 when there is nothing to do.
@@ -325,7 +360,7 @@ class InstanceCost:
         logits = len(chunks) + decode_batch
         if tokens == 0:
             return 0.0
-        return self._iteration(float(tokens), float(logits), pairs2 * 0.5, float(kv_read))
+        return self._iteration(float(tokens), float(logits), pairs2 * 0.5, float(kv_read), share)
 
     # --- whole requests -----------------------------------------------------
     def ideal_times(
