@@ -160,6 +160,8 @@ class RunResult:
         notes: human-readable remarks to surface in the report (e.g. length caps).
         aborted_migrations: migrations planned or started but aborted (not in
             ``migrations``).
+        extra: backend-specific sections added to ``summary.json`` as they are
+            (e.g. ``kv_layout`` and ``groups`` of a multi-LLM run).
     """
 
     records: list[RequestRecord]
@@ -173,3 +175,4 @@ class RunResult:
     sim_events: int | None = None
     notes: list[str] = field(default_factory=list)
     aborted_migrations: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -376,6 +376,12 @@ def summarize(result: RunResult, slo_scales: Sequence[float] = DEFAULT_SLO_SCALE
             model: _service_summary(recs, slo_scales) for model, recs in sorted(by_model.items())
         },
     }
+    for key, value in result.extra.items():
+        if key in summary:
+            raise MetricsInvariantError(
+                f"extra summary section {key!r} clashes with a standard one"
+            )
+        summary[key] = copy.deepcopy(value)
     if result.sim_wall_s is not None:
         summary["sim"] = {
             "wall_s": _finite(result.sim_wall_s),

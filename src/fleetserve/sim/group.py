@@ -1,0 +1,434 @@
+"""A sharing group as the simulator models it: several services, one GPU group.
+
+Every hosted service's weights are resident; their requests' KV caches share
+one pool (a :class:`~fleetserve.sim.kvlayout.KVLayout`: head-wise, merged or
+static partitions). The group's scheduler
+(:class:`~fleetserve.policy.sharing.GroupScheduler`) starts *jobs*: one
+iteration of one service in one phase on a share of the compute units. Jobs
+run until their own end time; a temporal scheduler is consulted only when no
+job is in flight (one job at a time, the whole group), a spatial-temporal one
+(ADBS) whenever a job ends or a request arrives.
+
+Token bookkeeping per request (``p`` prompt tokens, ``g`` generated)::
+
+    waiting   no KV; a prefill job processes p + g tokens, allocates them and
+              emits token g + 1
+    running   holds KV; "ready" when in no job
+    decode    grows the KV by one token (the newest, not cached yet) and emits
+              the next token
+    finishes  when g == output_tokens: its KV is freed at once
+
+After a prefill the KV holds ``p + g`` tokens and ``g + 1`` are generated, so
+a running request always holds ``prompt + generated - 1`` tokens of KV.
+
+Memory: a prompt is admitted only if the layout can hold it and it keeps the
+service within the scheduler's ``kv_limit`` (ADBS quotas); before a decode
+step, every request of the job grows by one token, and when that does not
+fit (pool or quota) the scheduler names a victim of that service, which is
+preempted (KV freed, back to the head of the queue, recomputed later). The
+layout never over-commits (its check/commit pairs), and
+:meth:`SharingGroup.check_integrity` checks that every request is in exactly
+one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, cast
+
+from fleetserve.policy.sharing import PREFILL, GroupScheduler, GroupSeq, Job
+
+if TYPE_CHECKING:
+    from fleetserve.costmodel import InstanceCost
+    from fleetserve.metrics.records import RequestRecord
+    from fleetserve.sim.kvlayout import KVLayout
+    from fleetserve.workload.request import Request
+
+_EPS = 1e-9
+
+
+class GSeq:
+    """A request in a sharing group (implements ``GroupSeq``)."""
+
+    __slots__ = (
+        "arrival_s",
+        "generated",
+        "group",
+        "id",
+        "in_job",
+        "kv_tokens",
+        "model",
+        "output_tokens",
+        "prompt_tokens",
+        "record",
+    )
+
+    def __init__(self, req: Request, record: RequestRecord) -> None:
+        self.id = req.id
+        self.model = req.model
+        self.arrival_s = req.arrival_s
+        self.prompt_tokens = req.prompt_tokens
+        self.output_tokens = req.output_tokens
+        self.record = record
+        self.generated = 0
+        self.kv_tokens = 0
+        self.in_job = False
+        self.group: SharingGroup | None = None
+
+
+class _GroupBudget:
+    """Admission of prompts into one prefill job: memory (layout and quota),
+    running-batch room, and the token budget (a lone prompt may exceed it)."""
+
+    __slots__ = ("group", "model", "seqs_left", "taken", "tokens_left")
+
+    def __init__(self, group: SharingGroup) -> None:
+        self.group = group
+        self.model: str | None = None
+        self.seqs_left = 0
+        self.tokens_left = 0
+        self.taken = 0
+
+    def fits(self, s: GroupSeq) -> bool:
+        seq = cast(GSeq, s)  # the scheduler got it from this group's state
+        g = self.group
+        if self.model is None:
+            self.seqs_left = g.max_num_seqs - len(g.running[seq.model])
+        elif seq.model != self.model:
+            return False  # one service per job
+        n = seq.prompt_tokens + seq.generated
+        if seq.in_job or self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
+            return False
+        return g.can_hold(seq, n)
+
+    def take(self, s: GroupSeq) -> None:
+        seq = cast(GSeq, s)
+        g = self.group
+        n = seq.prompt_tokens + seq.generated
+        if self.model is None:
+            self.model = seq.model
+            self.tokens_left = g.max_batched_tokens
+        g.layout.grow(seq.id, seq.model, n)
+        seq.kv_tokens = n
+        seq.in_job = True  # leaves the queue when its prefill job starts
+        g._taken[seq.id] = seq
+        self.seqs_left -= 1
+        self.tokens_left -= n
+        self.taken += 1
+
+
+class SharingGroup:
+    """Services sharing one GPU group (see the module docstring).
+
+    Args:
+        gid: group id.
+        gpus: its GPU ids.
+        tp: tensor-parallel degree.
+        costs: cost model of each hosted service bound to (model, GPU, tp).
+        layout: the group's KV pool.
+        scheduler: its scheduler (``setup`` already called).
+        max_num_seqs: running requests per service at most.
+        max_batched_tokens: prompt tokens per prefill job.
+    """
+
+    def __init__(
+        self,
+        gid: int,
+        gpus: tuple[int, ...],
+        tp: int,
+        costs: Mapping[str, InstanceCost],
+        layout: KVLayout,
+        scheduler: GroupScheduler,
+        *,
+        max_num_seqs: int = 256,
+        max_batched_tokens: int = 8192,
+    ) -> None:
+        self.id = gid
+        self.gpus = gpus
+        self.tp = tp
+        self.costs = dict(costs)
+        self.layout = layout
+        self.scheduler = scheduler
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self._models = tuple(sorted(costs))
+        self.waiting: dict[str, deque[GSeq]] = {m: deque() for m in self._models}
+        self.running: dict[str, dict[int, GSeq]] = {m: {} for m in self._models}
+        self.jobs: dict[int, tuple[Job, list[GSeq], float, float]] = {}  # token -> job
+        self._busy: set[tuple[str, str]] = set()
+        self._next_token = 0
+        self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
+        self.held_share = 0.0
+        self.preemptions = 0
+        self.busy_s = 0.0  # time with at least one job in flight
+        self._busy_since: float | None = None
+
+    # ------------------------------------------------------------ GroupState
+    @property
+    def models(self) -> Sequence[str]:
+        return self._models
+
+    @property
+    def free_share(self) -> float:
+        return max(0.0, 1.0 - self.held_share)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self.jobs)
+
+    def ready(self, model: str) -> Sequence[GSeq]:
+        return [s for s in self.running[model].values() if not s.in_job]
+
+    def busy(self, model: str, phase: str) -> bool:
+        return (model, phase) in self._busy
+
+    def kv_used(self, model: str) -> int:
+        return self.layout.used_bytes(model)
+
+    def prefill_in_flight(self) -> bool:
+        return any(j.phase == PREFILL for j, _, _, _ in self.jobs.values())
+
+    @property
+    def idle(self) -> bool:
+        return not self.jobs and not any(self.waiting.values()) and not any(self.running.values())
+
+    def outstanding(self, model: str) -> int:
+        """Requests of ``model`` here (queued or running)."""
+        return len(self.waiting[model]) + len(self.running[model])
+
+    # --------------------------------------------------------------- memory
+    def can_hold(self, seq: GSeq, tokens: int) -> bool:
+        """Whether ``seq`` can hold ``tokens`` tokens now (pool and quota)."""
+        lay = self.layout
+        if not lay.can_grow(seq.id, seq.model, tokens):
+            return False
+        limit = self.scheduler.kv_limit(seq.model)
+        if limit == math.inf:
+            return True
+        extra = lay.grow_bytes(seq.id, seq.model, tokens)
+        return lay.used_bytes(seq.model) + extra <= limit
+
+    # -------------------------------------------------------------- actions
+    def enqueue(self, seq: GSeq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
+        """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
+        seq.group = self
+        if head:
+            self.waiting[seq.model].appendleft(seq)
+        else:
+            self.waiting[seq.model].append(seq)
+            self.scheduler.on_arrival(seq, now)
+        return self.schedule(now)
+
+    def schedule(self, now: float) -> list[tuple[float, int]]:
+        """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
+        sched = self.scheduler
+        if not sched.spatial and self.jobs:
+            return []
+        started: list[tuple[float, int]] = []
+        while True:
+            jobs = sched.schedule(self._state, _GroupBudget(self), now)
+            ran = False
+            for job in jobs:
+                got = self._start(job, now)
+                if got is not None:
+                    started.append(got)
+                    ran = True
+            if self._taken:
+                raise RuntimeError(
+                    f"group {self.id}: the scheduler admitted requests {sorted(self._taken)} "
+                    "but started no prefill job for them"
+                )
+            # a decode job whose requests were all preempted started nothing:
+            # ask again (each such round preempts a request, so this ends)
+            if ran or not jobs:
+                break
+        if self.jobs and self._busy_since is None:
+            self._busy_since = now
+        return started
+
+    @property
+    def _state(self) -> _StateView:
+        return _StateView(self)
+
+    def _start(self, job: Job, now: float) -> tuple[float, int] | None:
+        m = job.model
+        if (m, job.phase) in self._busy:
+            raise RuntimeError(f"group {self.id}: a {job.phase} job of {m} is already running")
+        share = job.share
+        if not 0.0 < share <= self.free_share + _EPS:
+            raise RuntimeError(
+                f"group {self.id}: job {job.phase} of {m} asks share {share:.3f}, "
+                f"{self.free_share:.3f} free"
+            )
+        share = min(share, 1.0)
+        run = self.running[m]
+        if job.phase == PREFILL:
+            seqs = self._admitted(job)
+            ids = set(job.seqs)
+            q = self.waiting[m]
+            if len(ids) == len(q):
+                q.clear()
+            else:
+                self.waiting[m] = deque(s for s in q if s.id not in ids)
+            cost = self.costs[m].prefill_time([s.prompt_tokens + s.generated for s in seqs], share)
+        else:
+            seqs = [run[i] for i in job.seqs]
+            if any(s.in_job for s in seqs):
+                raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
+            seqs = self._grow_decode(m, seqs)
+            if not seqs:
+                return None
+            ctx = sum(s.kv_tokens for s in seqs)
+            cost = self.costs[m].decode_time_scalar(len(seqs), float(ctx), share)
+        for s in seqs:
+            s.in_job = True
+        token = self._next_token
+        self._next_token += 1
+        self.jobs[token] = (Job(m, job.phase, tuple(s.id for s in seqs), share), seqs, now, share)
+        self._busy.add((m, job.phase))
+        self.held_share += share
+        return (now + cost, token)
+
+    def _admitted(self, job: Job) -> list[GSeq]:
+        """The requests of a prefill job: taken through the budget (KV allocated)."""
+        out = []
+        for rid in job.seqs:
+            s = self._taken.pop(rid, None)
+            if s is None:
+                raise RuntimeError(f"group {self.id}: prefill of request {rid} not admitted")
+            out.append(s)
+        return out
+
+    def _grow_decode(self, model: str, seqs: list[GSeq]) -> list[GSeq]:
+        """Grow each request of a decode job by one token, preempting victims
+        of ``model`` when that does not fit; the requests left in the job."""
+        lay = self.layout
+        job = list(seqs)
+        i = 0
+        while i < len(job):
+            s = job[i]
+            want = s.kv_tokens + 1
+            if self.can_hold(s, want):
+                lay.grow(s.id, s.model, want)
+                s.kv_tokens = want
+                i += 1
+                continue
+            cands = [x for x in self.running[model].values() if not x.in_job]
+            victim = self.scheduler.victim(self._state, model, cands)
+            if victim not in cands:
+                raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
+            self._preempt(victim)
+            if victim in job:
+                k = job.index(victim)
+                job.pop(k)
+                if k < i:
+                    i -= 1
+        return job
+
+    def _preempt(self, s: GSeq) -> None:
+        self.layout.free(s.id)
+        del self.running[s.model][s.id]
+        s.kv_tokens = 0
+        s.record.preemptions += 1
+        self.preemptions += 1
+        self.waiting[s.model].appendleft(s)
+
+    def complete(self, token: int, now: float) -> list[GSeq]:
+        """End job ``token`` at ``now``; returns the requests that finished."""
+        job, seqs, start, share = self.jobs.pop(token)
+        self._busy.discard((job.model, job.phase))
+        self.held_share = max(0.0, self.held_share - share)
+        if not self.jobs and self._busy_since is not None:
+            self.busy_s += now - self._busy_since
+            self._busy_since = None
+        done: list[GSeq] = []
+        live: list[GSeq] = []
+        run = self.running[job.model]
+        for s in seqs:
+            s.in_job = False
+            s.generated += 1
+            rec = s.record
+            if job.phase == PREFILL:
+                run[s.id] = s
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+            if s.generated >= s.output_tokens:
+                self.layout.free(s.id)
+                del run[s.id]
+                rec.status = "finished"
+                rec.finish_s = now
+                rec.generated = s.generated
+                rec.instance = self.id
+                done.append(s)
+                self.scheduler.on_finish(s)
+            else:
+                live.append(s)
+        self.scheduler.on_job_end(job, live, now - start, now)
+        return done
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Every request in exactly one place; KV held exactly by running ones."""
+        lay = self.layout
+        lay.check_integrity()
+        seen: set[int] = set()
+        for m in self._models:
+            for s in self.waiting[m]:
+                assert s.id not in seen and not s.in_job and s.kv_tokens == 0, s.id
+                assert not lay.holds(s.id), s.id
+                seen.add(s.id)
+            for rid, s in self.running[m].items():
+                assert rid == s.id and s.id not in seen, s.id
+                assert lay.holds(s.id) and lay.tokens_of(s.id) == s.kv_tokens, s.id
+                seen.add(s.id)
+        for job, ss, _, _ in self.jobs.values():
+            for s in ss:
+                assert s.in_job, s.id
+                if job.phase == PREFILL:  # admitted: KV held, not yet running
+                    assert s.id not in seen and lay.holds(s.id), s.id
+                    seen.add(s.id)
+                else:
+                    assert self.running[s.model].get(s.id) is s, s.id
+        assert not self._taken
+        assert self.held_share <= 1.0 + 1e-6, self.held_share
+        for m in self._models:
+            limit = self.scheduler.kv_limit(m)
+            assert lay.used_bytes(m) <= limit + 1e-6, (m, lay.used_bytes(m), limit)
+
+
+class _StateView:
+    """The :class:`~fleetserve.policy.sharing.GroupState` a scheduler reads."""
+
+    __slots__ = ("_g",)
+
+    def __init__(self, g: SharingGroup) -> None:
+        self._g = g
+
+    @property
+    def models(self) -> Sequence[str]:
+        return self._g.models
+
+    @property
+    def free_share(self) -> float:
+        return self._g.free_share
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return self._g.jobs_in_flight
+
+    def waiting(self, model: str) -> Sequence[GSeq]:
+        return self._g.waiting[model]
+
+    def ready(self, model: str) -> Sequence[GSeq]:
+        return self._g.ready(model)
+
+    def busy(self, model: str, phase: str) -> bool:
+        return self._g.busy(model, phase)
+
+    def kv_used(self, model: str) -> int:
+        return self._g.kv_used(model)
+
+    def prefill_in_flight(self) -> bool:
+        return self._g.prefill_in_flight()
