@@ -108,3 +108,27 @@ def test_seallm_place_finds_a_plan_for_every_service() -> None:
     assert {c.tp for c in cands} <= {1, 2, 4}
     best = max(c.slo_attainment for c in cands)
     assert any(c.plan == plan and c.slo_attainment == best for c in cands)
+
+
+def test_dedicated_splits_the_pool_by_rate_without_sharing() -> None:
+    from fleetserve.policy.group_placement import dedicated_place, place_services
+
+    services = [
+        svc("a", "llama-2-7b", 6.0),
+        svc("b", "llama-2-7b", 2.0),
+        svc("c", "llama-2-70b", 1.0),
+    ]
+    plan = dedicated_place(services, 8, GPU)
+    plan.check(["a", "b", "c"])
+    assert all(len(g.services) == 1 for g in plan.groups)
+    count = {s: sum(1 for g in plan.groups if g.services == (s,)) for s in "abc"}
+    assert count["a"] > count["b"] >= 1 and count["c"] == 1
+    assert plan.gpus_used == 8
+    for g in plan.groups:  # node-aligned, tp from the model
+        assert g.gpus[0] // 8 == g.gpus[-1] // 8
+        assert g.tp == (2 if g.services == ("c",) else 1)
+    with pytest.raises(ConfigError, match="dedicated"):
+        dedicated_place(services, 2, GPU)
+    with pytest.raises(Exception, match="placement"):
+        place_services("nope", services, 8, GPU)
+    assert place_services("muxserve", services, 8, GPU).n_gpus == 8

@@ -382,11 +382,18 @@ class DoublingBudget(GroupScheduler):
         self._renewals: dict[int, int] = {}
         self._served: dict[int, float] = {}  # last time served (arrival at first)
 
+    def setup(self, services: Mapping[str, ServiceStats], kv_capacity_bytes: int) -> None:
+        super().setup(services, kv_capacity_bytes)
+        self._limit = {m: self.starvation_scale * st.exec_mean_s for m, st in services.items()}
+        self._prio: dict[int, float] = {}  # O_r, kept up to date (budgets change at job ends)
+
     def on_arrival(self, seq: GroupSeq, now: float) -> None:
         st = self.services[seq.model]
-        self._budget[seq.id] = st.exec_mean_s + st.exec_std_s
+        q = st.exec_mean_s + st.exec_std_s
+        self._budget[seq.id] = q
         self._renewals[seq.id] = 0
         self._served[seq.id] = now
+        self._prio[seq.id] = db_priority(q, st.exec_mean_s)
 
     def priority(self, seq: GroupSeq) -> float:
         """``O_r`` of ``seq`` now (smaller is served first)."""
@@ -394,34 +401,30 @@ class DoublingBudget(GroupScheduler):
         return db_priority(self._budget.get(seq.id, st.exec_mean_s + st.exec_std_s), st.exec_mean_s)
 
     def _key(self, s: GroupSeq) -> tuple[float, float, int]:
-        return (self.priority(s), s.arrival_s, s.id)
-
-    def _starved(self, state: GroupState, now: float) -> tuple[str, str] | None:
-        """(service, phase) of the longest-starved request past its threshold."""
-        worst: tuple[float, str, str] | None = None
-        for m in state.models:
-            limit = self.starvation_scale * self.services[m].exec_mean_s
-            for phase, seqs in ((PREFILL, state.waiting(m)), (DECODE, state.ready(m))):
-                for s in seqs:
-                    idle = now - self._served.get(s.id, s.arrival_s)
-                    if idle > limit and (worst is None or idle - limit > worst[0]):
-                        worst = (idle - limit, m, phase)
-        return None if worst is None else (worst[1], worst[2])
+        p = self._prio.get(s.id)
+        return (self.priority(s) if p is None else p, s.arrival_s, s.id)
 
     def schedule(self, state: GroupState, budget: GroupBudget, now: float) -> list[Job]:
-        pick = self._starved(state, now)
-        if pick is None:
-            best: tuple[tuple[float, float, int], str, str] | None = None
-            for m in state.models:
-                for phase, seqs in ((PREFILL, state.waiting(m)), (DECODE, state.ready(m))):
-                    for s in seqs:
-                        k = self._key(s)
-                        if best is None or k < best[0]:
-                            best = (k, m, phase)
-            if best is None:
-                return []
-            pick = (best[1], best[2])
-        m, phase = pick
+        # one pass: the highest priority (smallest O_r) and the most starved
+        # request (idle past its service's threshold the longest)
+        prio, served = self._prio, self._served
+        best: tuple[tuple[float, float, int], str, str] | None = None
+        worst: tuple[float, str, str] | None = None
+        for m in state.models:
+            limit = self._limit[m]
+            for phase, seqs in ((PREFILL, state.waiting(m)), (DECODE, state.ready(m))):
+                for s in seqs:
+                    sid = s.id
+                    p = prio.get(sid)
+                    k = (self.priority(s) if p is None else p, s.arrival_s, sid)
+                    if best is None or k < best[0]:
+                        best = (k, m, phase)
+                    over = now - served.get(sid, s.arrival_s) - limit
+                    if over > 0 and (worst is None or over > worst[0]):
+                        worst = (over, m, phase)
+        if best is None:
+            return []
+        m, phase = (worst[1], worst[2]) if worst is not None else (best[1], best[2])
         if phase == PREFILL:
             got = _admit(sorted(state.waiting(m), key=self._key), budget)
             if got:
@@ -435,14 +438,15 @@ class DoublingBudget(GroupScheduler):
 
     def on_job_end(self, job: Job, seqs: Sequence[GroupSeq], duration_s: float, now: float) -> None:
         for s in seqs:
+            st = self.services[s.model]
             left = self._budget.get(s.id, 0.0) - duration_s
             if left <= 0.0:  # used up: a doubled budget (Algorithm 2, UpdateBudget)
                 k = self._renewals.get(s.id, 0) + 1
                 self._renewals[s.id] = k
-                st = self.services[s.model]
                 left = (2**k) * (st.exec_mean_s + st.exec_std_s)
             self._budget[s.id] = left
             self._served[s.id] = now
+            self._prio[s.id] = db_priority(left, st.exec_mean_s)
 
     def victim(self, state: GroupState, model: str, running: Sequence[GroupSeq]) -> GroupSeq:
         return max(running, key=self._key)
@@ -451,6 +455,7 @@ class DoublingBudget(GroupScheduler):
         self._budget.pop(seq.id, None)
         self._renewals.pop(seq.id, None)
         self._served.pop(seq.id, None)
+        self._prio.pop(seq.id, None)
 
 
 @GROUP_BATCHING.register("adbs")

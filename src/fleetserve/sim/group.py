@@ -179,7 +179,10 @@ class SharingGroup:
         return len(self.jobs)
 
     def ready(self, model: str) -> Sequence[GSeq]:
-        return [s for s in self.running[model].values() if not s.in_job]
+        run = self.running[model]
+        if (model, "decode") not in self._busy:  # prefilling requests are not in ``running``
+            return list(run.values())
+        return [s for s in run.values() if not s.in_job]
 
     def busy(self, model: str, phase: str) -> bool:
         return (model, phase) in self._busy

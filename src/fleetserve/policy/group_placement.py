@@ -1,0 +1,125 @@
+"""Placement of services into sharing groups (the multi-LLM ``placement`` family).
+
+Every placement returns a :class:`~fleetserve.policy.groups.PlacementPlan`:
+
+* ``dedicated`` (vLLM): no sharing. Each service gets instances of its own on
+  the smallest power-of-two TP degree it fits, one first, then the remaining
+  GPUs one instance at a time to the service with the highest rate per
+  instance (the pool split by rate). Instances never span nodes.
+* ``muxserve``: MuxServe's enumeration-based greedy (Algorithms 1-2,
+  :mod:`fleetserve.policy.muxserve_placement`). AlpaServe's stack uses it too
+  (the issue's ``alpaserve`` = MuxServe's placement with temporal FCFS).
+* ``seallm``: SeaLLM's two-stage search evaluated by simulation
+  (:mod:`fleetserve.policy.seallm_placement`); it needs an evaluator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fleetserve.costmodel import CostModel
+from fleetserve.errors import ConfigError, UnknownNameError
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.muxserve_placement import muxserve_place
+from fleetserve.policy.seallm_placement import Evaluator, seallm_place
+from fleetserve.spec.memory import min_tp
+from fleetserve.spec.types import GpuSpec
+
+__all__ = ["GROUP_PLACEMENTS", "dedicated_place", "place_services"]
+
+
+def _alloc(sizes: Sequence[int], n_gpus: int, per_node: int) -> list[tuple[int, ...]] | None:
+    """Node-aligned consecutive GPU ids for instances of ``sizes`` (largest
+    first, first fit); None if they do not fit."""
+    free = [min(per_node, n_gpus - s) for s in range(0, n_gpus, per_node)]
+    used = [0] * len(free)
+    out: list[tuple[int, ...] | None] = [None] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        z = sizes[i]
+        for n, cap in enumerate(free):
+            if cap - used[n] >= z:
+                start = n * per_node + used[n]
+                out[i] = tuple(range(start, start + z))
+                used[n] += z
+                break
+        else:
+            return None
+    return [g for g in out if g is not None]
+
+
+def dedicated_place(
+    services: Sequence[Service], n_gpus: int, gpu: GpuSpec, mem_util: float = 0.9
+) -> PlacementPlan:
+    """vLLM's spatial partition (see the module docstring).
+
+    Raises:
+        ConfigError: one instance of every service does not fit the pool.
+    """
+    tps = {s.name: min_tp(s.spec, gpu, mem_util, gpu.gpus_per_node) for s in services}
+    names = sorted(tps)
+    count = dict.fromkeys(names, 1)
+    rate = {s.name: s.rate for s in services}
+
+    def layout() -> list[tuple[int, ...]] | None:
+        return _alloc([tps[m] for m in names for _ in range(count[m])], n_gpus, gpu.gpus_per_node)
+
+    if layout() is None:
+        need = sum(tps.values())
+        raise ConfigError(
+            f"placement 'dedicated' needs {need} GPUs for one instance of each of "
+            f"{len(names)} services (node-aligned); the pool has {n_gpus}"
+        )
+    while True:
+        cands = sorted(names, key=lambda m: (-rate[m] / count[m], m))
+        for m in cands:
+            count[m] += 1
+            if layout() is not None:
+                break
+            count[m] -= 1
+        else:
+            break
+    order = [m for m in names for _ in range(count[m])]
+    sizes = [tps[m] for m in order]
+    gpus = _alloc(sizes, n_gpus, gpu.gpus_per_node)
+    assert gpus is not None
+    groups = [GroupPlacement(g, z, (m,)) for g, z, m in zip(gpus, sizes, order, strict=True)]
+    return PlacementPlan(
+        tuple(groups),
+        n_gpus,
+        "dedicated: " + ", ".join(f"{m} x{count[m]} (tp {tps[m]})" for m in names),
+    )
+
+
+GROUP_PLACEMENTS = ("dedicated", "muxserve", "seallm")
+
+
+def place_services(
+    name: str,
+    services: Sequence[Service],
+    n_gpus: int,
+    gpu: GpuSpec,
+    *,
+    cost_model: CostModel | None = None,
+    mem_util: float = 0.9,
+    evaluate: Evaluator | None = None,
+    **params: Any,
+) -> PlacementPlan:
+    """Run placement ``name`` (one of :data:`GROUP_PLACEMENTS`).
+
+    Raises:
+        UnknownNameError: an unknown placement.
+        ConfigError: the services do not fit, or ``seallm`` without an evaluator.
+    """
+    if name == "dedicated":
+        return dedicated_place(services, n_gpus, gpu, mem_util)
+    if name == "muxserve":
+        return muxserve_place(services, n_gpus, gpu, cost_model or CostModel(), mem_util, **params)
+    if name == "seallm":
+        if evaluate is None:
+            raise ConfigError(
+                "placement 'seallm' evaluates candidates by simulation: give an evaluator"
+            )
+        plan, _ = seallm_place(services, n_gpus, gpu, evaluate, mem_util=mem_util, **params)
+        return plan
+    raise UnknownNameError("placement", name, GROUP_PLACEMENTS)
