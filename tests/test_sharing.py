@@ -222,3 +222,34 @@ def test_weights_that_leave_no_kv_room_are_a_config_error() -> None:
     svc = services(("a", "llama-2-70b", 1.0), ("b", "llama-2-13b", 1.0))
     with pytest.raises(Exception, match="leave no KV memory"):
         MultiSimulator(MultiConfig(n_gpus=2), svc, one_group(["a", "b"], gpus=2, tp=2), [])
+
+
+@pytest.mark.parametrize("sched", ["fcfs", "rr", "mlfq", "db"])
+def test_macro_steps_give_the_same_results_as_step_by_step(sched: str) -> None:
+    """A lone decode batch advanced many iterations at once (truncated by
+    arrivals) gives the records of an iteration-by-iteration run."""
+    svc = services(("a", "llama-2-7b", 1.5), ("b", "llama-2-13b", 0.5))
+    reqs = workload({"a": 1.5, "b": 0.5}, 30.0, 7, {"a": (512, 400), "b": (256, 300)})
+    runs = []
+    for macro in (False, True):
+        cfg = MultiConfig(n_gpus=1, scheduler=sched, macro_steps=macro, check_integrity=True)
+        sim = MultiSimulator(cfg, svc, one_group(["a", "b"]), reqs)
+        res = sim.run()
+        runs.append((res, sim.n_events))
+    (slow, n_slow), (fast, n_fast) = runs
+    assert n_fast <= n_slow
+    for a, b in zip(slow.records, fast.records, strict=True):
+        assert (a.status, a.generated, a.preemptions) == (b.status, b.generated, b.preemptions)
+        assert a.first_token_s == pytest.approx(b.first_token_s, rel=1e-12, abs=1e-12)
+        assert a.finish_s == pytest.approx(b.finish_s, rel=1e-12, abs=1e-12)
+
+
+def test_macro_steps_skip_most_iterations_of_a_lone_batch() -> None:
+    svc = services(("a", "llama-2-7b", 0.5))
+    reqs = workload({"a": 0.5}, 30.0, 8, {"a": (256, 500)})
+    n = []
+    for macro in (False, True):
+        sim = MultiSimulator(MultiConfig(n_gpus=1, macro_steps=macro), svc, one_group(["a"]), reqs)
+        sim.run()
+        n.append(sim.n_events)
+    assert n[1] < n[0] / 5

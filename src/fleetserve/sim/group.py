@@ -38,7 +38,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
-from fleetserve.policy.sharing import PREFILL, GroupScheduler, GroupSeq, Job
+import numpy as np
+
+from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 
 if TYPE_CHECKING:
     from fleetserve.costmodel import InstanceCost
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from fleetserve.workload.request import Request
 
 _EPS = 1e-9
+_MACRO_MAX = 512  # iterations per macro job at most
 
 
 class GSeq:
@@ -131,6 +134,8 @@ class SharingGroup:
         scheduler: its scheduler (``setup`` already called).
         max_num_seqs: running requests per service at most.
         max_batched_tokens: prompt tokens per prefill job.
+        macro_steps: advance a lone decode batch several iterations at once
+            (temporal schedulers; see :meth:`_macro_steps`).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class SharingGroup:
         *,
         max_num_seqs: int = 256,
         max_batched_tokens: int = 8192,
+        macro_steps: bool = True,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -160,6 +166,8 @@ class SharingGroup:
         self._busy: set[tuple[str, str]] = set()
         self._next_token = 0
         self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
+        self.macro = macro_steps and not scheduler.spatial
+        self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
         self.busy_s = 0.0  # time with at least one job in flight
@@ -222,7 +230,7 @@ class SharingGroup:
         else:
             self.waiting[seq.model].append(seq)
             self.scheduler.on_arrival(seq, now)
-        return self.schedule(now)
+        return self.truncate(now) + self.schedule(now)
 
     def schedule(self, now: float) -> list[tuple[float, int]]:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
@@ -280,19 +288,83 @@ class SharingGroup:
             seqs = [run[i] for i in job.seqs]
             if any(s.in_job for s in seqs):
                 raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
+            k = self._macro_steps(m, seqs) if self.macro else 1
+            if k > 1:
+                base = sum(s.kv_tokens for s in seqs)
+                for s in seqs:
+                    s.kv_tokens += 1  # as a single step: the first token's KV
+                b = len(seqs)
+                ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
+                t = self.costs[m].decode_time(b, ctxs)
+                ends = np.cumsum(np.concatenate(([now], t)))[1:]
+                token = self._register(Job(m, DECODE, job.seqs, 1.0), seqs, now, 1.0)
+                self._ends[token] = ends
+                return (float(ends[-1]), token)
             seqs = self._grow_decode(m, seqs)
             if not seqs:
                 return None
             ctx = sum(s.kv_tokens for s in seqs)
             cost = self.costs[m].decode_time_scalar(len(seqs), float(ctx), share)
+        token = self._register(
+            Job(m, job.phase, tuple(x.id for x in seqs), share), seqs, now, share
+        )
+        return (now + cost, token)
+
+    def _register(self, job: Job, seqs: list[GSeq], now: float, share: float) -> int:
         for s in seqs:
             s.in_job = True
         token = self._next_token
         self._next_token += 1
-        self.jobs[token] = (Job(m, job.phase, tuple(s.id for s in seqs), share), seqs, now, share)
-        self._busy.add((m, job.phase))
+        self.jobs[token] = (job, seqs, now, share)
+        self._busy.add((job.model, job.phase))
         self.held_share += share
-        return (now + cost, token)
+        return token
+
+    def _macro_steps(self, model: str, seqs: list[GSeq]) -> int:
+        """Decode iterations a lone batch may run at once (1: step by step).
+
+        With a temporal scheduler, while the group has no queued request and
+        every running request is in this decode batch of ``model``, every
+        scheduler here (FCFS, RR, MLFQ, DB) can only choose this same batch
+        again, until a request finishes, one arrives, or memory runs short.
+        So up to the first finish (at most ``_MACRO_MAX`` iterations) run as
+        one job, if the KV for all of them can be allocated now (each request
+        grows to its tokens at the segment's end; a request truncated by an
+        arrival keeps those few tokens' blocks, which its next steps use).
+        The scheduler still sees every iteration (``on_job_end`` per
+        iteration), and iteration end times are the running sum of the same
+        iteration times, so results equal a step-by-step run.
+        """
+        if any(self.waiting.values()) or len(seqs) != len(self.running[model]):
+            return 1
+        if any(self.running[m] for m in self._models if m != model):
+            return 1
+        k = min(min(s.output_tokens - s.generated for s in seqs), _MACRO_MAX)
+        if k <= 1:
+            return 1
+        lay = self.layout
+        for s in seqs:
+            if not self.can_hold(s, s.kv_tokens + k):
+                return 1  # earlier requests keep their blocks: they will use them
+            lay.grow(s.id, s.model, s.kv_tokens + k)
+        return k
+
+    def truncate(self, now: float) -> list[tuple[float, int]]:
+        """End a macro job after its iteration in flight (a request arrived:
+        the scheduler decides again at the next iteration boundary); the new
+        ``(end, token)`` to push, if it got shorter."""
+        out = []
+        for token, ends in list(self._ends.items()):
+            j = int(np.searchsorted(ends, now, side="right"))  # iterations completed
+            if j + 1 < len(ends):
+                del self._ends[token]
+                entry = self.jobs.pop(token)
+                new = self._next_token
+                self._next_token += 1
+                self.jobs[new] = entry
+                self._ends[new] = ends[: j + 1]
+                out.append((float(ends[j]), new))
+        return out
 
     def _admitted(self, job: Job) -> list[GSeq]:
         """The requests of a prefill job: taken through the budget (KV allocated)."""
@@ -339,8 +411,23 @@ class SharingGroup:
         self.waiting[s.model].appendleft(s)
 
     def complete(self, token: int, now: float) -> list[GSeq]:
-        """End job ``token`` at ``now``; returns the requests that finished."""
-        job, seqs, start, share = self.jobs.pop(token)
+        """End job ``token`` at ``now``; returns the requests that finished
+        (none for a token superseded by :meth:`truncate`)."""
+        entry = self.jobs.pop(token, None)
+        if entry is None:
+            return []
+        job, seqs, start, share = entry
+        ends = self._ends.pop(token, None)
+        if ends is not None and len(ends) > 1:  # a macro job: all but its last iteration
+            k = len(ends)
+            prev = start
+            for j in range(k - 1):
+                self.scheduler.on_job_end(job, seqs, float(ends[j]) - prev, float(ends[j]))
+                prev = float(ends[j])
+            for s in seqs:
+                s.generated += k - 1
+                s.kv_tokens += k - 1
+            start = prev
         self._busy.discard((job.model, job.phase))
         self.held_share = max(0.0, self.held_share - share)
         if not self.jobs and self._busy_since is not None:
@@ -384,7 +471,8 @@ class SharingGroup:
                 seen.add(s.id)
             for rid, s in self.running[m].items():
                 assert rid == s.id and s.id not in seen, s.id
-                assert lay.holds(s.id) and lay.tokens_of(s.id) == s.kv_tokens, s.id
+                # a macro job allocates its segment's KV ahead: held >= cached
+                assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_tokens, s.id
                 seen.add(s.id)
         for job, ss, _, _ in self.jobs.values():
             for s in ss:

@@ -65,6 +65,8 @@ class MultiConfig:
         sample_interval_s: time-series sampling period.
         max_time_s: stop at this simulated time (None: run to completion).
         check_integrity: check every group after every event (tests).
+        macro_steps: advance lone decode batches several iterations at once
+            (same results; see ``SharingGroup._macro_steps``).
     """
 
     gpu: str = "a100-80gb"
@@ -79,6 +81,7 @@ class MultiConfig:
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
     check_integrity: bool = False
+    macro_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.n_gpus < 1 or self.block_size < 1 or self.max_num_seqs < 1:
@@ -234,6 +237,7 @@ class MultiSimulator:
             sched,
             max_num_seqs=cfg.max_num_seqs,
             max_batched_tokens=cfg.max_batched_tokens,
+            macro_steps=cfg.macro_steps,
         )
         self.groups.append(g)
         for s in names:
