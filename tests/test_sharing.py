@@ -224,16 +224,25 @@ def test_weights_that_leave_no_kv_room_are_a_config_error() -> None:
         MultiSimulator(MultiConfig(n_gpus=2), svc, one_group(["a", "b"], gpus=2, tp=2), [])
 
 
+@pytest.mark.parametrize("heavy", [False, True])
 @pytest.mark.parametrize("sched", ["fcfs", "rr", "mlfq", "db"])
-def test_macro_steps_give_the_same_results_as_step_by_step(sched: str) -> None:
+def test_macro_steps_give_the_same_results_as_step_by_step(sched: str, heavy: bool) -> None:
     """A lone decode batch advanced many iterations at once (truncated by
     arrivals) gives the records of an iteration-by-iteration run."""
-    svc = services(("a", "llama-2-7b", 1.5), ("b", "llama-2-13b", 0.5))
-    reqs = workload({"a": 1.5, "b": 0.5}, 30.0, 7, {"a": (512, 400), "b": (256, 300)})
+    if heavy:  # three services, queues, DB budgets running out and starvation
+        svc = services(("a", "llama-2-7b", 3), ("b", "llama-2-13b", 1), ("c", "opt-6.7b", 1))
+        rates = {"a": 3.0, "b": 1.0, "c": 1.0}
+        lens = {"a": (1024, 400), "b": (2048, 300), "c": (256, 600)}
+        reqs = workload(rates, 20.0, 9, lens)
+    else:
+        svc = services(("a", "llama-2-7b", 1.5), ("b", "llama-2-13b", 0.5))
+        reqs = workload({"a": 1.5, "b": 0.5}, 30.0, 7, {"a": (512, 400), "b": (256, 300)})
     runs = []
     for macro in (False, True):
-        cfg = MultiConfig(n_gpus=1, scheduler=sched, macro_steps=macro, check_integrity=True)
-        sim = MultiSimulator(cfg, svc, one_group(["a", "b"]), reqs)
+        cfg = MultiConfig(
+            n_gpus=1, scheduler=sched, macro_steps=macro, check_integrity=True, mem_util=0.75
+        )
+        sim = MultiSimulator(cfg, svc, one_group(sorted(svc)), reqs)
         res = sim.run()
         runs.append((res, sim.n_events))
     (slow, n_slow), (fast, n_fast) = runs

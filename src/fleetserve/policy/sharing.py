@@ -174,6 +174,28 @@ class GroupScheduler(Policy):
         """Most KV bytes ``model`` may hold (quota); unlimited by default."""
         return math.inf
 
+    def stable_iterations(
+        self,
+        state: GroupState,
+        model: str,
+        batch: Sequence[GroupSeq],
+        ends: Sequence[float],
+        now: float,
+    ) -> int:
+        """How many of the decode iterations ``batch`` would run back to back
+        (ending at ``ends``) this scheduler provably keeps choosing, given no
+        arrival and no finish meanwhile (the group cuts the segment short on
+        an arrival). Lets the simulator advance them as one job.
+
+        Default: all of them when nothing is queued and no other service has
+        running requests (then this batch is the only possible job), else 1.
+        """
+        if any(state.waiting(m) for m in state.models):
+            return 1
+        if any(state.ready(m) for m in state.models if m != model):
+            return 1
+        return len(ends)
+
     def on_arrival(self, seq: GroupSeq, now: float) -> None:
         """A request joined the group's queue."""
 
@@ -196,6 +218,30 @@ def _admit(waiting: Sequence[GroupSeq], budget: GroupBudget) -> list[GroupSeq]:
         budget.take(s)
         out.append(s)
     return out
+
+
+def _first_at_least(xs: Sequence[float], x: float) -> int:
+    """Index of the first element >= ``x`` in sorted ``xs`` (len if none)."""
+    lo, hi = 0, len(xs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if xs[mid] >= x:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _first_above(xs: Sequence[float], x: float) -> int:
+    """Index of the first element > ``x`` in sorted ``xs`` (len if none)."""
+    lo, hi = 0, len(xs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if xs[mid] > x:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _job(model: str, phase: str, seqs: Sequence[GroupSeq], share: float = 1.0) -> Job:
@@ -450,6 +496,60 @@ class DoublingBudget(GroupScheduler):
 
     def victim(self, state: GroupState, model: str, running: Sequence[GroupSeq]) -> GroupSeq:
         return max(running, key=self._key)
+
+    def stable_iterations(
+        self,
+        state: GroupState,
+        model: str,
+        batch: Sequence[GroupSeq],
+        ends: Sequence[float],
+        now: float,
+    ) -> int:
+        """DB keeps choosing a decode batch that holds the best request while
+        (1) no request of the batch uses up its budget (its priority only
+        drops until then, so it stays ahead of every request outside, whose
+        priority is fixed), and (2) no request outside the batch reaches its
+        starvation threshold. The iteration in which a budget runs out is the
+        last one kept. A batch picked for starvation or as a fallback is
+        stepped one iteration at a time."""
+        n = len(ends)
+        if n <= 1:
+            return n
+        # the batch must hold the best request now (not a starved or fallback pick)
+        inside = {s.id for s in batch}
+        best = min(
+            (
+                self._key(s)
+                for m in state.models
+                for q in (state.waiting(m), state.ready(m))
+                for s in q
+            ),
+            default=None,
+        )
+        if best is None or best[2] not in inside:
+            return 1
+        cum = [t - now for t in ends]
+        k = n
+        for s in batch:  # (1): budget used up at the end of iteration j
+            left = self._budget.get(s.id)
+            if left is None:
+                return 1
+            j = _first_at_least(cum, left)
+            k = min(k, j + 1)
+        t_starve = math.inf  # (2): earliest time a request outside the batch starves
+        for m in state.models:
+            limit = self._limit[m]
+            for seqs in (state.waiting(m), state.ready(m)):
+                for s in seqs:
+                    if s.id not in inside:
+                        t_starve = min(t_starve, self._served.get(s.id, s.arrival_s) + limit)
+        if t_starve < math.inf:
+            # iteration j (0-based) starts at ``now`` (j = 0) or ends[j - 1];
+            # the decision before an iteration starting past t_starve may differ
+            starts = [now, *ends[:-1]]
+            j = _first_above(starts, t_starve)
+            k = min(k, max(1, j))
+        return max(1, min(k, n))
 
     def on_finish(self, seq: GroupSeq) -> None:
         self._budget.pop(seq.id, None)

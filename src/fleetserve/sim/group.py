@@ -135,7 +135,7 @@ class SharingGroup:
         max_num_seqs: running requests per service at most.
         max_batched_tokens: prompt tokens per prefill job.
         macro_steps: advance a lone decode batch several iterations at once
-            (temporal schedulers; see :meth:`_macro_steps`).
+            (temporal schedulers; see :meth:`_macro_ends`).
     """
 
     def __init__(
@@ -288,15 +288,10 @@ class SharingGroup:
             seqs = [run[i] for i in job.seqs]
             if any(s.in_job for s in seqs):
                 raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
-            k = self._macro_steps(m, seqs) if self.macro else 1
-            if k > 1:
-                base = sum(s.kv_tokens for s in seqs)
+            ends = self._macro_ends(m, seqs, now) if self.macro else None
+            if ends is not None:
                 for s in seqs:
                     s.kv_tokens += 1  # as a single step: the first token's KV
-                b = len(seqs)
-                ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
-                t = self.costs[m].decode_time(b, ctxs)
-                ends = np.cumsum(np.concatenate(([now], t)))[1:]
                 token = self._register(Job(m, DECODE, job.seqs, 1.0), seqs, now, 1.0)
                 self._ends[token] = ends
                 return (float(ends[-1]), token)
@@ -320,34 +315,39 @@ class SharingGroup:
         self.held_share += share
         return token
 
-    def _macro_steps(self, model: str, seqs: list[GSeq]) -> int:
-        """Decode iterations a lone batch may run at once (1: step by step).
+    def _macro_ends(self, model: str, seqs: list[GSeq], now: float) -> np.ndarray | None:
+        """End times of the decode iterations this batch may run as one job
+        (None: step by step).
 
-        With a temporal scheduler, while the group has no queued request and
-        every running request is in this decode batch of ``model``, every
-        scheduler here (FCFS, RR, MLFQ, DB) can only choose this same batch
-        again, until a request finishes, one arrives, or memory runs short.
-        So up to the first finish (at most ``_MACRO_MAX`` iterations) run as
-        one job, if the KV for all of them can be allocated now (each request
-        grows to its tokens at the segment's end; a request truncated by an
-        arrival keeps those few tokens' blocks, which its next steps use).
-        The scheduler still sees every iteration (``on_job_end`` per
-        iteration), and iteration end times are the running sum of the same
-        iteration times, so results equal a step-by-step run.
+        Up to the first finish (at most ``_MACRO_MAX`` iterations), as long as
+        the scheduler's decision provably stays this same batch
+        (:meth:`~fleetserve.policy.sharing.GroupScheduler.stable_iterations`:
+        e.g. no queued request and no other service running), and if the KV
+        for all of them can be allocated now (each request grows to its
+        tokens at the segment's end; when an arrival cuts the segment short,
+        the blocks of the iterations cut off are given back). The
+        scheduler still sees every iteration (``on_job_end`` per iteration),
+        and the iteration ends are the running sum of the same iteration times
+        as step by step, so results equal a step-by-step run.
         """
-        if any(self.waiting.values()) or len(seqs) != len(self.running[model]):
-            return 1
-        if any(self.running[m] for m in self._models if m != model):
-            return 1
         k = min(min(s.output_tokens - s.generated for s in seqs), _MACRO_MAX)
         if k <= 1:
-            return 1
+            return None
+        b = len(seqs)
+        base = sum(s.kv_tokens for s in seqs)
+        ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
+        ends = np.cumsum(np.concatenate(([now], self.costs[model].decode_time(b, ctxs))))[1:]
+        k = self.scheduler.stable_iterations(self._state, model, seqs, ends.tolist(), now)
+        if k <= 1:
+            return None
         lay = self.layout
-        for s in seqs:
+        for i, s in enumerate(seqs):
             if not self.can_hold(s, s.kv_tokens + k):
-                return 1  # earlier requests keep their blocks: they will use them
+                for x in seqs[:i]:  # undo: step by step allocates as it goes
+                    lay.shrink(x.id, x.kv_tokens)
+                return None
             lay.grow(s.id, s.model, s.kv_tokens + k)
-        return k
+        return ends[:k]
 
     def truncate(self, now: float) -> list[tuple[float, int]]:
         """End a macro job after its iteration in flight (a request arrived:
@@ -364,6 +364,10 @@ class SharingGroup:
                 self.jobs[new] = entry
                 self._ends[new] = ends[: j + 1]
                 out.append((float(ends[j]), new))
+                # give back the KV allocated ahead for the iterations cut off:
+                # the blocks are then exactly those of a step-by-step run
+                for s in entry[1]:
+                    self.layout.shrink(s.id, s.kv_tokens + j)
         return out
 
     def _admitted(self, job: Job) -> list[GSeq]:

@@ -354,6 +354,34 @@ class KVLayout(ABC):
         self._mblocks[model] -= blocks
         return self._release(rid, model, blocks)
 
+    def shrink(self, rid: int, tokens: int) -> int:
+        """Make request ``rid`` hold only ``tokens`` tokens: whole token-blocks
+        past them go back (the simulator allocates a few decode steps ahead and
+        gives back what an interrupted segment did not use).
+
+        Returns:
+            Bytes by which ``used_bytes()`` dropped.
+
+        Raises:
+            KeyError: ``rid`` is not held.
+            ValueError: negative ``tokens``.
+        """
+        model = self._rmodel[rid]
+        if tokens < 0:
+            raise ValueError(f"request {rid}: tokens must be >= 0, got {tokens}")
+        held = self._rtokens[rid]
+        if tokens >= held:
+            return 0
+        self._rtokens[rid] = tokens
+        self._mtokens[model] -= held - tokens
+        keep = _ceil_div(tokens, self._block_size)
+        drop = self._rblocks[rid] - keep
+        if drop <= 0:
+            return 0
+        self._rblocks[rid] = keep
+        self._mblocks[model] -= drop
+        return self._release(rid, model, drop)
+
     # --- per request ----------------------------------------------------------
     def holds(self, rid: int) -> bool:
         """Whether request ``rid`` is registered (it may hold 0 tokens)."""
@@ -510,7 +538,8 @@ class KVLayout(ABC):
 
     @abstractmethod
     def _release(self, rid: int, model: str, blocks: int) -> int:
-        """Give back all ``blocks`` of ``rid``; return the drop in used bytes."""
+        """Give back the last ``blocks`` token-blocks of ``rid`` (all of them
+        from :meth:`free`); return the drop in used bytes."""
 
     @abstractmethod
     def _check_layout(self) -> None: ...
@@ -770,11 +799,16 @@ class MergedLayout(KVLayout):
         self._free_slots[model] -= add
 
     def _release(self, rid: int, model: str, blocks: int) -> int:
-        table = self._table.pop(rid, [])
+        table = self._table.get(rid, [])
+        cut = len(table) - blocks
+        tail = table[cut:]
+        del table[cut:]
+        if not table:
+            self._table.pop(rid, None)
         partial = self._partial[model]
         k = self._k[model]
         returned = 0
-        for pid, slot in table:
+        for pid, slot in tail:
             free = self._slot_free[pid]
             free.append(slot)
             n = len(free)
@@ -787,7 +821,7 @@ class MergedLayout(KVLayout):
             elif n == 1:
                 partial[pid] = None
         self._owned[model] -= returned
-        self._free_slots[model] += len(table) - returned * k
+        self._free_slots[model] += len(tail) - returned * k
         return returned * self._pbytes
 
     def _check_layout(self) -> None:
