@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sim_speed.py
 	$(BIN)/python benchmarks/mell_ops.py
 	$(BIN)/python benchmarks/mell_ops.py --median-div 10
+	$(BIN)/python benchmarks/placement_search.py
 	$(MAKE) bench-engine
 
 # The engine on this machine's CPU: decode speed vs HuggingFace, KV migration.
