@@ -106,7 +106,8 @@ from dataclasses import dataclass
 from fleetserve.costmodel.roofline import CostModel, InstanceCost
 from fleetserve.errors import ConfigError
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
-from fleetserve.spec.memory import weight_bytes_per_gpu
+from fleetserve.spec.memory import group_kv_bytes as unit_kv_bytes
+from fleetserve.spec.memory import kv_replication
 from fleetserve.spec.types import GpuSpec, ModelSpec
 
 __all__ = [
@@ -266,27 +267,12 @@ class MuxServeResult:
 
 def _kv_per_token(spec: ModelSpec, tp: int) -> int:
     """KV bytes one token costs the mesh (KV heads replicated when tp > kv heads)."""
-    return spec.kv_bytes_per_token * max(1, -(-tp // spec.num_kv_heads))
+    return spec.kv_bytes_per_token * kv_replication(spec, tp)
 
 
 def _request_kv_bytes(svc: Service, tp: int) -> int:
     """Peak KV bytes of one request of mean lengths on ``tp`` GPUs."""
     return math.ceil((svc.mean_prompt + svc.mean_output) * _kv_per_token(svc.spec, tp))
-
-
-def unit_kv_bytes(specs: Sequence[ModelSpec], tp: int, gpu: GpuSpec, mem_util: float = 0.9) -> int:
-    """KV-cache bytes a mesh of ``tp`` GPUs has left after every model's weights.
-
-    ``tp * (floor(hbm_bytes * mem_util) - sum_m ceil(weight_bytes_m / tp))``;
-    negative when the weights do not fit.
-
-    Raises:
-        ConfigError: invalid ``tp`` or ``mem_util``.
-    """
-    if not 0 < mem_util <= 1:
-        raise ConfigError(f"mem_util must be in (0, 1], got {mem_util!r}")
-    budget = math.floor(gpu.hbm_bytes * mem_util)
-    return tp * (budget - sum(weight_bytes_per_gpu(s, tp) for s in specs))
 
 
 def unit_fits(services: Sequence[Service], tp: int, gpu: GpuSpec, mem_util: float = 0.9) -> bool:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
-from fleetserve.spec.memory import weight_bytes_per_gpu
+from fleetserve.spec.memory import group_kv_bytes
 from fleetserve.spec.types import GpuSpec
 
 __all__ = [
@@ -99,12 +99,6 @@ class Candidate:
     evaluations: int
 
 
-def _fits_gpu(svcs: Sequence[Service], tp: int, gpu: GpuSpec, mem_util: float) -> int:
-    """KV bytes left on a group of ``tp`` GPUs holding ``svcs`` (may be <= 0)."""
-    budget = math.floor(gpu.hbm_bytes * mem_util)
-    return tp * (budget - sum(weight_bytes_per_gpu(s.spec, tp) for s in svcs))
-
-
 def can_allocate(
     members: Sequence[Service],
     svc: Service,
@@ -117,7 +111,7 @@ def can_allocate(
     if any(m.name == svc.name for m in members):
         return False
     svcs = [*members, svc]
-    kv = _fits_gpu(svcs, tp, gpu, mem_util)
+    kv = group_kv_bytes([s.spec for s in svcs], tp, gpu, mem_util)
     need = sum(
         min_kv_requests * (s.mean_prompt + s.mean_output) * s.spec.kv_bytes_per_token for s in svcs
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -218,30 +219,6 @@ def _admit(waiting: Sequence[GroupSeq], budget: GroupBudget) -> list[GroupSeq]:
         budget.take(s)
         out.append(s)
     return out
-
-
-def _first_at_least(xs: Sequence[float], x: float) -> int:
-    """Index of the first element >= ``x`` in sorted ``xs`` (len if none)."""
-    lo, hi = 0, len(xs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if xs[mid] >= x:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _first_above(xs: Sequence[float], x: float) -> int:
-    """Index of the first element > ``x`` in sorted ``xs`` (len if none)."""
-    lo, hi = 0, len(xs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if xs[mid] > x:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def _job(model: str, phase: str, seqs: Sequence[GroupSeq], share: float = 1.0) -> Job:
@@ -534,7 +511,7 @@ class DoublingBudget(GroupScheduler):
             left = self._budget.get(s.id)
             if left is None:
                 return 1
-            j = _first_at_least(cum, left)
+            j = bisect_left(cum, left)
             k = min(k, j + 1)
         t_starve = math.inf  # (2): earliest time a request outside the batch starves
         for m in state.models:
@@ -547,7 +524,7 @@ class DoublingBudget(GroupScheduler):
             # iteration j (0-based) starts at ``now`` (j = 0) or ends[j - 1];
             # the decision before an iteration starting past t_starve may differ
             starts = [now, *ends[:-1]]
-            j = _first_above(starts, t_starve)
+            j = bisect_right(starts, t_starve)
             k = min(k, max(1, j))
         return max(1, min(k, n))
 

@@ -167,6 +167,7 @@ class SharingGroup:
         self._next_token = 0
         self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
         self.macro = macro_steps and not scheduler.spatial
+        self._state = _StateView(self)  # what the scheduler reads
         self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
@@ -188,7 +189,7 @@ class SharingGroup:
 
     def ready(self, model: str) -> Sequence[GSeq]:
         run = self.running[model]
-        if (model, "decode") not in self._busy:  # prefilling requests are not in ``running``
+        if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
             return list(run.values())
         return [s for s in run.values() if not s.in_job]
 
@@ -258,10 +259,6 @@ class SharingGroup:
         if self.jobs and self._busy_since is None:
             self._busy_since = now
         return started
-
-    @property
-    def _state(self) -> _StateView:
-        return _StateView(self)
 
     def _start(self, job: Job, now: float) -> tuple[float, int] | None:
         m = job.model

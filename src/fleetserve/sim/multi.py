@@ -38,7 +38,7 @@ from fleetserve.sim.events import P_ARRIVAL, P_ITER_END, P_SAMPLE, EventQueue
 from fleetserve.sim.group import GSeq, SharingGroup
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.spec import get_gpu
-from fleetserve.spec.memory import min_tp, weight_bytes_per_gpu
+from fleetserve.spec.memory import group_kv_bytes, min_tp
 from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
 
@@ -136,13 +136,6 @@ def service_stats(
     return stats, ideal
 
 
-def group_kv_bytes(services: Sequence[Service], gpu: GpuSpec, tp: int, mem_util: float) -> int:
-    """KV bytes of one group replica of ``tp`` GPUs holding every service's weights."""
-    budget = math.floor(gpu.hbm_bytes * mem_util)
-    weights = sum(weight_bytes_per_gpu(s.spec, tp) for s in services)
-    return tp * (budget - weights)
-
-
 class MultiSimulator:
     """Simulates ``requests`` on the groups of ``plan``.
 
@@ -203,7 +196,7 @@ class MultiSimulator:
         self.hosts: dict[str, list[SharingGroup]] = {s: [] for s in self.services}
         for gp in plan.groups:
             svcs = [self.services[s] for s in gp.services]
-            kv = group_kv_bytes(svcs, self.gpu, gp.tp, config.mem_util)
+            kv = group_kv_bytes([s.spec for s in svcs], gp.tp, self.gpu, config.mem_util)
             if kv <= 0:
                 raise ConfigError(
                     f"group on GPUs {list(gp.gpus)} (tp {gp.tp}): the weights of "

@@ -16,6 +16,7 @@ costs that many times ``kv_bytes_per_token`` of the group's memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from fleetserve.errors import ConfigError
 from fleetserve.spec.types import GpuSpec, ModelSpec
@@ -57,8 +58,25 @@ def _kv_free_bytes(model: ModelSpec, gpu: GpuSpec, tp: int, mem_util: float) -> 
     return tp * (_budget_per_gpu(gpu, mem_util) - weight_bytes_per_gpu(model, tp))
 
 
-def _kv_replication(model: ModelSpec, tp: int) -> int:
+def kv_replication(model: ModelSpec, tp: int) -> int:
+    """Times each KV head is stored on a TP group (``ceil(tp / num_kv_heads)``, >= 1)."""
     return max(1, -(-tp // model.num_kv_heads))
+
+
+def group_kv_bytes(
+    models: Sequence[ModelSpec], tp: int, gpu: GpuSpec, mem_util: float = 0.9
+) -> int:
+    """KV bytes a TP group of ``tp`` GPUs has left after the weights of every
+    one of ``models`` (a multi-LLM sharing group / LLM unit).
+
+    ``tp * (floor(hbm_bytes * mem_util) - sum_m ceil(weight_bytes_m / tp))``;
+    zero or negative when the weights do not fit.
+
+    Raises:
+        ConfigError: invalid ``tp`` or ``mem_util``.
+    """
+    _validate(tp, mem_util)
+    return tp * (_budget_per_gpu(gpu, mem_util) - sum(weight_bytes_per_gpu(m, tp) for m in models))
 
 
 def fits(model: ModelSpec, gpu: GpuSpec, tp: int = 1, mem_util: float = 0.9) -> bool:
@@ -162,7 +180,7 @@ def kv_capacity_tokens(model: ModelSpec, gpu: GpuSpec, tp: int = 1, mem_util: fl
     Raises:
         ConfigError: as :func:`kv_capacity_bytes`.
     """
-    per_token = model.kv_bytes_per_token * _kv_replication(model, tp)
+    per_token = model.kv_bytes_per_token * kv_replication(model, tp)
     return kv_capacity_bytes(model, gpu, tp, mem_util) // per_token
 
 
