@@ -173,6 +173,11 @@ class SharingGroup:
         self.preemptions = 0
         self.busy_s = 0.0  # time with at least one job in flight
         self._busy_since: float | None = None
+        # lifecycle under replacement: "live" serves; "loading" waits for its
+        # weights; "retiring" finishes its jobs in flight, then hands its
+        # requests over; "stopped" is empty and gone
+        self.state = "live"
+        self.incoming = 0  # migrated requests on their way here
 
     # ------------------------------------------------------------ GroupState
     @property
@@ -236,7 +241,7 @@ class SharingGroup:
     def schedule(self, now: float) -> list[tuple[float, int]]:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
         sched = self.scheduler
-        if not sched.spatial and self.jobs:
+        if self.state != "live" or (not sched.spatial and self.jobs):
             return []
         started: list[tuple[float, int]] = []
         while True:
@@ -458,6 +463,42 @@ class SharingGroup:
                 live.append(s)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
+
+    # ------------------------------------------------------------- handover
+    def take_waiting(self) -> list[GSeq]:
+        """Remove and return every queued request (they hold no KV)."""
+        out = [s for m in self._models for s in self.waiting[m]]
+        for m in self._models:
+            self.waiting[m].clear()
+        for s in out:
+            s.group = None
+        return out
+
+    def take_running(self) -> list[GSeq]:
+        """Remove every running request (no job may be in flight), freeing its
+        KV; ``kv_tokens`` keeps the token count its KV held (what a migration
+        moves)."""
+        if self.jobs:
+            raise RuntimeError(f"group {self.id}: cannot hand over requests with jobs in flight")
+        out = [s for m in self._models for s in self.running[m].values()]
+        for s in out:
+            self.layout.free(s.id)
+            del self.running[s.model][s.id]
+            s.group = None
+        return out
+
+    def adopt(self, seq: GSeq, now: float) -> bool:
+        """Take a migrated request with its KV (``seq.kv_tokens`` tokens) into
+        the running set; False (nothing changed) when it does not fit. The
+        scheduler sees it as a new arrival (its per-request state, e.g. DB's
+        budget, starts afresh here)."""
+        if seq.kv_tokens <= 0 or not self.can_hold(seq, seq.kv_tokens):
+            return False
+        self.layout.grow(seq.id, seq.model, seq.kv_tokens)
+        self.running[seq.model][seq.id] = seq
+        seq.group = self
+        self.scheduler.on_arrival(seq, now)
+        return True
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:

@@ -10,6 +10,27 @@ pool of GPUs split into sharing groups by a
     job end ──► the group records tokens and finishes requests; its
                 scheduler starts the next jobs
     sample  ──► time series (KV use, queue) and KV-layout statistics
+    replace ──► (SeaLLM's adaptive replacement, optional) measure the last
+                interval's SLO attainment, adapt the interval (Equation 8),
+                search a new plan on the last interval's requests and switch
+
+Replacement (with ``replacement`` and a ``replanner``). At a replacement the
+replanner returns a plan and its estimated SLO attainment on the history;
+groups identical in both plans keep running untouched. A removed group stops
+scheduling: its queued requests are dispatched again at once, its jobs in
+flight end after their current iteration (a macro job is cut there), then its
+running requests migrate with their KV to a host of their service in the new
+plan (one at a time per source group, over NVLink inside a node or the network
+between nodes; KV bytes split over the smaller TP degree). An added group loads
+its weights from host memory over PCIe (SeaLLM's node worker pulls them to the
+host in the background beforehand) once the groups on its GPUs have drained;
+until then it only queues requests. A migrated request arrives when both its
+KV transfer and its destination's weight load are done; if its KV no longer
+fits there it is recomputed (queued at the head, as a preemption). ``M_real``
+of an interval is the SLO attainment of the requests whose deadline
+(``arrival + slo_scale × ideal_s``) falls in it (an interval without any
+deadline leaves the interval length unchanged). No replacement is scheduled
+after the last arrival.
 
 Every group of ``len(gpus) // tp`` replicas runs as its own
 :class:`~fleetserve.sim.group.SharingGroup`. Each request's ``ideal_s`` (the
@@ -30,9 +51,17 @@ from typing import Any
 import numpy as np
 
 from fleetserve.costmodel import CostModel, InstanceCost
+from fleetserve.costmodel.transfer import host_link, intra_node_link, network_link, transfer_time
 from fleetserve.errors import ConfigError
-from fleetserve.metrics.records import GpuInterval, RequestRecord, RunResult, TimeSeries
-from fleetserve.policy.groups import PlacementPlan, Service
+from fleetserve.metrics.records import (
+    GpuInterval,
+    MigrationRecord,
+    RequestRecord,
+    RunResult,
+    TimeSeries,
+)
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.events import P_ARRIVAL, P_ITER_END, P_SAMPLE, EventQueue
 from fleetserve.sim.group import GSeq, SharingGroup
@@ -44,8 +73,40 @@ from fleetserve.workload.request import Request
 
 logger = logging.getLogger(__name__)
 
-_JOB_END, _SAMPLE = 0, 1
+_JOB_END, _SAMPLE, _REPLACE, _READY, _MIGRATED = 0, 1, 2, 3, 4
 ProgressFn = Callable[[float, int, int], None]
+Replanner = Callable[[Sequence[Request], float, float], tuple[PlacementPlan, float]]
+"""``replanner(history, window_s, now) -> (plan, estimated SLO attainment)``:
+a new plan from the requests that arrived in the last ``window_s`` seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplacementConfig:
+    """SeaLLM's adaptive replacement (§4.3) in a simulation.
+
+    Attributes:
+        initial_interval_s: ``I_0``, the first interval (a cluster manager's choice).
+        beta: Equation 8's step (paper: 0.1).
+        min_interval_s, max_interval_s: bounds of the adapted interval.
+        slo_scale: the SLO of ``M_real`` (paper: 5 × execution time).
+    """
+
+    initial_interval_s: float = 120.0
+    beta: float = 0.1
+    min_interval_s: float = 10.0
+    max_interval_s: float = 3600.0
+    slo_scale: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.slo_scale <= 0:
+            raise ConfigError(f"replacement slo_scale must be > 0, got {self.slo_scale}")
+        AdaptiveInterval(  # the same checks as the policy
+            self.initial_interval_s, self.beta, self.min_interval_s, self.max_interval_s
+        )
+
+
+def _gkey(g: GroupPlacement) -> tuple[tuple[int, ...], int, tuple[str, ...]]:
+    return (tuple(sorted(g.gpus)), g.tp, tuple(sorted(g.services)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +209,12 @@ class MultiSimulator:
         stats: per-service statistics for the schedulers (default: profiled
             from ``requests`` by :func:`service_stats`).
         progress: called as ``progress(sim_time, events, done)`` now and then.
+        replacement: adaptive replacement settings (None: the plan is fixed).
+        replanner: the placement search run at each replacement (required
+            with ``replacement``).
+        initial_estimate: the estimated SLO attainment of ``plan`` (``M_est``
+            of the first interval; None: the first interval only adapts
+            nothing and starts the estimates).
 
     Raises:
         ConfigError: a group's weights leave no KV memory, a request names an
@@ -164,6 +231,9 @@ class MultiSimulator:
         cost_model: CostModel | None = None,
         stats: Mapping[str, ServiceStats] | None = None,
         progress: ProgressFn | None = None,
+        replacement: ReplacementConfig | None = None,
+        replanner: Replanner | None = None,
+        initial_estimate: float | None = None,
     ) -> None:
         self.cfg = config
         self.services = dict(services)
@@ -179,6 +249,7 @@ class MultiSimulator:
             raise ConfigError(f"the plan is for {plan.n_gpus} GPUs, the pool has {config.n_gpus}")
         plan.check(self.services)
         self.plan = plan
+        self.initial_plan = plan
         self.gpu = get_gpu(config.gpu)
         self.cost_model = cost_model or CostModel()
         computed, self.ideal = service_stats(
@@ -192,19 +263,36 @@ class MultiSimulator:
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.requests
         ]
-        self.groups: list[SharingGroup] = []
+        self.groups: list[SharingGroup] = []  # every group ever (any state)
         self.hosts: dict[str, list[SharingGroup]] = {s: [] for s in self.services}
+        self._by_key: dict[tuple[tuple[int, ...], int, tuple[str, ...]], list[SharingGroup]] = {}
+        self._started: dict[int, float] = {}
+        self._stopped: dict[int, float] = {}
+        self._ready_at: dict[int, float] = {}
         for gp in plan.groups:
-            svcs = [self.services[s] for s in gp.services]
-            kv = group_kv_bytes([s.spec for s in svcs], gp.tp, self.gpu, config.mem_util)
-            if kv <= 0:
-                raise ConfigError(
-                    f"group on GPUs {list(gp.gpus)} (tp {gp.tp}): the weights of "
-                    f"{', '.join(gp.services)} leave no KV memory on {self.gpu.name}"
-                )
-            for k in range(len(gp.gpus) // gp.tp):
-                gpus = tuple(gp.gpus[k * gp.tp : (k + 1) * gp.tp])
-                self._add_group(gpus, gp.tp, gp.services, kv)
+            for g in self._build(gp):
+                self._host(g)
+        if (replacement is None) != (replanner is None):
+            raise ConfigError("replacement needs both its settings and a replanner")
+        self.repl = replacement
+        self.replanner = replanner
+        self._interval = (
+            AdaptiveInterval(
+                replacement.initial_interval_s,
+                replacement.beta,
+                replacement.min_interval_s,
+                replacement.max_interval_s,
+            )
+            if replacement is not None
+            else None
+        )
+        self._m_est = initial_estimate
+        self._last_replace = 0.0
+        self.replacements: list[dict[str, Any]] = []
+        self.migrations: list[MigrationRecord] = []
+        self._job_end: dict[tuple[int, int], float] = {}
+        self._in_transit: dict[int, GSeq] = {}
+        self.recomputed_after_move = 0
         self.n_events = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
@@ -212,7 +300,31 @@ class MultiSimulator:
         self._stranded: list[float] = []
         self._entries: list[int] = []
 
-    def _add_group(self, gpus: tuple[int, ...], tp: int, names: Sequence[str], kv: int) -> None:
+    def _build(self, gp: GroupPlacement, now: float = 0.0) -> list[SharingGroup]:
+        """The replicas of ``gp`` (live; not yet hosts)."""
+        svcs = [self.services[s] for s in gp.services]
+        kv = group_kv_bytes([s.spec for s in svcs], gp.tp, self.gpu, self.cfg.mem_util)
+        if kv <= 0:
+            raise ConfigError(
+                f"group on GPUs {list(gp.gpus)} (tp {gp.tp}): the weights of "
+                f"{', '.join(gp.services)} leave no KV memory on {self.gpu.name}"
+            )
+        out = []
+        for k in range(len(gp.gpus) // gp.tp):
+            gpus = tuple(gp.gpus[k * gp.tp : (k + 1) * gp.tp])
+            g = self._add_group(gpus, gp.tp, gp.services, kv)
+            self._started[g.id] = now
+            out.append(g)
+        self._by_key[_gkey(gp)] = out
+        return out
+
+    def _host(self, g: SharingGroup) -> None:
+        for s in g.models:
+            self.hosts[s].append(g)
+
+    def _add_group(
+        self, gpus: tuple[int, ...], tp: int, names: Sequence[str], kv: int
+    ) -> SharingGroup:
         cfg = self.cfg
         specs = {s: self.services[s].spec for s in names}
         layout = make_layout(cfg.layout, kv, specs, cfg.block_size)
@@ -233,8 +345,7 @@ class MultiSimulator:
             macro_steps=cfg.macro_steps,
         )
         self.groups.append(g)
-        for s in names:
-            self.hosts[s].append(g)
+        return g
 
     # ----------------------------------------------------------------- loop
     def run(self) -> RunResult:
@@ -248,6 +359,9 @@ class MultiSimulator:
         ai = 0
         end_s = 0.0
         ev.push(0.0, P_SAMPLE, _SAMPLE, None)
+        self._last_arrival = reqs[-1].arrival_s if reqs else 0.0
+        if self._interval is not None and self._interval.interval_s < self._last_arrival:
+            ev.push(self._interval.interval_s, P_SAMPLE, _REPLACE, None)
         while True:
             ta = reqs[ai].arrival_s if ai < n else math.inf
             if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
@@ -257,6 +371,13 @@ class MultiSimulator:
                 if kind == _JOB_END:
                     g, token = payload
                     self._on_job_end(g, token, t)
+                elif kind == _REPLACE:
+                    self._on_replace(t, ai)
+                elif kind == _READY:
+                    self._on_ready(payload, t)
+                elif kind == _MIGRATED:
+                    dst, moved = payload
+                    self._on_migrated(dst, moved, t)
                 else:
                     self._sample(t)
                     if self._poke(t) or ai < n or any(g.jobs for g in self.groups):
@@ -286,37 +407,188 @@ class MultiSimulator:
 
     def _push(self, g: SharingGroup, started: list[tuple[float, int]]) -> None:
         for end, token in started:
+            self._job_end[(g.id, token)] = end
             self.events.push(end, P_ITER_END, _JOB_END, (g, token))
 
     def _on_arrival(self, req: Request, now: float) -> None:
-        rec = self.records[req.id]
-        need = req.prompt_tokens + req.output_tokens
-        hosts = [g for g in self.hosts[req.model] if g.layout.max_tokens(req.model) >= need]
+        self._dispatch(GSeq(req, self.records[req.id]), now)
+
+    def _dispatch(self, seq: GSeq, now: float, *, head: bool = False) -> None:
+        """Queue ``seq`` (no KV) at the host of its service with the fewest
+        outstanding requests, live hosts before loading ones; reject it if no
+        host could ever hold it."""
+        rec = seq.record
+        need = seq.prompt_tokens + seq.output_tokens
+        m = seq.model
+        hosts = [g for g in self.hosts[m] if g.layout.max_tokens(m) >= need]
         if not hosts:
             rec.status = "rejected"
-            rec.reason = f"needs {need} KV tokens, more than any group hosting {req.model} can hold"
+            rec.reason = f"needs {need} KV tokens, more than any group hosting {m} can hold"
             self.n_done += 1
             return
-        g = min(hosts, key=lambda h: (h.outstanding(req.model), h.id))
-        seq = GSeq(req, rec)
+        g = min(hosts, key=lambda h: (h.state != "live", h.outstanding(m), h.id))
         rec.instance = g.id
-        self._push(g, g.enqueue(seq, now))
+        self._push(g, g.enqueue(seq, now, head=head))
 
     def _poke(self, now: float) -> bool:
         """Let idle groups with queued requests try again (a scheduler's state
         may change with time, e.g. ADBS quotas); whether any job started."""
         started = False
         for g in self.groups:
-            if not g.jobs and any(g.waiting.values()):
+            if g.state == "live" and not g.jobs and any(g.waiting.values()):
                 got = g.schedule(now)
                 self._push(g, got)
                 started = started or bool(got)
         return started
 
     def _on_job_end(self, g: SharingGroup, token: int, now: float) -> None:
+        self._job_end.pop((g.id, token), None)
         done = g.complete(token, now)
         self.n_done += len(done)
         self._push(g, g.schedule(now))
+        if g.state == "retiring" and not g.jobs:
+            self._retire(g, now)
+
+    # ---------------------------------------------------------- replacement
+    def _attainment(self, t0: float, t1: float, arrived: int) -> float | None:
+        """SLO attainment of the requests whose deadline is in ``(t0, t1]``."""
+        assert self.repl is not None
+        met = total = 0
+        for rec, ideal in zip(self.records[:arrived], self.ideal.tolist(), strict=False):
+            dl = rec.arrival_s + self.repl.slo_scale * ideal
+            if t0 < dl <= t1:
+                total += 1
+                met += rec.finish_s is not None and rec.finish_s <= dl
+        return met / total if total else None
+
+    def _on_replace(self, now: float, arrived: int) -> None:
+        assert self._interval is not None and self.replanner is not None
+        window = self._interval.interval_s
+        m_real = self._attainment(self._last_replace, now, arrived)
+        m_est = self._m_est
+        if m_real is not None and m_est is not None:
+            nxt = self._interval.update(m_real, m_est)
+        else:
+            nxt = window
+        lo = now - window
+        history = [r for r in self.requests[:arrived] if r.arrival_s > lo]
+        entry: dict[str, Any] = {
+            "time_s": now,
+            "interval_s": window,
+            "next_interval_s": nxt,
+            "m_real": m_real,
+            "m_est": m_est,
+            "history_requests": len(history),
+        }
+        if history:
+            plan, est = self.replanner(history, window, now)
+            diff = plan_diff(self.plan, plan)
+            entry.update(
+                groups_kept=len(diff.kept),
+                groups_removed=len(diff.removed),
+                groups_added=len(diff.added),
+                m_est_next=est,
+            )
+            if not diff.unchanged:
+                entry.update(self._switch(plan, diff.removed, diff.added, now))
+            self._m_est = est
+        self.replacements.append(entry)
+        self._last_replace = now
+        if now + nxt < self._last_arrival:
+            self.events.push(now + nxt, P_SAMPLE, _REPLACE, None)
+
+    def _switch(
+        self,
+        plan: PlacementPlan,
+        removed: Sequence[GroupPlacement],
+        added: Sequence[GroupPlacement],
+        now: float,
+    ) -> dict[str, Any]:
+        """Retire the groups of ``removed``, start loading those of ``added``."""
+        plan.check(self.services)
+        retiring: list[SharingGroup] = []
+        for gp in removed:
+            for g in self._by_key.pop(_gkey(gp)):
+                g.state = "retiring"
+                for m in g.models:
+                    self.hosts[m].remove(g)
+                self._push(g, g.truncate(now))  # stop after the iteration in flight
+                retiring.append(g)
+        drain = {
+            g.id: max([now] + [self._job_end.get((g.id, t), now) for t in g.jobs])
+            for g in retiring
+        }
+        load_s = 0.0
+        for gp in added:
+            w = sum(self.services[s].spec.weight_bytes for s in gp.services) / gp.tp
+            t_load = transfer_time(w, host_link(self.gpu))
+            load_s = max(load_s, t_load)
+            gpus = set(gp.gpus)
+            free_at = max([now] + [drain[g.id] for g in retiring if gpus & set(g.gpus)])
+            for g in self._build(gp, now):
+                g.state = "loading"
+                self._ready_at[g.id] = free_at + t_load
+                self._host(g)
+                self.events.push(free_at + t_load, P_ITER_END, _READY, g)
+        self.plan = plan
+        requeued = 0
+        for g in retiring:
+            for seq in g.take_waiting():
+                requeued += 1
+                self._dispatch(seq, now)
+            if not g.jobs:
+                self._retire(g, now)
+        return {
+            "drain_s": max(drain.values(), default=now) - now,
+            "load_s": load_s,
+            "requeued": requeued,
+        }
+
+    def _retire(self, g: SharingGroup, now: float) -> None:
+        """A retiring group with no job in flight: move its running requests
+        (with their KV) to hosts of the new plan; the group stops."""
+        g.state = "stopped"
+        self._stopped[g.id] = now
+        clock = now
+        node = self.gpu.gpus_per_node
+        for seq in g.take_running():
+            m = seq.model
+            dst = min(
+                self.hosts[m],
+                key=lambda h: (h.outstanding(m) + h.incoming, h.state != "live", h.id),
+            )
+            link = (
+                intra_node_link(self.gpu)
+                if g.gpus[0] // node == dst.gpus[0] // node
+                else network_link(self.gpu)
+            )
+            nbytes = seq.kv_tokens * self.services[m].spec.kv_bytes_per_token
+            clock += transfer_time(nbytes / min(g.tp, dst.tp), link)
+            arrive = max(clock, self._ready_at.get(dst.id, now))
+            dst.incoming += 1
+            self._in_transit[seq.id] = seq
+            seq.record.migrations += 1
+            self.migrations.append(MigrationRecord(now, seq.id, g.id, dst.id, "kv", int(nbytes)))
+            self.events.push(arrive, P_ITER_END, _MIGRATED, (dst, seq))
+
+    def _on_ready(self, g: SharingGroup, now: float) -> None:
+        if g.state != "loading":
+            return  # retired again before its weights arrived
+        g.state = "live"
+        self._push(g, g.schedule(now))
+
+    def _on_migrated(self, g: SharingGroup, seq: GSeq, now: float) -> None:
+        del self._in_transit[seq.id]
+        g.incoming -= 1
+        if g.state == "live" and g.adopt(seq, now):
+            seq.record.instance = g.id
+            self._push(g, g.truncate(now) + g.schedule(now))
+            return
+        # no room for its KV (or its destination went away): recompute it
+        self.recomputed_after_move += 1
+        seq.kv_tokens = 0
+        seq.record.preemptions += 1
+        self._dispatch(seq, now, head=True)
 
     def _sample(self, now: float) -> None:
         used = cap = demand = queued = running = 0
@@ -370,10 +642,10 @@ class MultiSimulator:
                 s.name: {"model": s.spec.name, "rate": s.rate} for s in self.services.values()
             },
             "placement": {
-                "note": self.plan.note,
+                "note": self.initial_plan.note,
                 "groups": [
                     {"gpus": list(gp.gpus), "tp": gp.tp, "services": list(gp.services)}
-                    for gp in self.plan.groups
+                    for gp in self.initial_plan.groups
                 ],
             },
         }
@@ -395,15 +667,28 @@ class MultiSimulator:
                     "services": list(g.models),
                     "busy_fraction": (g.busy_s / end_s) if end_s > 0 else None,
                     "preemptions": g.preemptions,
+                    "start_s": self._started.get(g.id, 0.0),
+                    "stop_s": self._stopped.get(g.id),
                 }
                 for g in self.groups
             ],
         }
+        if self._interval is not None:
+            assert self.repl is not None
+            extra["replacement"] = {
+                "initial_interval_s": self.repl.initial_interval_s,
+                "beta": self.repl.beta,
+                "replacements": len(self.replacements),
+                "switches": sum(1 for e in self.replacements if "load_s" in e),
+                "migrated_requests": len(self.migrations),
+                "recomputed_after_move": self.recomputed_after_move,
+                "events": self.replacements,
+            }
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,
             gpu_intervals=intervals,
-            migrations=[],
+            migrations=self.migrations,
             end_s=end_s,
             kv_bytes_per_gpu=None,
             config=cfg,
@@ -424,6 +709,11 @@ class MultiSimulator:
             for i in ids:
                 assert i not in seen, f"request {i} in two places"
                 seen.add(i)
+            if g.state == "stopped":
+                assert not ids and g.layout.stats().used_bytes == 0, f"group {g.id} not empty"
+        for i in self._in_transit:
+            assert i not in seen, f"request {i} in transit and in a group"
+            seen.add(i)
         for rec in self.records[:arrived]:
             terminal = rec.status in ("finished", "rejected")
             assert (rec.id in seen) != terminal, f"request {rec.id}: {rec.status}"
