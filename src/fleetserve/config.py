@@ -31,6 +31,7 @@ DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
 
 _SECTION = {
+    "MultiConfigSection": "multi.",
     "WorkloadConfig": "workload.",
     "ClusterConfig": "cluster.",
     "EngineConfig": "engine.",
@@ -240,6 +241,96 @@ class MellConfig:
 
 
 @dataclass(frozen=True)
+class ServiceConfig:
+    """One LLM service of a multi-LLM run: a name (what requests name) and a model."""
+
+    name: str
+    model: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("services: every service needs a non-empty name")
+
+
+MULTI_GENERATORS: tuple[str, ...] = ("seallm", "muxserve")
+
+
+@dataclass(frozen=True)
+class MultiConfigSection:
+    """Multi-LLM runs (SeaLLM, MuxServe stacks): workload and placement settings.
+
+    A run is multi-LLM when ``services`` is given or ``multi.generator`` is set;
+    its stack then names a multi-LLM stack (``vllm``, ``alpaserve``,
+    ``muxserve``, ``seallm`` and ablations) and the pool is fixed
+    (``cluster.gpus``).
+
+    Attributes:
+        generator: ``seallm`` (8 services from 4 models × chat/summarization,
+            bursty Gamma arrivals rotating across services) or ``muxserve``
+            (19 LLaMA models, power-law rates, Poisson); None: the ``services``
+            list with the ``workload`` trace (requests assigned to the service
+            names by ``workload.models``, uniformly when not given).
+        rate: total req/s of a generator.
+        alpha: power-law exponent of the ``muxserve`` generator.
+        duration_s: a generator's run length.
+        history_s: seconds of requests before the run that placement sees
+            (with a trace: its first ``history_s`` seconds, the run is the rest).
+        cv: inter-arrival CV of the ``seallm`` generator.
+        rotate_s: burst window of the ``seallm`` generator.
+        burst_share: share of the total rate the hot service gets (``seallm``).
+        replacement_interval_s: SeaLLM's initial replacement interval I_0.
+        replacement_beta: Equation 8's beta.
+        min_interval_s, max_interval_s: bounds of the adapted interval.
+        slo_scale: SLO (× execution time) of SeaLLM's search and ``M_real``.
+        processes: parallel placement searches (None: one per TP size).
+        max_services: services per group at most in SeaLLM's search
+            (None: no limit; SeaLLM's evaluation used 2).
+    """
+
+    generator: str | None = None
+    rate: float = 10.0
+    alpha: float = 1.3
+    duration_s: float = 600.0
+    history_s: float = 60.0
+    cv: float = 4.0
+    rotate_s: float = 60.0
+    burst_share: float = 0.5
+    replacement_interval_s: float = 120.0
+    replacement_beta: float = 0.1
+    min_interval_s: float = 10.0
+    max_interval_s: float = 3600.0
+    slo_scale: float = 5.0
+    processes: int | None = None
+    max_services: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "rate",
+            "duration_s",
+            "history_s",
+            "rotate_s",
+            "replacement_interval_s",
+            "min_interval_s",
+            "max_interval_s",
+            "slo_scale",
+            "processes",
+            "max_services",
+        ):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"multi.{name} must be positive, got {v}")
+        if self.generator is not None and self.generator not in MULTI_GENERATORS:
+            raise ConfigError(
+                f"multi.generator must be one of {', '.join(MULTI_GENERATORS)}, "
+                f"got {self.generator!r}"
+            )
+        if not 0 < self.replacement_beta < 1:
+            raise ConfigError(
+                f"multi.replacement_beta must be in (0, 1), got {self.replacement_beta}"
+            )
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs; ``summary.json`` stores it resolved.
 
@@ -262,6 +353,8 @@ class SimConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     mell: MellConfig = field(default_factory=MellConfig)
+    services: tuple[ServiceConfig, ...] | None = None
+    multi: MultiConfigSection = field(default_factory=MultiConfigSection)
     seed: int = 0
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
@@ -273,6 +366,27 @@ class SimConfig:
         _positive(self, "sample_interval_s", "max_time_s")
         if not self.slo_scales or any(s <= 0 for s in self.slo_scales):
             raise ConfigError("slo_scales must be a non-empty list of positive numbers")
+        if self.services is not None:
+            names = [s.name for s in self.services]
+            if not names:
+                raise ConfigError("services: give at least one service (or leave it out)")
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ConfigError(f"services: duplicate service names {dup}")
+            if self.multi.generator is not None:
+                raise ConfigError(
+                    f"multi.generator {self.multi.generator!r} makes its own services; "
+                    "leave out the services list"
+                )
+        if self.is_multi and self.cluster.gpus is None:
+            raise ConfigError(
+                "a multi-LLM run (services or multi.generator) needs a fixed pool: set cluster.gpus"
+            )
+
+    @property
+    def is_multi(self) -> bool:
+        """Whether this is a multi-LLM run (the sharing-group simulator)."""
+        return self.services is not None or self.multi.generator is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``summary.json``)."""
@@ -315,7 +429,7 @@ def _coerce(value: Any, tp: Any, where: str, src: str | None) -> Any:
             value = [x.strip() for x in value.split(",") if x.strip()]
         if not isinstance(value, list | tuple):
             raise InputError(f"expected a list, got {value!r}", file=src, field=where)
-        return tuple(_coerce(x, elem, where, src) for x in value)
+        return tuple(_coerce(x, elem, f"{where}[{i}]", src) for i, x in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -111,10 +111,26 @@ def simulate_and_write(
     """
     from fleetserve.metrics import summarize, write_run
 
-    sim = Simulator(
-        cfg, wl.requests, notes=wl.notes, progress=progress, progress_every=PROGRESS_EVERY
-    )
-    result = sim.run()
+    if cfg.is_multi:
+        from fleetserve.sim.multi_build import multi_settings
+        from fleetserve.sim.multi_run import run_multi_stack
+
+        assert wl.services is not None and wl.history is not None
+        result = run_multi_stack(
+            cfg.policy.stack,
+            wl.services,
+            wl.history,
+            wl.requests,
+            multi_settings(cfg),
+            progress=progress,
+        )
+        result.notes.extend(wl.notes)
+        result.config["run"] = cfg.to_dict()
+    else:
+        sim = Simulator(
+            cfg, wl.requests, notes=wl.notes, progress=progress, progress_every=PROGRESS_EVERY
+        )
+        result = sim.run()
     summary = summarize(result, cfg.slo_scales)
     summary["workload"] = {"source": wl.source, "requests": len(wl.requests)}
     write_run(out, result, summary)

@@ -19,6 +19,7 @@ import numpy as np
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, InputError
+from fleetserve.policy.groups import Service
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload import (
@@ -42,6 +43,10 @@ class Workload:
     requests: list[Request]
     source: str
     notes: list[str] = field(default_factory=list)
+    services: dict[str, Service] | None = None
+    """Multi-LLM runs: the services (``Request.model`` names one)."""
+    history: list[Request] | None = None
+    """Multi-LLM runs: the requests before the run that placement sees."""
 
 
 def request_cap_tokens(cfg: SimConfig, model: str) -> int:
@@ -72,6 +77,13 @@ def build_workload(cfg: SimConfig, base_dir: Path | None = None) -> Workload:
         InputError: the trace is missing (unless ``if_missing: synthetic``) or bad.
         ConfigError: the workload is empty after its transforms.
     """
+    if cfg.is_multi:
+        from fleetserve.sim.multi_build import build_multi
+
+        mi = build_multi(cfg, base_dir)
+        for n in mi.notes:
+            logger.info(n)
+        return Workload(mi.requests, mi.source, mi.notes, mi.services, mi.history)
     wl = cfg.workload
     rng = np.random.default_rng(cfg.seed)
     notes: list[str] = []

@@ -122,6 +122,11 @@ def preflight(config: SimConfig) -> None:
     Raises:
         FleetserveError: the first problem found, as one clear line.
     """
+    if config.is_multi:
+        from fleetserve.sim.multi_build import multi_preflight
+
+        multi_preflight(config)
+        return
     resolve_policies(config)
     gpu = get_gpu(config.cluster.gpu)
     cl = config.cluster

@@ -1,0 +1,186 @@
+"""From a multi-LLM :class:`~fleetserve.config.SimConfig` to services, history and run.
+
+Two sources:
+
+* ``multi.generator`` (``seallm`` or ``muxserve``): the synthetic workloads of
+  :mod:`fleetserve.workload.multi` (history before the run, services measured
+  on the history).
+* a ``services`` list with the ``workload`` section (a trace, or the built-in
+  synthetic workload): requests are assigned to the service names
+  (``workload.models``/``model_weights``; uniformly when not given). The
+  first ``multi.history_s`` seconds of the resulting requests are the
+  history that placement sees; the rest, shifted to start at 0, is the run.
+  Service rates and mean lengths are measured on the history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from fleetserve.config import SimConfig
+from fleetserve.errors import ConfigError
+from fleetserve.policy.groups import Service
+from fleetserve.policy.multi_stacks import get_multi_stack
+from fleetserve.sim.multi import ReplacementConfig
+from fleetserve.sim.multi_run import MultiRunSettings, services_from_window
+from fleetserve.spec import get_gpu, get_model
+from fleetserve.spec.memory import min_tp
+from fleetserve.workload.request import Request
+
+__all__ = ["MultiInput", "build_multi", "multi_preflight", "multi_settings"]
+
+
+class MultiInput:
+    """Services, the history placement sees, and the run's requests."""
+
+    def __init__(
+        self,
+        services: dict[str, Service],
+        history: list[Request],
+        requests: list[Request],
+        source: str,
+        notes: list[str],
+    ) -> None:
+        self.services = services
+        self.history = history
+        self.requests = requests
+        self.source = source
+        self.notes = notes
+
+
+def multi_settings(cfg: SimConfig) -> MultiRunSettings:
+    """The :class:`MultiRunSettings` of a multi-LLM config."""
+    m, cl, en = cfg.multi, cfg.cluster, cfg.engine
+    assert cl.gpus is not None
+    params = {} if m.max_services is None else {"max_services": m.max_services}
+    return MultiRunSettings(
+        gpu=cl.gpu,
+        n_gpus=cl.gpus,
+        mem_util=cl.mem_util,
+        block_size=cl.block_size,
+        max_num_seqs=en.max_num_seqs,
+        max_batched_tokens=en.max_batched_tokens,
+        slo_scale=m.slo_scale,
+        replacement=ReplacementConfig(
+            initial_interval_s=m.replacement_interval_s,
+            beta=m.replacement_beta,
+            min_interval_s=m.min_interval_s,
+            max_interval_s=m.max_interval_s,
+            slo_scale=m.slo_scale,
+        ),
+        processes=m.processes,
+        search_params=params,
+        sample_interval_s=cfg.sample_interval_s,
+        max_time_s=cfg.max_time_s,
+        check_integrity=cfg.check_integrity,
+    )
+
+
+def multi_preflight(cfg: SimConfig) -> None:
+    """Names and fits of a multi-LLM config, before any work.
+
+    Raises:
+        FleetserveError: an unknown stack, GPU or model, or a model that does
+            not fit a node of the pool's GPUs.
+    """
+    get_multi_stack(cfg.policy.stack)
+    gpu = get_gpu(cfg.cluster.gpu)
+    for s in cfg.services or ():
+        spec = get_model(s.model)
+        tp = min_tp(spec, gpu, cfg.cluster.mem_util, gpu.gpus_per_node)
+        assert cfg.cluster.gpus is not None
+        if tp > cfg.cluster.gpus:
+            raise ConfigError(
+                f"service {s.name!r}: {s.model} needs {tp} x {gpu.name}, the pool has "
+                f"{cfg.cluster.gpus}"
+            )
+
+
+def _split(reqs: list[Request], history_s: float) -> tuple[list[Request], list[Request]]:
+    t0 = reqs[0].arrival_s if reqs else 0.0
+    hist = [r for r in reqs if r.arrival_s - t0 < history_s]
+    run = [r for r in reqs if r.arrival_s - t0 >= history_s]
+    hist = [replace(r, id=i, arrival_s=r.arrival_s - t0) for i, r in enumerate(hist)]
+    start = t0 + history_s
+    run = [replace(r, id=i, arrival_s=r.arrival_s - start) for i, r in enumerate(run)]
+    return hist, run
+
+
+def build_multi(cfg: SimConfig, base_dir: Path | None = None) -> MultiInput:
+    """The services, history and run of a multi-LLM config.
+
+    Raises:
+        InputError: a missing or bad trace or data file.
+        ConfigError: an empty history or run.
+    """
+    m = cfg.multi
+    if m.generator is not None:
+        from fleetserve.workload.multi import muxserve_workload, seallm_workload
+
+        if m.generator == "seallm":
+            wl = seallm_workload(
+                m.rate,
+                duration_s=m.duration_s,
+                history_s=m.history_s,
+                seed=cfg.seed,
+                cv=m.cv,
+                rotate_s=m.rotate_s,
+                burst_share=m.burst_share,
+            )
+        else:
+            wl = muxserve_workload(
+                m.rate, m.alpha, duration_s=m.duration_s, history_s=m.history_s, seed=cfg.seed
+            )
+        if not wl.requests:
+            raise ConfigError(f"the {m.generator} workload has no request in its run")
+        return MultiInput(
+            dict(wl.services), list(wl.history), list(wl.requests), wl.source, list(wl.notes)
+        )
+
+    from fleetserve.config import config_from_dict
+    from fleetserve.sim.build import build_workload
+
+    assert cfg.services is not None
+    names = tuple(s.name for s in cfg.services)
+    wl_cfg = cfg.workload
+    notes: list[str] = []
+    if wl_cfg.models is None:
+        notes.append(f"requests assigned uniformly to the {len(names)} services")
+        wl_cfg = replace(wl_cfg, models=names)
+    elif set(wl_cfg.models) - set(names):
+        raise ConfigError(
+            f"workload.models names {sorted(set(wl_cfg.models) - set(names))}, "
+            f"which are not services ({', '.join(names)})"
+        )
+    # the single-model workload builder (trace, window, scaling, assignment);
+    # its model checks use the first service's model
+    plain = config_from_dict(
+        {
+            "model": cfg.services[0].model,
+            "seed": cfg.seed,
+            "workload": {k: v for k, v in cfg.to_dict()["workload"].items() if v is not None}
+            | {"models": list(wl_cfg.models or ()), "cap_lengths": False},
+        }
+    )
+    built = build_workload(plain, base_dir)
+    hist, run = _split(built.requests, m.history_s)
+    if not hist:
+        raise ConfigError(
+            f"no request arrives in the first multi.history_s = {m.history_s:g} s of "
+            f"{built.source}: placement has no history"
+        )
+    if not run:
+        raise ConfigError(
+            f"every request of {built.source} arrives within multi.history_s = "
+            f"{m.history_s:g} s: nothing left to run"
+        )
+    mean_p = sum(r.prompt_tokens for r in hist) / len(hist)
+    mean_o = sum(r.output_tokens for r in hist) / len(hist)
+    base = {s.name: Service(s.name, get_model(s.model), 0.0, mean_p, mean_o) for s in cfg.services}
+    services = services_from_window(base, hist, m.history_s)
+    notes.append(
+        f"placement history: the first {m.history_s:g} s ({len(hist)} requests); "
+        f"the run: the remaining {len(run)} requests"
+    )
+    return MultiInput(services, hist, run, built.source, built.notes + notes)

@@ -1,0 +1,237 @@
+"""Run one multi-LLM stack end to end: place on a history, then simulate.
+
+:func:`run_multi_stack` is what ``fleetserve simulate``/``compare`` (with a
+``services:`` config) and ``fleetserve reproduce seallm|muxserve`` call:
+
+1. **Placement** from the *history* (requests before the run; the run's own
+   requests are never looked at): ``dedicated`` splits the pool by the
+   services' rates, ``muxserve`` runs MuxServe's greedy on their rates and
+   mean lengths, ``seallm`` searches, evaluating candidates by simulating
+   them on the history with the stack's scheduler and KV layout.
+2. **Simulation** of the run on that plan (:class:`~fleetserve.sim.multi.MultiSimulator`).
+   A stack with replacement re-runs the SeaLLM search at every replacement
+   on the requests of the last interval (service rates and mean lengths
+   measured on that window) and adapts the interval (Equation 8).
+
+The wall time of every placement search is reported in ``RunResult.extra``
+(``placement_search_s``); in simulated time a search costs nothing, as in
+SeaLLM, which runs it ahead of the replacement moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fleetserve.costmodel import CostModel
+from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import RunResult
+from fleetserve.policy.group_placement import dedicated_place
+from fleetserve.policy.groups import PlacementPlan, Service
+from fleetserve.policy.multi_stacks import MultiStack, get_multi_stack
+from fleetserve.policy.muxserve_placement import muxserve_place
+from fleetserve.policy.seallm_placement import seallm_place
+from fleetserve.sim.evaluate import PlanEvaluator
+from fleetserve.sim.multi import MultiConfig, MultiSimulator, ProgressFn, ReplacementConfig
+from fleetserve.spec import get_gpu
+from fleetserve.workload.request import Request
+
+__all__ = ["MultiRunSettings", "place_for_stack", "run_multi_stack", "services_from_window"]
+
+
+@dataclass(frozen=True, slots=True)
+class MultiRunSettings:
+    """Everything of a multi-LLM run besides the stack and the requests.
+
+    Attributes:
+        gpu: GPU catalog name.
+        n_gpus: GPUs in the pool.
+        mem_util: share of each GPU's memory the engines may use.
+        block_size: tokens per KV block.
+        max_num_seqs: running requests per service and group at most.
+        max_batched_tokens: prompt tokens per prefill job.
+        slo_scale: SLO of the placement search and of ``M_real`` (SeaLLM: 5).
+        replacement: the adaptive replacement settings (stacks with replacement).
+        processes: parallel placement searches (None: one per TP size, at
+            most the CPUs).
+        search_params: extra keyword arguments of ``seallm_place``.
+        sample_interval_s: time-series sampling period.
+        max_time_s: stop the run there (None: to completion).
+        check_integrity: check every invariant after every event (tests).
+    """
+
+    gpu: str = "a800-80gb"
+    n_gpus: int = 32
+    mem_util: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    slo_scale: float = 5.0
+    replacement: ReplacementConfig = field(default_factory=ReplacementConfig)
+    processes: int | None = None
+    search_params: Mapping[str, Any] = field(default_factory=dict)
+    sample_interval_s: float = 1.0
+    max_time_s: float | None = None
+    check_integrity: bool = False
+
+    def multi_config(self, stack: MultiStack) -> MultiConfig:
+        return MultiConfig(
+            gpu=self.gpu,
+            n_gpus=self.n_gpus,
+            scheduler=stack.scheduler,
+            layout=stack.layout,
+            block_size=self.block_size,
+            mem_util=self.mem_util,
+            max_num_seqs=self.max_num_seqs,
+            max_batched_tokens=self.max_batched_tokens,
+            sample_interval_s=self.sample_interval_s,
+            max_time_s=self.max_time_s,
+            check_integrity=self.check_integrity,
+        )
+
+
+def services_from_window(
+    base: Mapping[str, Service], window: Sequence[Request], window_s: float
+) -> dict[str, Service]:
+    """Services with rates and mean lengths measured on ``window`` (what
+    SeaLLM's service monitor reports for the last interval).
+
+    A service without a request in the window keeps its previous mean lengths
+    and gets half a request per window as its rate (it must still be placed,
+    SeaLLM's constraint (3), and a zero rate would make it invisible).
+    """
+    by: dict[str, list[Request]] = {s: [] for s in base}
+    for r in window:
+        by[r.model].append(r)
+    out = {}
+    for name, svc in base.items():
+        rs = by[name]
+        if rs:
+            out[name] = replace(
+                svc,
+                rate=len(rs) / window_s,
+                mean_prompt=sum(r.prompt_tokens for r in rs) / len(rs),
+                mean_output=sum(r.output_tokens for r in rs) / len(rs),
+            )
+        else:
+            out[name] = replace(svc, rate=0.5 / window_s)
+    return out
+
+
+def place_for_stack(
+    stack: MultiStack,
+    services: Mapping[str, Service],
+    history: Sequence[Request],
+    settings: MultiRunSettings,
+    cost_model: CostModel | None = None,
+) -> tuple[PlacementPlan, float | None]:
+    """The stack's placement on ``history``; ``(plan, estimated SLO attainment)``
+    (the estimate only for ``seallm``, which simulates its candidates)."""
+    gpu = get_gpu(settings.gpu)
+    svcs = list(services.values())
+    cm = cost_model or CostModel()
+    if stack.placement == "dedicated":
+        return dedicated_place(svcs, settings.n_gpus, gpu, settings.mem_util), None
+    if stack.placement == "muxserve":
+        return muxserve_place(svcs, settings.n_gpus, gpu, cm, settings.mem_util), None
+    if stack.placement == "seallm":
+        if not history:
+            raise ConfigError(
+                f"stack {stack.name!r} searches its placement on a history of requests; "
+                "the history is empty"
+            )
+        ev = PlanEvaluator(
+            settings.multi_config(stack),
+            services,
+            history,
+            slo_scale=settings.slo_scale,
+            cost_model=cm,
+        )
+        plan, cands = seallm_place(
+            svcs,
+            settings.n_gpus,
+            gpu,
+            ev,
+            mem_util=settings.mem_util,
+            processes=settings.processes,
+            **dict(settings.search_params),
+        )
+        est = next(c.slo_attainment for c in cands if c.plan == plan)
+        return plan, est
+    raise ConfigError(f"stack {stack.name!r}: unknown placement {stack.placement!r}")
+
+
+def run_multi_stack(
+    stack_name: str,
+    services: Mapping[str, Service],
+    history: Sequence[Request],
+    requests: Sequence[Request],
+    settings: MultiRunSettings,
+    *,
+    cost_model: CostModel | None = None,
+    progress: ProgressFn | None = None,
+    on_search: Callable[[float], None] | None = None,
+) -> RunResult:
+    """Place ``services`` for stack ``stack_name`` on ``history``, then simulate ``requests``.
+
+    Args:
+        stack_name: a :data:`~fleetserve.policy.multi_stacks.MULTI_STACKS` name.
+        services: the services (rates and mean lengths as known from the history).
+        history: requests before the run (placement input; any ids).
+        requests: the run, sorted, ids ``0..n-1``, ``model`` = service name.
+        settings: pool and engine settings.
+        cost_model: iteration times (default roofline).
+        progress: simulator progress callback.
+        on_search: called with the wall time of every placement search.
+
+    Returns:
+        The run's result; ``extra`` adds ``stack`` and ``placement_search_s``.
+    """
+    stack = get_multi_stack(stack_name)
+    cm = cost_model or CostModel()
+    searches: list[float] = []
+
+    def timed(svcs: Mapping[str, Service], hist: Sequence[Request]) -> tuple[PlacementPlan, Any]:
+        t0 = time.perf_counter()
+        out = place_for_stack(stack, svcs, hist, settings, cm)
+        searches.append(time.perf_counter() - t0)
+        if on_search is not None:
+            on_search(searches[-1])
+        return out
+
+    plan, est = timed(services, history)
+    replanner = None
+    if stack.replacement:
+
+        def replanner(
+            window: Sequence[Request], window_s: float, now: float
+        ) -> tuple[PlacementPlan, float]:
+            svcs = services_from_window(services, window, window_s)
+            new, m = timed(svcs, window)
+            assert m is not None
+            return new, float(m)
+
+    sim = MultiSimulator(
+        settings.multi_config(stack),
+        services,
+        plan,
+        requests,
+        cost_model=cm,
+        progress=progress,
+        replacement=settings.replacement if stack.replacement else None,
+        replanner=replanner,
+        initial_estimate=est,
+    )
+    res = sim.run()
+    res.extra["stack"] = {
+        "name": stack.name,
+        "description": stack.description,
+        "placement": stack.placement,
+        "scheduler": stack.scheduler,
+        "layout": stack.layout,
+        "replacement": stack.replacement,
+    }
+    res.extra["placement_search_s"] = searches
+    return res
