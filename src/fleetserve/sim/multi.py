@@ -515,8 +515,7 @@ class MultiSimulator:
                 self._push(g, g.truncate(now))  # stop after the iteration in flight
                 retiring.append(g)
         drain = {
-            g.id: max([now] + [self._job_end.get((g.id, t), now) for t in g.jobs])
-            for g in retiring
+            g.id: max([now] + [self._job_end.get((g.id, t), now) for t in g.jobs]) for g in retiring
         }
         load_s = 0.0
         for gp in added:
