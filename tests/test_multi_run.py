@@ -1,0 +1,167 @@
+"""Multi-LLM stacks end to end: config sections, placement on a history, the
+run, replacement re-searching on the last interval, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleetserve.cli.main import main
+from fleetserve.config import config_from_dict
+from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.policy.groups import Service
+from fleetserve.policy.multi_stacks import MULTI_STACKS, get_multi_stack
+from fleetserve.sim.build import build_workload
+from fleetserve.sim.multi import ReplacementConfig
+from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack, services_from_window
+from fleetserve.spec import get_model
+from fleetserve.workload.request import Request
+
+
+def _requests(seconds: float, seed: int, names: list[str], rate: float) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    out = []
+    t = rng.exponential(1 / rate)
+    while t < seconds:
+        out.append((t, names[int(rng.integers(len(names)))], int(rng.integers(32, 1500))))
+        t += rng.exponential(1 / rate)
+    return [
+        Request(i, m, a, p, int(rng.integers(1, 300))) for i, (a, m, p) in enumerate(sorted(out))
+    ]
+
+
+SERVICES = {
+    "a": Service("a", get_model("llama-2-7b"), 2.0, 700, 150),
+    "b": Service("b", get_model("llama-2-13b"), 2.0, 700, 150),
+    "c": Service("c", get_model("opt-6.7b"), 2.0, 700, 150),
+}
+
+
+@pytest.mark.parametrize("stack", sorted(MULTI_STACKS))
+def test_every_stack_places_runs_and_ends_every_request_once(stack: str) -> None:
+    names = sorted(SERVICES)
+    history = _requests(15.0, 1, names, 3.0)
+    run = _requests(30.0, 2, names, 3.0)
+    settings = MultiRunSettings(
+        gpu="a100-80gb",
+        n_gpus=4,
+        replacement=ReplacementConfig(initial_interval_s=10.0, min_interval_s=5.0),
+        processes=1,
+        check_integrity=True,
+    )
+    res = run_multi_stack(stack, SERVICES, history, run, settings)
+    assert all(r.status == "finished" for r in res.records)
+    assert res.extra["stack"]["name"] == stack
+    searches = res.extra["placement_search_s"]
+    if get_multi_stack(stack).replacement:
+        rep = res.extra["replacement"]
+        assert rep["replacements"] >= 2  # at 10 s, then adapted (>= 5 s), before 30 s
+        assert len(searches) == 1 + sum(1 for e in rep["events"] if e["history_requests"])
+    else:
+        assert "replacement" not in res.extra and len(searches) == 1
+
+
+def test_services_from_window_measures_rates_and_keeps_idle_services_placeable() -> None:
+    win = [Request(0, "a", 1.0, 100, 10), Request(1, "a", 2.0, 300, 30)]
+    out = services_from_window(SERVICES, win, 10.0)
+    assert out["a"].rate == pytest.approx(0.2)
+    assert out["a"].mean_prompt == pytest.approx(200) and out["a"].mean_output == pytest.approx(20)
+    assert out["b"].rate == pytest.approx(0.05)  # half a request per window
+    assert out["b"].mean_prompt == SERVICES["b"].mean_prompt
+
+
+def _cfg(tmp_path: Path, extra: str = "") -> Path:
+    trace = tmp_path / "t.jsonl"
+    rng = np.random.default_rng(0)
+    t = 0.0
+    with trace.open("w") as f:
+        for _ in range(300):
+            t += float(rng.exponential(0.25))
+            row = {"arrival_s": t, "prompt_tokens": 200, "output_tokens": 50}
+            f.write(json.dumps(row) + "\n")
+    p = tmp_path / "cfg.yaml"
+    p.write_text(
+        "services:\n"
+        "  - {name: chat, model: llama-2-7b}\n"
+        "  - {name: code, model: opt-6.7b}\n"
+        f"workload: {{trace: {trace}, format: jsonl}}\n"
+        "cluster: {gpu: a100-80gb, gpus: 2}\n"
+        "multi: {history_s: 20, replacement_interval_s: 15, processes: 1}\n" + extra
+    )
+    return p
+
+
+def test_compare_runs_multi_llm_stacks_from_a_services_config(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["compare", str(cfg), "--stacks", "vllm,seallm", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "seallm" / "summary.json").read_text())
+    assert set(s["services"]) == {"chat", "code"}
+    assert s["stack"]["scheduler"] == "db" and s["replacement"]["replacements"] >= 1
+    assert s["workload"]["requests"] == s["requests"]["total"]
+    v = json.loads((out / "vllm" / "summary.json").read_text())
+    groups = v["config"]["placement"]["groups"]
+    assert sorted(g["services"][0] for g in groups) == ["chat", "code"]
+
+
+def test_history_and_run_are_split_at_history_s(tmp_path: Path) -> None:
+    from fleetserve.config import load_config
+
+    cfg = config_from_dict(load_config(_cfg(tmp_path)))
+    wl = build_workload(cfg)
+    assert wl.history and wl.services is not None
+    assert max(r.arrival_s for r in wl.history) < 20.0
+    assert wl.requests[0].arrival_s >= 0.0 and [r.id for r in wl.requests] == list(
+        range(len(wl.requests))
+    )
+    assert len(wl.history) + len(wl.requests) == 300
+    rate = sum(s.rate for s in wl.services.values())
+    assert rate == pytest.approx(len(wl.history) / 20.0)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"services": [{"name": "a", "model": "llama-2-7b"}]}, "cluster.gpus"),
+        (
+            {
+                "services": [
+                    {"name": "a", "model": "llama-2-7b"},
+                    {"name": "a", "model": "opt-6.7b"},
+                ],
+                "cluster": {"gpus": 2},
+            },
+            "duplicate",
+        ),
+        (
+            {
+                "services": [{"name": "a", "model": "llama-2-7b"}],
+                "multi": {"generator": "seallm"},
+                "cluster": {"gpus": 2},
+            },
+            "leave out",
+        ),
+        ({"multi": {"generator": "alpaca"}, "cluster": {"gpus": 2}}, "multi.generator"),
+        ({"multi": {"rate": -1}}, "multi.rate"),
+    ],
+)
+def test_bad_multi_configs_are_clear_errors(data: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(data)
+
+
+def test_unknown_multi_stack_and_unknown_service_names_are_clear(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "o"
+    assert main(["simulate", str(cfg), "--stack", "sealm", "--out", str(out)]) != 0
+    bad = _cfg(tmp_path, "")
+    text = bad.read_text().replace("format: jsonl}", "format: jsonl, models: [chat, nope]}")
+    bad.write_text(text)
+    from fleetserve.config import load_config
+
+    with pytest.raises(FleetserveError, match="nope"):
+        build_workload(config_from_dict(load_config(bad)))
