@@ -179,3 +179,25 @@ def test_replacement_needs_a_replanner() -> None:
         MultiSimulator(
             MultiConfig(n_gpus=2), svc, PLAN_A, [], replacement=ReplacementConfig(), replanner=None
         )
+
+
+def test_moved_requests_whose_kv_no_longer_fits_are_recomputed() -> None:
+    # plan B squeezes both 7B services onto one 40 GB GPU: ~8 GB of KV left,
+    # less than the running requests of both held before the switch
+    svc = services(("a", "llama-2-7b", 6.0), ("b", "llama-2-7b", 6.0))
+    reqs = workload({"a": 6.0, "b": 6.0}, 20.0, 5, 2000, 600)
+    squeeze = PlacementPlan((GroupPlacement((0,), 1, ("a", "b")),), 2)
+    cfg = MultiConfig(gpu="a100-40gb", n_gpus=2, scheduler="fcfs", check_integrity=True)
+    sim = MultiSimulator(
+        cfg,
+        svc,
+        PLAN_A,
+        reqs,
+        replacement=ReplacementConfig(initial_interval_s=8.0, min_interval_s=3.0),
+        replanner=Alternate([squeeze, squeeze]),
+        initial_estimate=0.9,
+    )
+    res = sim.run()
+    assert sim.recomputed_after_move > 0
+    assert all(r.status == "finished" and r.generated == r.output_tokens for r in res.records)
+    assert sum(r.preemptions for r in res.records) >= sim.recomputed_after_move
