@@ -235,15 +235,91 @@ def _claims_table(report: dict[str, Any]) -> Table:
     return t
 
 
+def _rows_table(spec: dict[str, Any]) -> Table:
+    """A rich table from ``{"title", "columns", "rows"}`` (a multi-LLM report's ``table``)."""
+    t = Table(title=spec["title"])
+    for i, col in enumerate(spec["columns"]):
+        t.add_column(col, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for row in spec["rows"]:
+        t.add_row(*row)
+    return t
+
+
+def _run_specs(
+    console: Console, specs: list[Any], jobs: int, show: bool
+) -> tuple[float, list[Any]]:
+    """Run a grid with progress bars; ``(wall seconds, failed outcomes)``."""
+    from fleetserve.experiments.progress import grid_progress
+    from fleetserve.experiments.runner import run_grid
+
+    t0 = time.perf_counter()
+    if show:
+        with grid_progress(console, len(specs)) as listener:
+            outcomes = run_grid(specs, jobs, listener)
+    else:
+        outcomes = run_grid(specs, jobs)
+    return time.perf_counter() - t0, [o for o in outcomes if o.error is not None]
+
+
+def _report_failures(failed: Sequence[Any]) -> int:
+    if not failed:
+        return 0
+    err = Console(stderr=True)
+    for o in failed:
+        err.print(
+            f"[bold red]failed:[/] {o.key}: {o.error} (see {o.out_dir / 'error.txt'})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return 1
+
+
+def _reproduce_multi(
+    args: argparse.Namespace,
+    console: Console,
+    jobs: int,
+    stacks: list[str] | None,
+    out: Path,
+) -> int:
+    """``fleetserve reproduce seallm|muxserve``."""
+    from fleetserve.experiments.multi_llm import Mode, get_experiment, plan
+    from fleetserve.experiments.multi_llm_report import write_report
+
+    exp = get_experiment(args.experiment)
+    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
+    wall: float | None = None
+    failed: list[Any] = []
+    if args.report_only:
+        if not (out / "runs").is_dir():
+            raise FleetserveError(
+                f"{out}: no runs/ folder to report on (run without --report-only)"
+            )
+    else:
+        exp, specs = plan(exp.name, out, mode, stacks)
+        sizes = mode.sizes(exp)
+        console.print(
+            f"{exp.name} ({mode.name}): {len(specs)} runs, {sizes.duration_s:g} s each after "
+            f"a {sizes.history_s:g} s history, {jobs} jobs",
+            highlight=False,
+        )
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+    files, report = write_report(out, exp, mode, wall_s=wall, jobs=jobs)
+    console.print(_rows_table(report["table"]))
+    console.print(_claims_table(report))
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    took = f" in {wall:.1f} s" if wall is not None else ""
+    console.print(
+        f"{exp.name} {report['mode']['name']} run{took}; results in [bold]{out}[/] "
+        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
+    )
+    return _report_failures(failed)
+
+
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from fleetserve.experiments import check_experiment
 
     check_experiment(args.experiment)
-    from fleetserve.experiments.mell import Mode, plan_mell
-    from fleetserve.experiments.mell_report import write_report
-    from fleetserve.experiments.progress import grid_progress
-    from fleetserve.experiments.runner import run_grid
-
     if not args.scale > 0:
         raise FleetserveError(f"--scale must be positive, got {args.scale}")
     jobs = args.jobs if args.jobs is not None else _default_jobs()
@@ -252,8 +328,14 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     stacks = None
     if args.stacks is not None:
         stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
-    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
     out = Path(args.out)
+    if args.experiment != "mell":
+        return _reproduce_multi(args, console, jobs, stacks, out)
+
+    from fleetserve.experiments.mell import Mode, plan_mell
+    from fleetserve.experiments.mell_report import write_report
+
+    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
     wall: float | None = None
     failed: list[Any] = []
     if args.report_only:
@@ -267,14 +349,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
             f"mell ({mode.name}): {len(specs)} runs, arrivals in the first "
             f"{mode.window_s:g} s of each workload, {jobs} jobs"
         )
-        t0 = time.perf_counter()
-        if args.no_progress:
-            outcomes = run_grid(specs, jobs)
-        else:
-            with grid_progress(console, len(specs)) as listener:
-                outcomes = run_grid(specs, jobs, listener)
-        wall = time.perf_counter() - t0
-        failed = [o for o in outcomes if o.error is not None]
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs)
     console.print(_reproduce_table(report))
     console.print(_claims_table(report))
@@ -285,16 +360,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         f"{report['mode']['name']} run{took}; results in [bold]{out}[/] "
         f"({', '.join(p.name for p in files)}; runs/ holds every run)"
     )
-    if failed:
-        err = Console(stderr=True)
-        for o in failed:
-            err.print(
-                f"[bold red]failed:[/] {o.key}: {o.error} (see {o.out_dir / 'error.txt'})",
-                highlight=False,
-                soft_wrap=True,
-            )
-        return 1
-    return 0
+    return _report_failures(failed)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -437,7 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="simulate one stack on a workload")
     sim.add_argument("config", nargs="?", help="YAML config (optional)")
-    sim.add_argument("--stack", help="policy stack: vllm, bf, wf, ll")
+    sim.add_argument(
+        "--stack",
+        help="policy stack: vllm, bf, wf, ll, llumnix, mell; with services or "
+        "multi.generator in the config (multi-LLM): vllm, alpaserve, muxserve, seallm, "
+        "seallm-fcfs, seallm-mlfq, seallm-noplace, seallm-norepl, muxserve-fcfs, muxserve-rr",
+    )
     _add_sim_flags(sim)
     sim.set_defaults(func=cmd_simulate)
 
@@ -448,13 +519,21 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("reproduce", help="re-run a paper's headline experiment")
-    rep.add_argument("experiment", help="experiment name: mell")
-    rep.add_argument("--quick", action="store_true", help="reduced run (10-minute windows)")
+    rep.add_argument("experiment", help="experiment name: mell, seallm or muxserve")
+    rep.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced run (mell: 10-minute windows; seallm/muxserve: fewer points and "
+        "shorter runs; each under 2 minutes on 2 cores)",
+    )
     rep.add_argument("--out", required=True, help="output folder")
     rep.add_argument("--jobs", type=int, help="parallel simulations (default: CPU count)")
     rep.add_argument(
         "--stacks",
-        help="comma-separated subset, e.g. bf,wf (default: bf,wf,llumnix,mell,mell-nobatch)",
+        help="comma-separated subset, e.g. bf,wf (default: every stack of the experiment; "
+        "mell: bf,wf,llumnix,mell,mell-nobatch; seallm: vllm,alpaserve,muxserve,seallm,"
+        "seallm-fcfs,seallm-mlfq,seallm-noplace,seallm-norepl; muxserve: vllm,alpaserve,"
+        "muxserve,muxserve-rr,muxserve-fcfs)",
     )
     rep.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
     rep.add_argument(
@@ -464,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(give --quick if the runs were quick)",
     )
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
-    # Test-only: multiply the arrival windows (e.g. 0.02 for a seconds-long smoke run).
+    # Test-only: multiply the arrival windows / run lengths (e.g. 0.02 for a seconds-long
+    # smoke run).
     rep.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     rep.set_defaults(func=cmd_reproduce)
 

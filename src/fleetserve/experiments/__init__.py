@@ -7,11 +7,14 @@ a grid of ordinary simulations (each writes a normal result directory through
 reads the run directories back and writes tables, figures and a
 paper-vs-measured check.
 
-=========  ==========================================================
-name       what
-=========  ==========================================================
-``mell``   Mell §VIII, Figs. 11-15 (:mod:`fleetserve.experiments.mell`)
-=========  ==========================================================
+============  ==========================================================
+name          what
+============  ==========================================================
+``mell``      Mell §VIII, Figs. 11-15 (:mod:`fleetserve.experiments.mell`)
+``seallm``    SeaLLM §6, Figs. 6-8 and 10 (:mod:`fleetserve.experiments.multi_llm`)
+``muxserve``  MuxServe §5, Fig. 5 and the ADBS ablation
+              (:mod:`fleetserve.experiments.multi_llm`)
+============  ==========================================================
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from fleetserve.errors import UnknownNameError
 
 EXPERIMENTS: dict[str, str] = {
     "mell": "Mell §VIII: GPUs, migrations, batching and KV utilization of bf/wf/llumnix/mell",
+    "seallm": "SeaLLM §6: latency, P99, SLO attainment, TTFT/TPOT of multi-LLM stacks "
+    "and SeaLLM's ablations over the request rate",
+    "muxserve": "MuxServe §5: aggregated throughput and SLO attainment of spatial, temporal "
+    "and MuxServe over the popularity skew; ADBS vs round-robin vs FCFS",
 }
 """Experiment name → one-line description."""
 
