@@ -9,9 +9,17 @@ Poisson arrivals at ``--rate`` req/s in total (services drawn uniformly),
 lengths sampled from the ShareGPT length file in ``../shared/data`` (seeded).
 SeaLLM evaluates every candidate by simulating it on that history with the
 DB scheduler and merged KV blocks, one process per TP size (at most the
-CPUs). Reported: wall time of each search, simulations run, the chosen plan.
+CPUs). Reported: wall time of each search (the whole ``seallm_place`` call,
+processes included), the chosen plan, and per TP size (stage 1: groups;
+stage 2: the greedy loop's plan evaluations, the components simulated --
+cache misses -- out of those looked up, and the simulations' wall time,
+total and mean; with several processes these run in parallel).
 
-Run: ``.venv/bin/python benchmarks/placement_search.py [--gpus 32,64,128]``.
+``--max-services 2`` is SeaLLM's evaluation setting (§6.1: at most two
+services per engine); the default places without that limit.
+
+Run: ``.venv/bin/python benchmarks/placement_search.py [--gpus 32,64,128]
+[--max-services 2] [--processes N]``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import numpy as np
 from fleetserve.costmodel import CostModel
 from fleetserve.policy.groups import Service
 from fleetserve.policy.muxserve_placement import muxserve_place
-from fleetserve.policy.seallm_placement import seallm_place
+from fleetserve.policy.seallm_placement import Candidate, seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig
 from fleetserve.spec import get_gpu, get_model
@@ -65,19 +73,47 @@ def workload(seconds: float, rate: float, seed: int) -> tuple[dict[str, Service]
     return services, reqs
 
 
+def stage_lines(c: Candidate) -> str:
+    """One candidate: stage 1 (groups) and stage 2 (evaluations, simulations)."""
+    nl = "-" if c.norm_latency is None else f"{c.norm_latency:.2f}"
+    line = (
+        f"  tp {c.tp}: {len(c.plan.groups)} groups, SLO attainment "
+        f"{c.slo_attainment:.3f}, norm. latency {nl}, {c.evaluations} evaluations"
+    )
+    k = c.counters
+    if k:
+        sims, looks = int(k["simulations"]), int(k["lookups"])
+        hit = 1 - sims / looks if looks else 0.0
+        mean = k["sim_s"] / sims if sims else 0.0
+        line += (
+            f"\n         {sims} simulations of {looks} components looked up "
+            f"(cache hits {hit:.0%}), {k['sim_s']:.1f} s simulating, "
+            f"{mean:.2f} s and {k['sim_requests'] / max(sims, 1):.0f} requests each"
+        )
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", default="32,64,128")
     ap.add_argument("--seconds", type=float, default=60.0, help="history length")
     ap.add_argument("--rate", type=float, default=20.0, help="total req/s of the history")
     ap.add_argument("--processes", type=int, default=None)
+    ap.add_argument(
+        "--max-services",
+        type=int,
+        default=None,
+        help="services per group at most (SeaLLM's evaluation: 2; default: no limit)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     gpu = get_gpu("a800-80gb")
     services, reqs = workload(args.seconds, args.rate, args.seed)
+    limit = "no limit" if args.max_services is None else f"at most {args.max_services}"
     print(
         f"placement search: 16 services ({', '.join(MODELS)} x4), {len(reqs)} requests "
-        f"in a {args.seconds:.0f} s history at {args.rate} req/s, {gpu.name}"
+        f"in a {args.seconds:.0f} s history at {args.rate} req/s, {gpu.name}, "
+        f"services per group: {limit}, processes: {args.processes or 'default'}"
     )
     for n in (int(x) for x in args.gpus.split(",")):
         t0 = time.perf_counter()
@@ -86,18 +122,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = MultiConfig(gpu=gpu.name, n_gpus=n, scheduler="db", layout="merged")
         ev = PlanEvaluator(cfg, services, reqs)
         t0 = time.perf_counter()
-        plan, cands = seallm_place(list(services.values()), n, gpu, ev, processes=args.processes)
+        plan, cands = seallm_place(
+            list(services.values()),
+            n,
+            gpu,
+            ev,
+            processes=args.processes,
+            max_services=args.max_services,
+        )
         t_sea = time.perf_counter() - t0
         verdict = "" if n != 32 else f"  target < 60 s: {'MET' if t_sea < 60 else 'MISSED'}"
         print(f"\n{n} GPUs: SeaLLM search {t_sea:.1f} s{verdict}; MuxServe greedy {t_mux:.2f} s")
-        for c in sorted(cands, key=lambda c: c.tp):
-            nl = "-" if c.norm_latency is None else f"{c.norm_latency:.2f}"
-            print(
-                f"  tp {c.tp}: {len(c.plan.groups)} groups, SLO attainment "
-                f"{c.slo_attainment:.3f}, norm. latency {nl}, {c.evaluations} evaluations"
-            )
+        by_tp = {c.tp: c for c in cands}
+        tp = 1
+        while tp <= min(gpu.gpus_per_node, n):
+            c = by_tp.get(tp)
+            print(stage_lines(c) if c else f"  tp {tp}: no candidate (not every service placed)")
+            tp *= 2
         print(f"  chosen: {plan.note}")
         print(f"  MuxServe: {mux.note}")
+        sys.stdout.flush()
     return 0
 
 

@@ -470,3 +470,103 @@ def test_shrink_gives_back_the_tail_blocks_exactly(layout_name: str) -> None:
     grown.check_integrity()
     with pytest.raises(ValueError):
         fresh.shrink(1, -1)
+
+
+# --- merged: the bulk paths equal the one-slot-at-a-time algorithm ------------
+
+
+class _OneSlotMerged:
+    """The merged layout's slot assignment one token-block at a time (the
+    algorithm of the module docstring, written plainly): a new block takes
+    the first free slot (last of its free list) of the model's oldest partly
+    used physical block, else a physical block from the pool (last returned
+    first, then never used ones); a request's last blocks are given back in
+    table order."""
+
+    def __init__(self, layout: MergedLayout) -> None:
+        self.bs = layout.block_size
+        self.k = {m: layout.slots_per_block(m) for m in layout.models}
+        self.recycled: list[int] = []
+        self.fresh = 0
+        self.free: dict[int, list[int]] = {}
+        self.partial: dict[str, dict[int, None]] = {m: {} for m in layout.models}
+        self.table: dict[int, list[tuple[int, int]]] = {}
+        self.model: dict[int, str] = {}
+
+    def grow(self, rid: int, model: str, tokens: int) -> None:
+        self.model.setdefault(rid, model)
+        table = self.table.setdefault(rid, [])
+        k = self.k[model]
+        for _ in range(-(-tokens // self.bs) - len(table)):
+            partial = self.partial[model]
+            if partial:
+                pid = next(iter(partial))
+            else:
+                pid = self.recycled.pop() if self.recycled else self.fresh
+                self.fresh += pid == self.fresh
+                self.free[pid] = list(range(k - 1, -1, -1))
+                partial[pid] = None
+            table.append((pid, self.free[pid].pop()))
+            if not self.free[pid]:
+                del partial[pid]
+
+    def shrink(self, rid: int, tokens: int) -> None:
+        table = self.table[rid]
+        k = self.k[self.model[rid]]
+        keep = -(-tokens // self.bs)
+        tail = table[keep:]
+        del table[keep:]
+        for pid, slot in tail:
+            self.free[pid].append(slot)
+            if len(self.free[pid]) == k:
+                del self.free[pid]
+                self.partial[self.model[rid]].pop(pid, None)
+                self.recycled.append(pid)
+            elif len(self.free[pid]) == 1:
+                self.partial[self.model[rid]][pid] = None
+
+    def free_rid(self, rid: int) -> None:
+        self.shrink(rid, 0)
+        del self.table[rid], self.model[rid]
+
+
+_mop = st.tuples(
+    st.sampled_from(["grow", "shrink", "free"]),
+    st.integers(0, 7),
+    st.integers(0, 2),
+    st.integers(0, 900),
+)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(_mop, max_size=60), block_size=st.sampled_from([1, 16]))
+def test_merged_bulk_allocation_equals_one_slot_at_a_time(
+    group: str, ops: list[tuple[str, int, int, int]], block_size: int
+) -> None:
+    """Block tables (physical id, second index) of the merged layout's bulk
+    grow/shrink (whole runs of slots, k_m = 1 blocks without free lists)
+    equal assigning one token-block at a time; its one-pass stats equal the
+    generic formulas."""
+    models = GROUPS[group]
+    names = list(models)
+    layout = MergedLayout(24 * TB13 * 16 // block_size + 12345, models, block_size)
+    ref = _OneSlotMerged(layout)
+    for kind, rid, mi, tokens in ops:
+        if kind == "grow":
+            model = ref.model.get(rid, names[mi % len(names)])
+            if layout.can_grow(rid, model, tokens):
+                layout.grow(rid, model, tokens)
+                ref.grow(rid, model, tokens)
+        elif rid in ref.table:
+            if kind == "free":
+                layout.free(rid)
+                ref.free_rid(rid)
+            else:
+                tokens = min(tokens, layout.tokens_of(rid))
+                layout.shrink(rid, tokens)
+                ref.shrink(rid, tokens)
+        for r, table in ref.table.items():
+            assert layout.slots_of(r) == tuple(table)
+        assert layout.stats() == KVLayout.stats(layout)
+        layout.check_integrity()

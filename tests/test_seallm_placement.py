@@ -132,3 +132,109 @@ def test_dedicated_splits_the_pool_by_rate_without_sharing() -> None:
     with pytest.raises(Exception, match="placement"):
         place_services("nope", services, 8, GPU)
     assert place_services("muxserve", services, 8, GPU).n_gpus == 8
+
+
+def test_max_services_caps_every_group() -> None:
+    """SeaLLM's evaluation setting (§6.1): at most two services per engine."""
+    a, b, c = svc("a", "llama-2-7b"), svc("b", "llama-2-7b"), svc("c", "opt-6.7b")
+    assert can_allocate([a], b, 1, GPU, 0.9, 8, max_services=2)
+    assert not can_allocate([a, b], c, 8, GPU, 0.9, 8, max_services=2)
+    assert can_allocate([a, b], c, 8, GPU, 0.9, 8)  # no limit: memory allows it
+    # one group of 8 GPUs cannot host three services two at a time
+    with pytest.raises(ConfigError, match="at most 2 services per group"):
+        group_partition(8, 8, 8, [a, b, c], GPU, 0.9, 8, max_services=2)
+    assert group_partition(8, 8, 8, [a, b, c], GPU, 0.9, 8) == [tuple(range(8))]
+    assert len(group_partition(8, 8, 4, [a, b, c], GPU, 0.9, 8, max_services=2)) == 2
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="max_services"):
+            seallm_allocate([(0,)], [a], 1, GPU, lambda p: {}, max_services=bad)
+
+    services = {
+        "a": svc("a", "llama-2-7b", 3.0),
+        "b": svc("b", "llama-2-7b", 2.0),
+        "c": svc("c", "opt-6.7b", 1.0),
+        "d": svc("d", "llama-2-13b", 0.5),
+    }
+    reqs = history({"a": 3.0, "b": 2.0, "c": 1.0, "d": 0.5}, 10.0)
+    cfg = MultiConfig(gpu="a800-80gb", n_gpus=4, scheduler="db", layout="merged")
+    free, free_cands = seallm_place(
+        list(services.values()), 4, GPU, PlanEvaluator(cfg, services, reqs), processes=1
+    )
+    assert max(len(g.services) for g in free.groups) > 2  # without the cap groups share more
+    plan, cands = seallm_place(
+        list(services.values()),
+        4,
+        GPU,
+        PlanEvaluator(cfg, services, reqs),
+        processes=1,
+        max_services=2,
+    )
+    plan.check(services)
+    for c in cands:
+        assert all(len(g.services) <= 2 for g in c.plan.groups)
+    assert {c.tp for c in cands} <= {1, 2}  # 1 group of 4 cannot host 4 services 2 at a time
+    # None is no limit: the same search as without the argument
+    same, same_cands = seallm_place(
+        list(services.values()),
+        4,
+        GPU,
+        PlanEvaluator(cfg, services, reqs),
+        processes=1,
+        max_services=None,
+    )
+    assert same == free and same_cands == free_cands
+    with pytest.raises(ConfigError, match="max_services"):
+        seallm_place(list(services.values()), 4, GPU, lambda p: {}, max_services=0)
+
+
+def test_parallel_search_equals_serial_and_reports_evaluator_counters() -> None:
+    services = {
+        "a": svc("a", "llama-2-7b", 2.0),
+        "b": svc("b", "llama-2-13b", 1.0),
+        "c": svc("c", "opt-6.7b", 0.5),
+    }
+    reqs = history({"a": 2.0, "b": 1.0, "c": 0.5}, 10.0)
+    cfg = MultiConfig(gpu="a800-80gb", n_gpus=4, scheduler="db", layout="merged")
+    serial = seallm_place(
+        list(services.values()), 4, GPU, PlanEvaluator(cfg, services, reqs), processes=1
+    )
+    parallel = seallm_place(
+        list(services.values()), 4, GPU, PlanEvaluator(cfg, services, reqs), processes=2
+    )
+    assert parallel == serial  # the same plan and candidates, in TP order
+    assert [c.tp for c in serial[1]] == sorted(c.tp for c in serial[1])
+    for c in serial[1]:
+        k = c.counters
+        assert k is not None
+        assert k["evaluations"] == c.evaluations
+        assert 0 < k["simulations"] <= k["lookups"]
+        assert k["sim_s"] > 0 and k["sim_requests"] > 0
+    # an evaluator without counters: none reported
+    ev = PlanEvaluator(cfg, services, reqs)
+    _, cands = seallm_place(list(services.values()), 4, GPU, lambda p: ev(p), processes=1)
+    assert all(c.counters is None for c in cands)
+
+
+def test_evaluator_history_of_a_component_is_sorted_by_arrival_then_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests arriving at the same time with ids out of order: a component
+    simulates its services' requests by (arrival, id), renumbered."""
+    import fleetserve.sim.evaluate as evaluate
+
+    services = {"a": svc("a", "llama-2-7b"), "b": svc("b", "llama-2-7b")}
+    raw = [(1.0, 7, "b"), (1.0, 3, "a"), (0.5, 9, "a"), (1.0, 1, "b"), (2.0, 0, "a")]
+    reqs = [Request(i, m, t, 100, 10) for t, i, m in raw]
+    seen: list[list[tuple[float, str, int]]] = []
+    real = evaluate.MultiSimulator
+
+    def spy(cfg, svcs, plan, rs, **kw):  # type: ignore[no-untyped-def]
+        seen.append([(r.arrival_s, r.model, r.id) for r in rs])
+        return real(cfg, svcs, plan, rs, **kw)
+
+    monkeypatch.setattr(evaluate, "MultiSimulator", spy)
+    ev = PlanEvaluator(MultiConfig(gpu="a800-80gb", n_gpus=1, scheduler="db"), services, reqs)
+    ev(PlacementPlan((GroupPlacement((0,), 1, ("a", "b")),), 1))
+    order = sorted(reqs, key=lambda r: (r.arrival_s, r.id))
+    assert seen == [[(r.arrival_s, r.model, i) for i, r in enumerate(order)]]
+    assert ev.counters()["simulations"] == 1 and ev.counters()["sim_requests"] == 5

@@ -4,6 +4,8 @@ quotas never over-committed, every layout returns all blocks)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -262,3 +264,217 @@ def test_macro_steps_skip_most_iterations_of_a_lone_batch() -> None:
         sim.run()
         n.append(sim.n_events)
     assert n[1] < n[0] / 5
+
+
+# --- DB: the fast scans and deferred job ends equal the plain loops ----------
+
+
+class _PlainDb:
+    """DB as the request-by-request loops of SeaLLM's Algorithm 2 compute it
+    (what :class:`DoublingBudget` must equal exactly, floats included)."""
+
+    def __init__(self, stats: dict[str, ServiceStats], scale: float = 5.0) -> None:
+        self.stats = stats
+        self.limit = {m: scale * st.exec_mean_s for m, st in stats.items()}
+        self.budget: dict[int, float] = {}
+        self.renewals: dict[int, int] = {}
+        self.served: dict[int, float] = {}
+
+    def on_arrival(self, s: _Seq, now: float) -> None:
+        st = self.stats[s.model]
+        self.budget[s.id] = st.exec_mean_s + st.exec_std_s
+        self.renewals[s.id] = 0
+        self.served[s.id] = now
+
+    def key(self, s: _Seq) -> tuple[float, float, int]:
+        st = self.stats[s.model]
+        q = self.budget.get(s.id, st.exec_mean_s + st.exec_std_s)
+        return (q * st.exec_mean_s, s.arrival_s, s.id)
+
+    def on_job_end(self, seqs: list[_Seq], d: float, now: float) -> None:
+        for s in seqs:
+            st = self.stats[s.model]
+            left = self.budget.get(s.id, 0.0) - d
+            if left <= 0.0:
+                k = self.renewals.get(s.id, 0) + 1
+                self.renewals[s.id] = k
+                left = (2**k) * (st.exec_mean_s + st.exec_std_s)
+            self.budget[s.id] = left
+            self.served[s.id] = now
+
+    def on_finish(self, s: _Seq) -> None:
+        for d in (self.budget, self.renewals, self.served):
+            d.pop(s.id, None)
+
+    def schedule(self, state: _State, fits: set[int], now: float) -> tuple[object, ...]:
+        best = worst = None
+        for m in state.models:
+            for phase, seqs in ((PREFILL, state.waiting(m)), (DECODE, state.ready(m))):
+                for s in seqs:
+                    k = self.key(s)
+                    if best is None or k < best[0]:
+                        best = (k, m, phase)
+                    over = now - self.served.get(s.id, s.arrival_s) - self.limit[m]
+                    if over > 0 and (worst is None or over > worst[0]):
+                        worst = (over, m, phase)
+        if best is None:
+            return ()
+        m, phase = (worst[1], worst[2]) if worst is not None else (best[1], best[2])
+        if phase == PREFILL:
+            got = []
+            for s in sorted(state.waiting(m), key=self.key):
+                if s.id not in fits:
+                    break
+                got.append(s.id)
+            if got:
+                return (m, PREFILL, tuple(got))
+            cands = [(self.key(s), mm) for mm in state.models for s in state.ready(mm)]
+            if not cands:
+                return ()
+            _, m = min(cands)
+        return (m, DECODE, tuple(s.id for s in sorted(state.ready(m), key=self.key)))
+
+    def stable(self, state: _State, batch: list[_Seq], ends: list[float], now: float) -> int:
+        from bisect import bisect_left, bisect_right
+
+        n = len(ends)
+        if n <= 1:
+            return n
+        inside = {s.id for s in batch}
+        every = [s for m in state.models for q in (state.waiting(m), state.ready(m)) for s in q]
+        best = min((self.key(s) for s in every), default=None)
+        if best is None or best[2] not in inside:
+            return 1
+        cum = [t - now for t in ends]
+        k = n
+        for s in batch:
+            if s.id not in self.budget:
+                return 1
+            k = min(k, bisect_left(cum, self.budget[s.id]) + 1)
+        t_starve = min(
+            (
+                self.served.get(s.id, s.arrival_s) + self.limit[s.model]
+                for s in every
+                if s.id not in inside
+            ),
+            default=math.inf,
+        )
+        if t_starve < math.inf:
+            k = min(k, max(1, bisect_right([now, *ends[:-1]], t_starve)))
+        return max(1, min(k, n))
+
+
+class _Seq:
+    def __init__(self, i: int, model: str, t: float) -> None:
+        self.id, self.model, self.arrival_s = i, model, t
+        self.prompt_tokens, self.generated = 100, 0
+
+
+class _State:
+    def __init__(self, models: list[str]) -> None:
+        self.models = models
+        self.queued: dict[str, list[_Seq]] = {m: [] for m in models}
+        self.running: dict[str, list[_Seq]] = {m: [] for m in models}
+
+    def waiting(self, m: str) -> list[_Seq]:
+        return self.queued[m]
+
+    def ready(self, m: str) -> list[_Seq]:
+        return list(self.running[m])
+
+
+class _Budget:
+    def __init__(self, fits: set[int]) -> None:
+        self.ok = fits
+        self.taken: list[int] = []
+
+    def fits(self, s: _Seq) -> bool:
+        return s.id in self.ok
+
+    def take(self, s: _Seq) -> None:
+        self.taken.append(s.id)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_db_fast_paths_equal_the_plain_loops(seed: int) -> None:
+    """Random arrivals, prefills, decode steps (one at a time and as macro
+    runs), finishes and preemptions on a fake group: DB's jobs, stable
+    iterations, victims and priorities equal the plain per-request loops'."""
+    rng = np.random.default_rng(seed)
+    models = ["a", "b", "c"][: 1 + seed % 3]
+    stats = {
+        m: ServiceStats(1.0, float(rng.uniform(0.2, 3.0)), float(rng.uniform(0, 1)), 1)
+        for m in models
+    }
+    db, ref = DoublingBudget(), _PlainDb(stats)
+    db.setup(stats, 1 << 30)
+    state = _State(models)
+    now, nid = 0.0, 0
+    tick = (0.3, 0.03, 0.003, 0.05)[seed % 4]  # from starving to never starving
+    for _ in range(400):
+        now += float(rng.exponential(tick))
+        op = rng.random()
+        if op < 0.25:  # arrival
+            s = _Seq(nid, models[int(rng.integers(len(models)))], now)
+            nid += 1
+            state.queued[s.model].append(s)
+            db.on_arrival(s, now)
+            ref.on_arrival(s, now)
+        elif op < 0.35:  # a prefill of some queued requests
+            m = models[int(rng.integers(len(models)))]
+            q = state.queued[m]
+            took = [s for s in q if rng.random() < 0.5]
+            for s in took:
+                q.remove(s)
+                state.running[m].append(s)
+            d = float(rng.exponential(0.5))
+            db.on_job_end(None, took, d, now)  # type: ignore[arg-type]
+            ref.on_job_end(took, d, now)
+        elif op < 0.75:  # decode steps of one service's running requests
+            m = models[int(rng.integers(len(models)))]
+            batch = list(state.running[m])
+            steps = [float(x) for x in rng.exponential(tick, int(rng.integers(1, 40)))]
+            if rng.random() < 0.5:
+                for d in steps:
+                    now += d
+                    db.on_job_end(None, batch, d, now)  # type: ignore[arg-type]
+                    ref.on_job_end(batch, d, now)
+            else:  # the batch form: ends of consecutive iterations
+                ends = list(np.cumsum([now, *steps])[1:])
+                db.on_job_ends(None, batch, ends, now)  # type: ignore[arg-type]
+                prev = now
+                for t in ends:
+                    ref.on_job_end(batch, float(t) - prev, float(t))
+                    prev = float(t)
+                now = float(ends[-1])
+        elif op < 0.85:  # a finish
+            m = models[int(rng.integers(len(models)))]
+            if state.running[m]:
+                s = state.running[m].pop(int(rng.integers(len(state.running[m]))))
+                db.on_finish(s)
+                ref.on_finish(s)
+        else:  # a preemption: DB names the victim, it goes back to the queue head
+            m = models[int(rng.integers(len(models)))]
+            if state.running[m]:
+                v = db.victim(state, m, state.running[m])  # type: ignore[arg-type]
+                assert v is max(state.running[m], key=ref.key)
+                state.running[m].remove(v)  # type: ignore[arg-type]
+                state.queued[m].insert(0, v)  # type: ignore[arg-type]
+        fits = {s.id for q in state.queued.values() for s in q if rng.random() < 0.6}
+        budget = _Budget(fits)
+        jobs = db.schedule(state, budget, now)  # type: ignore[arg-type]
+        want = ref.schedule(state, fits, now)
+        got = (jobs[0].model, jobs[0].phase, jobs[0].seqs) if jobs else ()
+        assert got == want
+        if want and want[1] == PREFILL:
+            assert tuple(budget.taken) == want[2]
+        if want and want[1] == DECODE:
+            m = str(want[0])
+            batch = list(state.running[m])
+            ends = list(np.cumsum([now, *rng.exponential(tick / 5, int(rng.integers(1, 60)))])[1:])
+            assert db.stable_iterations(state, m, batch, ends, now) == ref.stable(  # type: ignore[arg-type]
+                state, batch, ends, now
+            )
+        for q in (*state.queued.values(), *state.running.values()):
+            for s in q:
+                assert db.priority(s) == ref.key(s)[0]  # type: ignore[arg-type]

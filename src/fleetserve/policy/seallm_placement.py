@@ -33,6 +33,11 @@ Choices where the paper leaves details open (documented and tested):
   usage"): with the service added, the group's KV memory (after every member's
   weights) must hold ``min_kv_requests`` requests of mean length of every
   member, and a service is never twice in one group.
+* *Services per group*: ``max_services`` (default None: no limit) caps how
+  many services one group may host. SeaLLM's evaluation (§6.1) shares "at
+  most two LLM services per local engine because of the GPU memory
+  limitation": ``max_services=2`` is that setting. With a cap, a TP size
+  whose groups cannot host every service within it has no candidate.
 * Constraint (3) of SeaLLM's problem (every service placed) is kept by a
   look-ahead the paper does not spell out: an allocation is skipped when it
   would leave some unplaced service no room at all (checked by first-fit),
@@ -48,7 +53,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
@@ -97,6 +102,15 @@ class Candidate:
     slo_attainment: float
     norm_latency: float | None
     evaluations: int
+    counters: Mapping[str, float] | None = field(default=None, compare=False)
+    """The evaluator's counters over this TP size's search (what its
+    ``counters()`` reports, e.g. simulations run and their seconds; None when
+    it has none). Diagnostics only: not part of the result."""
+
+
+def _check_max_services(max_services: int | None) -> None:
+    if max_services is not None and (isinstance(max_services, bool) or max_services < 1):
+        raise ConfigError(f"max_services must be None or >= 1, got {max_services!r}")
 
 
 def can_allocate(
@@ -106,8 +120,12 @@ def can_allocate(
     gpu: GpuSpec,
     mem_util: float,
     min_kv_requests: int,
+    max_services: int | None = None,
 ) -> bool:
-    """Whether a group of ``tp`` GPUs holding ``members`` can also take ``svc``."""
+    """Whether a group of ``tp`` GPUs holding ``members`` can also take ``svc``
+    (at most ``max_services`` services per group; None: no limit)."""
+    if max_services is not None and len(members) >= max_services:
+        return False
     if any(m.name == svc.name for m in members):
         return False
     svcs = [*members, svc]
@@ -126,13 +144,17 @@ def group_partition(
     gpu: GpuSpec,
     mem_util: float,
     min_kv_requests: int,
+    max_services: int | None = None,
 ) -> list[tuple[int, ...]]:
-    """Stage 1: equal groups of ``tp`` GPUs, merged pairwise until the largest
-    service fits one (node-aligned; a group never spans nodes).
+    """Stage 1: equal groups of ``tp`` GPUs, merged pairwise until every
+    service can be placed at once (node-aligned; a group never spans nodes),
+    with at most ``max_services`` services per group (None: no limit).
 
     Raises:
-        ConfigError: some service fits no group even after merging up to a node.
+        ConfigError: some service fits no group even after merging up to a
+            node, or the groups cannot host every service (``max_services``).
     """
+    _check_max_services(max_services)
     groups: list[tuple[int, ...]] = []
     for start in range(0, n_gpus, gpus_per_node):
         node = list(range(start, min(start + gpus_per_node, n_gpus)))
@@ -153,7 +175,9 @@ def group_partition(
         order = sorted(range(len(groups)), key=lambda i: (len(groups[i]), i))
         for svc in big_first:
             for i in order:
-                if can_allocate(members[i], svc, len(groups[i]), gpu, mem_util, min_kv_requests):
+                if can_allocate(
+                    members[i], svc, len(groups[i]), gpu, mem_util, min_kv_requests, max_services
+                ):
                     members[i].append(svc)
                     break
             else:
@@ -175,6 +199,12 @@ def group_partition(
                 break
         if not merged:
             worst = next((s for s in services if not fits_somewhere(s)), None)
+            if worst is None and max_services is not None:
+                raise ConfigError(
+                    f"{len(services)} services cannot all be placed at once on "
+                    f"{n_gpus} x {gpu.name} with groups of {tp} and at most "
+                    f"{max_services} services per group"
+                )
             if worst is not None:
                 raise ConfigError(
                     f"service {worst.name} ({worst.spec.name}) fits no group of up to "
@@ -220,6 +250,7 @@ def _first_fit(
     gpu: GpuSpec,
     mem_util: float,
     min_kv: int,
+    max_services: int | None = None,
 ) -> bool:
     """Whether ``todo`` can still all be placed next to ``members`` (first-fit,
     largest weights first, smallest group first)."""
@@ -227,7 +258,7 @@ def _first_fit(
     order = sorted(range(len(groups)), key=lambda i: (len(groups[i]), i))
     for svc in sorted(todo, key=lambda s: (-s.spec.weight_bytes, s.name)):
         for i in order:
-            if can_allocate(mem[i], svc, len(groups[i]), gpu, mem_util, min_kv):
+            if can_allocate(mem[i], svc, len(groups[i]), gpu, mem_util, min_kv, max_services):
                 mem[i].append(svc)
                 break
         else:
@@ -245,8 +276,13 @@ def seallm_allocate(
     alpha: float = 1e-4,
     mem_util: float = 0.9,
     min_kv_requests: int = 8,
+    max_services: int | None = None,
 ) -> tuple[PlacementPlan, int]:
-    """Stage 2 on one partition: the greedy loop; returns (plan, evaluations)."""
+    """Stage 2 on one partition: the greedy loop; returns (plan, evaluations).
+
+    ``max_services``: services per group at most (None: no limit).
+    """
+    _check_max_services(max_services)
     by_name = {s.name: s for s in services}
     members: list[list[str]] = [[] for _ in groups]
     evaluations = 0
@@ -269,11 +305,15 @@ def seallm_allocate(
         for i in order:
             ms = [by_name[n] for n in members[i]]
             for svc in by_ui:
-                if not can_allocate(ms, svc, len(groups[i]), gpu, mem_util, min_kv_requests):
+                if not can_allocate(
+                    ms, svc, len(groups[i]), gpu, mem_util, min_kv_requests, max_services
+                ):
                     continue
                 members[i].append(svc.name)
                 unplaced = [x for x in services if x.name not in hosts and x.name != svc.name]
-                if _first_fit(groups, members, unplaced, by_name, gpu, mem_util, min_kv_requests):
+                if _first_fit(
+                    groups, members, unplaced, by_name, gpu, mem_util, min_kv_requests, max_services
+                ):
                     added = True
                     break
                 members[i].pop()  # it would leave some service no room at all
@@ -284,14 +324,22 @@ def seallm_allocate(
     return _plan(groups, members, n_gpus, ""), evaluations
 
 
+def _counters(evaluate: Evaluator) -> dict[str, float] | None:
+    get = getattr(evaluate, "counters", None)
+    return dict(get()) if callable(get) else None
+
+
 def _search_one(
-    args: tuple[int, Sequence[Service], int, GpuSpec, Evaluator, float, float, int],
+    args: tuple[int, Sequence[Service], int, GpuSpec, Evaluator, float, float, int, int | None],
 ) -> Candidate | None:
-    tp, services, n_gpus, gpu, evaluate, alpha, mem_util, min_kv = args
+    tp, services, n_gpus, gpu, evaluate, alpha, mem_util, min_kv, max_services = args
     try:
-        groups = group_partition(n_gpus, gpu.gpus_per_node, tp, services, gpu, mem_util, min_kv)
+        groups = group_partition(
+            n_gpus, gpu.gpus_per_node, tp, services, gpu, mem_util, min_kv, max_services
+        )
     except ConfigError:
         return None
+    before = _counters(evaluate)
     plan, n = seallm_allocate(
         groups,
         services,
@@ -301,13 +349,18 @@ def _search_one(
         alpha=alpha,
         mem_util=mem_util,
         min_kv_requests=min_kv,
+        max_services=max_services,
     )
     placed = {s for g in plan.groups for s in g.services}
     if placed != {s.name for s in services}:
         return None  # some service found no room in this partition
     att, nl = _attainment(evaluate(plan))
+    after = _counters(evaluate)
+    diag = None
+    if before is not None and after is not None:
+        diag = {k: v - before.get(k, 0.0) for k, v in after.items()}
     note = f"seallm: tp {tp}, {len(plan.groups)} groups, SLO {att:.3f}, evaluations {n + 1}"
-    return Candidate(tp, PlacementPlan(plan.groups, n_gpus, note), att, nl, n + 1)
+    return Candidate(tp, PlacementPlan(plan.groups, n_gpus, note), att, nl, n + 1, diag)
 
 
 def seallm_place(
@@ -319,6 +372,7 @@ def seallm_place(
     alpha: float = 1e-4,
     mem_util: float = 0.9,
     min_kv_requests: int = 8,
+    max_services: int | None = None,
     processes: int | None = None,
 ) -> tuple[PlacementPlan, list[Candidate]]:
     """SeaLLM's placement: the best allocation over all TP sizes.
@@ -332,7 +386,12 @@ def seallm_place(
         alpha: weight of normalized latency in the unserved index (1e-4).
         mem_util: share of each GPU's memory the engines may use.
         min_kv_requests: KV room a group must keep per member (see module docstring).
-        processes: parallel searches (default: one per TP size, at most the CPUs).
+        max_services: services one group may host at most (None: no limit, the
+            default). SeaLLM's evaluation setting is 2 (§6.1: "at most two LLM
+            services per local engine because of the GPU memory limitation").
+        processes: parallel searches (default: one per TP size, at most the
+            CPUs); the larger TP sizes, whose groups share among more services
+            and take longer to simulate, start first.
 
     Returns:
         The best plan and every TP size's candidate.
@@ -342,19 +401,21 @@ def seallm_place(
     """
     if not services:
         raise ConfigError("no services to place")
+    _check_max_services(max_services)
     sizes = []
     p = 1
     while p <= min(gpu.gpus_per_node, n_gpus):
         sizes.append(p)
         p *= 2
     jobs = [
-        (tp, list(services), n_gpus, gpu, evaluate, alpha, mem_util, min_kv_requests)
+        (tp, list(services), n_gpus, gpu, evaluate, alpha, mem_util, min_kv_requests, max_services)
         for tp in sizes
     ]
     procs = processes if processes is not None else min(len(jobs), os.cpu_count() or 1)
     if procs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=procs) as ex:
-            found = list(ex.map(_search_one, jobs))
+        # longest first (largest TP) so that the last job to finish is a short one
+        with ProcessPoolExecutor(max_workers=min(procs, len(jobs))) as ex:
+            found = list(ex.map(_search_one, jobs[::-1]))[::-1]
     else:
         found = [_search_one(j) for j in jobs]
     cands = [c for c in found if c is not None]

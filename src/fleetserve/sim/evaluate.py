@@ -13,14 +13,21 @@ no group hosts serves none of its requests: every one is an SLO miss.
 
 Each component simulation stops at ``horizon_factor`` times the history's
 span past its start; requests still unfinished then are misses.
+
+:meth:`PlanEvaluator.counters` reports the work done so far (component
+lookups, simulations run, their wall time): the placement search copies them
+into each candidate (diagnostics only; results never depend on them).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from heapq import merge
 
 from fleetserve.costmodel import CostModel
+from fleetserve.metrics.records import RequestRecord
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
 from fleetserve.policy.seallm_placement import ServiceOutcome
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
@@ -70,9 +77,30 @@ class PlanEvaluator:
         else:
             self.t0, self.horizon = 0.0, 1.0
         self._cache: dict[_Key, dict[str, ServiceOutcome]] = {}
-        self.simulations = 0
+        # each service's requests by (arrival, id): a component's history merges them
+        self._ordered = {
+            s: sorted(rs, key=lambda r: (r.arrival_s, r.id)) for s, rs in self.by_service.items()
+        }
+        self.evaluations = 0  # plans evaluated
+        self.simulations = 0  # components simulated (cache misses)
+        self.lookups = 0  # components looked up (hits + misses)
+        self.sim_seconds = 0.0  # wall time of the simulations
+        self.sim_requests = 0  # requests simulated, over all simulations
+
+    def counters(self) -> dict[str, float]:
+        """Work so far (totals): ``evaluations`` (plans), ``lookups``
+        (components), ``simulations`` (cache misses), ``sim_s`` (their wall
+        time) and ``sim_requests`` (requests they simulated)."""
+        return {
+            "evaluations": self.evaluations,
+            "lookups": self.lookups,
+            "simulations": self.simulations,
+            "sim_s": self.sim_seconds,
+            "sim_requests": self.sim_requests,
+        }
 
     def __call__(self, plan: PlacementPlan) -> dict[str, ServiceOutcome]:
+        self.evaluations += 1
         out: dict[str, ServiceOutcome] = {}
         for comp in self._components(plan.groups):
             out.update(self._component(comp))
@@ -103,6 +131,7 @@ class PlanEvaluator:
 
     def _component(self, groups: list[GroupPlacement]) -> dict[str, ServiceOutcome]:
         key: _Key = tuple(sorted((g.gpus, g.tp, tuple(sorted(g.services))) for g in groups))
+        self.lookups += 1
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -113,20 +142,31 @@ class PlanEvaluator:
         for g in groups:
             local.append(GroupPlacement(tuple(range(n, n + len(g.gpus))), g.tp, g.services))
             n += len(g.gpus)
-        reqs = sorted(
-            (r for s in names for r in self.by_service[s]), key=lambda r: (r.arrival_s, r.id)
-        )
-        reqs = [replace(r, id=i) for i, r in enumerate(reqs)]
+        # the services' requests by (arrival, id), as sorting them all would
+        # (merge keeps the order of its inputs on ties, as a stable sort does)
+        reqs = [
+            replace(r, id=i)
+            for i, r in enumerate(
+                merge(*(self._ordered[s] for s in names), key=lambda r: (r.arrival_s, r.id))
+            )
+        ]
         cfg = replace(self.cfg, n_gpus=n, max_time_s=self.t0 + self.horizon, check_integrity=False)
         svcs = {s: self.services[s] for s in names}
         sim = MultiSimulator(
             cfg, svcs, PlacementPlan(tuple(local), n), reqs, cost_model=self.cost_model
         )
+        t0 = time.perf_counter()
         res = sim.run()
+        dt = time.perf_counter() - t0
         self.simulations += 1
+        self.sim_seconds += dt
+        self.sim_requests += len(reqs)
+        by_model: dict[str, list[RequestRecord]] = {s: [] for s in names}
+        for rec in res.records:
+            by_model[rec.model].append(rec)
         out: dict[str, ServiceOutcome] = {}
         for s in names:
-            recs = [r for r in res.records if r.model == s]
+            recs = by_model[s]
             fin = [r for r in recs if r.status == "finished" and r.finish_s is not None]
             ok = sum(
                 1

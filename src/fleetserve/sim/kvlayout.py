@@ -89,9 +89,11 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -236,6 +238,12 @@ class KVLayout(ABC):
             )
 
     def _check_grow_args(self, rid: int, model: str, tokens: int) -> None:
+        # fast path (every decode step of the simulator comes here): a plain
+        # int, a known service, the request's own or a new one
+        if type(tokens) is int and tokens >= 0 and model in self._models:
+            owner = self._rmodel.get(rid)
+            if owner is None or owner == model:
+                return
         self._check_model(model)
         if not _is_int(tokens) or tokens < 0:
             raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
@@ -667,7 +675,9 @@ class MergedLayout(KVLayout):
         self._recycled: list[int] = []  # returned physical ids (stack)
         self._next_fresh = 0  # ids >= this were never handed out
         self._owner: dict[int, str] = {}
-        self._slot_free: dict[int, list[int]] = {}  # owned pid -> free second indices
+        # owned pid -> its free second indices; only blocks of models with
+        # k_m > 1 (a block of k_m = 1 is full from its first use on)
+        self._slot_free: dict[int, list[int]] = {}
         # per model: owned pids with a free slot, oldest first (dict as ordered set)
         self._partial: dict[str, dict[int, None]] = {m: {} for m in self._models}
         self._free_slots: dict[str, int] = dict.fromkeys(self._models, 0)
@@ -757,6 +767,27 @@ class MergedLayout(KVLayout):
     def _reclaimable_bytes(self) -> int:
         return self.free_bytes() + sum(n * self._tb[m] for m, n in self._free_slots.items())
 
+    def stats(self) -> LayoutStats:
+        """As :meth:`KVLayout.stats` (the same integers), computed in one pass
+        (the simulator samples every group every second)."""
+        free = (len(self._recycled) + self._num_phys - self._next_fresh) * self._pbytes
+        used = self._num_phys * self._pbytes - free
+        valid = sum(t * self._kvb[m] for m, t in self._mtokens.items())
+        slots = [n * self._tb[m] for m, n in self._free_slots.items()]
+        return LayoutStats(
+            layout=self.name,
+            capacity_bytes=self._capacity,
+            used_bytes=used,
+            valid_bytes=valid,
+            free_bytes=free,
+            unusable_bytes=self._capacity - self._num_phys * self._pbytes,
+            requests=len(self._rmodel),
+            table_entries=sum(self._mblocks.values()),
+            internal_frag=(used - valid) / used if used else 0.0,
+            # reclaimable (free + every model's free slots) - the least free_bytes_for
+            stranded_bytes=(free + sum(slots)) - (free + min(slots)),
+        )
+
     def _fit_detail(self, model: str) -> str:
         return f"; physical blocks are {self._pbytes} bytes"
 
@@ -776,24 +807,49 @@ class MergedLayout(KVLayout):
         table = self._table.get(rid)
         if table is None:
             table = self._table[rid] = []
-        partial = self._partial[model]
         k = self._k[model]
-        for _ in range(add):
+        slot_free = self._slot_free
+        owner = self._owner
+        if k == 1:
+            # one slot per physical block: every new token-block takes a whole
+            # block (recycled ones first, last returned first), which is full
+            # at once, so the model never has a partly used block
+            recycled = self._recycled
+            n = min(add, len(recycled))
+            pids: list[int] = []
+            if n:
+                pids = recycled[-n:]
+                pids.reverse()
+                del recycled[-n:]
+            if add > n:
+                fresh = self._next_fresh
+                pids.extend(range(fresh, fresh + add - n))
+                self._next_fresh = fresh + add - n
+            owner.update(dict.fromkeys(pids, model))
+            table.extend(zip(pids, repeat(0)))
+            self._owned[model] += add
+            return
+        partial = self._partial[model]
+        left = add
+        while left:
             if partial:
-                pid = next(iter(partial))
+                pid = next(iter(partial))  # the oldest partly used block
+                free = slot_free[pid]
             else:
                 if self._recycled:
                     pid = self._recycled.pop()
                 else:
                     pid = self._next_fresh
                     self._next_fresh += 1
-                self._owner[pid] = model
-                self._slot_free[pid] = list(range(k - 1, -1, -1))
+                owner[pid] = model
+                free = slot_free[pid] = list(range(k - 1, -1, -1))
                 self._owned[model] += 1
                 self._free_slots[model] += k
                 partial[pid] = None
-            free = self._slot_free[pid]
-            table.append((pid, free.pop()))
+            # its free slots, last first (as popping them one by one does)
+            take = min(left, len(free))
+            table.extend([(pid, free.pop()) for _ in range(take)])
+            left -= take
             if not free:
                 del partial[pid]
         self._free_slots[model] -= add
@@ -805,16 +861,24 @@ class MergedLayout(KVLayout):
         del table[cut:]
         if not table:
             self._table.pop(rid, None)
-        partial = self._partial[model]
         k = self._k[model]
+        slot_free = self._slot_free
+        owner = self._owner
+        if k == 1:  # every slot is a whole block: each goes back to the pool
+            pids = list(map(itemgetter(0), tail))
+            deque(map(owner.__delitem__, pids), maxlen=0)
+            self._recycled.extend(pids)
+            self._owned[model] -= len(tail)
+            return len(tail) * self._pbytes
+        partial = self._partial[model]
         returned = 0
         for pid, slot in tail:
-            free = self._slot_free[pid]
+            free = slot_free[pid]
             free.append(slot)
             n = len(free)
             if n == k:
-                del self._slot_free[pid]
-                del self._owner[pid]
+                del slot_free[pid]
+                del owner[pid]
                 partial.pop(pid, None)
                 self._recycled.append(pid)
                 returned += 1
@@ -837,7 +901,10 @@ class MergedLayout(KVLayout):
             len(recycled) + len(self._owner) == self._next_fresh,
             "a handed-out physical block is neither free nor owned",
         )
-        _require(self._owner.keys() == self._slot_free.keys(), "owner and slot maps disagree")
+        _require(
+            self._slot_free.keys() == {p for p, m in self._owner.items() if self._k[m] > 1},
+            "owner and slot maps disagree",
+        )
         _require(Counter(self._owner.values()) == +Counter(self._owned), "owned-count mismatch")
         used: dict[int, set[int]] = {p: set() for p in self._owner}
         _require(self._table.keys() <= self._rmodel.keys(), "block table of an unknown request")
@@ -851,7 +918,7 @@ class MergedLayout(KVLayout):
                 used[pid].add(slot)
         free_slots: Counter[str] = Counter()
         for pid, m in self._owner.items():
-            free = self._slot_free[pid]
+            free = self._slot_free.get(pid, [])
             k = self._k[m]
             _require(len(set(free)) == len(free), f"block {pid}: duplicate free slot")
             _require(
