@@ -12,7 +12,6 @@ each claim of the paper. A missing stack gives None (and ``n/a`` in claims).
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from fleetserve.experiments.mell import (
     run_config,
     run_dir,
 )
+from fleetserve.experiments.report_common import config_mismatch
 
 Key = tuple[str, str, str]
 """``(hardware, workload, stack)``."""
@@ -46,29 +46,10 @@ _CAPPED = re.compile(r"(\d+) of (\d+) requests capped")
 # --------------------------------------------------------------------------- collect
 
 
-def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _matches(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str | None:
-    """None when ``actual`` (a summary's config) has every expected leaf, else the first diff."""
-    got = _leaves(actual)
-    for key, want in _leaves(expected).items():
-        have = got.get(key)
-        if key == "workload.trace":
-            want, have = Path(str(want)).name, Path(str(have)).name if have else None
-        if isinstance(want, float) and isinstance(have, int | float):
-            if not math.isclose(want, float(have), rel_tol=1e-9):
-                return f"{key}={have!r}, expected {want!r}"
-        elif want != have:
-            return f"{key}={have!r}, expected {want!r}"
-    return None
+def _trace_name(key: str, want: Any, have: Any) -> tuple[Any, Any]:
+    if key == "workload.trace":  # runs may live under another checkout
+        return Path(str(want)).name, Path(str(have)).name if have else None
+    return want, have
 
 
 def _num(x: Any) -> float | None:
@@ -129,7 +110,7 @@ def collect(out: Path, mode: Mode) -> tuple[dict[Key, dict[str, Any]], list[str]
                 try:
                     s = json.loads(path.read_text(encoding="utf-8"))
                     expected = run_config(hw, wl, st, mode, Path("."))
-                    diff = _matches(expected, s.get("config", {}))
+                    diff = config_mismatch(expected, s.get("config", {}), _trace_name)
                     if diff is not None:
                         notes.append(f"left out {rel}: made with other settings ({diff})")
                         continue

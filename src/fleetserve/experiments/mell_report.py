@@ -48,6 +48,7 @@ from fleetserve.experiments.mell_figures import (
     savings,
     value,
 )
+from fleetserve.experiments.report_common import md_table
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +88,6 @@ def _fmt(v: Any, spec: str) -> str:
     return DASH if v is None else format(v, spec)
 
 
-def _md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return [*lines, ""]
-
-
 def _per_workload(
     rows: Rows,
     hw: Hardware,
@@ -130,7 +125,7 @@ def _sizes_lines(rows: Rows, mode: Mode) -> list[str]:
             else:
                 cells.append(f"{r['requests']:,}")
         body.append([wl.label, arrivals, f"first {mode.window_s:g} s", *cells])
-    return _md_table(header, body)
+    return md_table(header, body)
 
 
 def render_markdown(
@@ -172,7 +167,7 @@ def render_markdown(
             row.append(
                 DASH if lb is None else (f"{lb[0]}" if lb[0] == lb[1] else f"{lb[0]}–{lb[1]}")
             )
-        lines += _md_table(["workload", *stack_names, "lower bound"], body)
+        lines += md_table(["workload", *stack_names, "lower bound"], body)
 
         lines += [
             "### Mell's GPU saving vs each baseline (Fig. 11)",
@@ -188,10 +183,10 @@ def render_markdown(
                 if s["hardware"] == hw.name and s["workload"] == wl.name
             ]
             body.append([wl.label, *cells])
-        lines += _md_table(["workload", *(f"vs {b}" for b in BASELINES)], body)
+        lines += md_table(["workload", *(f"vs {b}" for b in BASELINES)], body)
 
         lines += ["### Migrations per second (Fig. 12)", ""]
-        lines += _md_table(
+        lines += md_table(
             ["workload", *stack_names],
             _per_workload(
                 rows, hw, lambda r: DASH if r is None else _fmt(r["migrations_per_s"], ".4f")
@@ -215,10 +210,10 @@ def render_markdown(
             for b in batched
             if b["hardware"] == hw.name and b["workload"] == wl.name
         ]
-        lines += _md_table(["workload", "batching on", "batching off", "reduction"], body)
+        lines += md_table(["workload", "batching on", "batching off", "reduction"], body)
 
         lines += ["### Mean KV utilization (Fig. 14)", ""]
-        lines += _md_table(
+        lines += md_table(
             ["workload", *stack_names],
             _per_workload(
                 rows,
@@ -232,7 +227,7 @@ def render_markdown(
         )
 
     lines += ["## What the paper reports vs what we measured", ""]
-    lines += _md_table(
+    lines += md_table(
         ["claim", "paper", "measured", "reproduces?"],
         [[c["claim"], c["paper"], c["measured"], c["reproduces"]] for c in claimed],
     )

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -54,6 +53,8 @@ from fleetserve.experiments.multi_llm import (
     run_config,
     run_dir,
 )
+from fleetserve.experiments.report_common import config_mismatch, md_table
+from fleetserve.metrics.plots import save_png
 
 logger = logging.getLogger(__name__)
 
@@ -104,33 +105,6 @@ SLO_TOL = 0.005
 
 
 # --------------------------------------------------------------------------- collect
-
-
-def _leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str | None:
-    """None when ``actual`` (a run's resolved config) has every expected leaf, else the
-    first difference."""
-    got = _leaves(actual)
-    for key, want in _leaves(expected).items():
-        have = got.get(key)
-        if isinstance(want, list):
-            want = [float(x) for x in want]
-            have = [float(x) for x in have] if isinstance(have, list) else have
-        if isinstance(want, float) and isinstance(have, int | float):
-            if not math.isclose(want, float(have), rel_tol=1e-9):
-                return f"{key}={have!r}, expected {want!r}"
-        elif want != have:
-            return f"{key}={have!r}, expected {want!r}"
-    return None
 
 
 def _num(x: Any) -> float | None:
@@ -227,7 +201,7 @@ def collect(out: Path, exp: Experiment, mode: Mode) -> tuple[dict[Key, dict[str,
             try:
                 s = json.loads(path.read_text(encoding="utf-8"))
                 run_cfg = (s.get("config") or {}).get("run", {})
-                diff = _mismatch(run_config(exp, v, st, mode), run_cfg)
+                diff = config_mismatch(run_config(exp, v, st, mode), run_cfg)
                 if diff is not None:
                     notes.append(f"left out {rel}: made with other settings ({diff})")
                     continue
@@ -680,12 +654,6 @@ def _cell(rows: Rows, v: float, stack: str, field: str, fmt: Callable[[float], s
     return DASH if x is None else fmt(x)
 
 
-def _md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
-    return [*lines, ""]
-
-
 def headline(exp: Experiment, rows: Rows, points: Sequence[float]) -> dict[str, Any]:
     """The terminal table: one row per (point, stack) with the key metrics, as strings."""
     if exp.name == "seallm":
@@ -780,7 +748,7 @@ def render_markdown(
         body = [
             [exp.point_label(v), *(_cell(rows, v, s, field, fmt) for s in labels)] for v in points
         ]
-        lines += _md_table([exp.axis, *labels], body)
+        lines += md_table([exp.axis, *labels], body)
     focus = _focus(exp, rows, points)
     if focus is not None:
         fig = " (Fig. 10)" if exp.name == "seallm" else ""
@@ -792,16 +760,16 @@ def render_markdown(
                 x = (rows.get((focus, s)) or {}).get("slo", {}).get(sc)
                 cells.append(DASH if x is None else f"{100 * x:.1f}")
             body.append([f"{sc:g}×", *cells])
-        lines += _md_table(["SLO scale", *labels], body)
+        lines += md_table(["SLO scale", *labels], body)
     lines += ["## Requests per point", ""]
     body = []
     for v in points:
         r = next((rows[(v, s)] for s in labels if (v, s) in rows), None)
         body.append([exp.point_label(v), DASH if r is None else f"{r['requests']:,}"])
-    lines += _md_table([exp.axis, "requests in the run"], body)
+    lines += md_table([exp.axis, "requests in the run"], body)
 
     lines += ["## What the paper reports vs what we measured", ""]
-    lines += _md_table(
+    lines += md_table(
         ["claim", "paper", "measured", "reproduces?"],
         [[c["claim"], c["paper"], c["measured"], c["reproduces"]] for c in claimed],
     )
@@ -833,14 +801,6 @@ def _focus(exp: Experiment, rows: Rows, points: Sequence[float]) -> float | None
 
 _PLAIN = FuncFormatter(lambda y, _pos: f"{y:g}")
 """Tick labels of log axes as plain numbers (``20``, not ``2×10¹``)."""
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=100, format="png")
-    fig.clear()
-    return path
 
 
 def plot_xy_panels(
@@ -889,7 +849,7 @@ def plot_xy_panels(
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncols=min(len(handles), 6))
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _lines(

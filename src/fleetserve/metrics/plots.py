@@ -44,7 +44,7 @@ def _time_unit(span_s: float) -> tuple[str, float]:
     return "s", 1.0
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def save_png(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
@@ -177,7 +177,7 @@ def plot_timeseries(result: RunResult, path: str | Path) -> Path:
     ax_q.set_xlabel(f"time ({unit})")
     for ax in (ax_gpu, ax_kv, ax_q):
         ax.grid(True, alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _cdf_panels(fig: Figure, named_records: Mapping[str, Sequence[RequestRecord]]) -> None:
@@ -210,7 +210,7 @@ def plot_latency_cdf(records: Sequence[RequestRecord], path: str | Path) -> Path
     fig = Figure(figsize=(12, 4), layout="constrained")
     fig.suptitle("Latency CDFs (finished requests)")
     _cdf_panels(fig, {"run": records})
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 # --------------------------------------------------------------------------- overlays
@@ -250,7 +250,7 @@ def plot_compare_timeseries(named_results: Mapping[str, RunResult], path: str | 
             ax.set_ylim(bottom=0)
         else:
             _no_data(ax)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_compare_latency(named: Mapping[str, RunResult], path: str | Path) -> Path:
@@ -262,7 +262,7 @@ def plot_compare_latency(named: Mapping[str, RunResult], path: str | Path) -> Pa
     fig = Figure(figsize=(12, 4), layout="constrained")
     fig.suptitle("Latency CDFs by stack (finished requests)")
     _cdf_panels(fig, {name: res.records for name, res in named.items()})
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _get(summary: Mapping[str, Any], *keys: str) -> float | None:
@@ -319,7 +319,7 @@ def plot_compare_bars(named_summaries: Mapping[str, Mapping[str, Any]], path: st
         ax.grid(True, axis="y", alpha=0.3)
         if not names:
             _no_data(ax)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 # --------------------------------------------------------------------------- experiment grids
@@ -424,7 +424,7 @@ def plot_grouped_bars(
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncols=len(handles))
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_line_panels(
@@ -490,4 +490,4 @@ def plot_line_panels(
         else:
             _no_data(ax)
     axes[-1].set_xlabel(f"time ({unit})")
-    return _save(fig, path)
+    return save_png(fig, path)

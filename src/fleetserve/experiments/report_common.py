@@ -1,0 +1,52 @@
+"""Pieces every ``reproduce`` report shares: config checks of a run folder and
+markdown tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["config_leaves", "config_mismatch", "md_table"]
+
+Normalize = Callable[[str, Any, Any], tuple[Any, Any]]
+
+
+def config_leaves(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config flattened to ``{"a.b.c": value}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(config_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_mismatch(
+    expected: Mapping[str, Any], actual: Mapping[str, Any], normalize: Normalize | None = None
+) -> str | None:
+    """None when ``actual`` has every leaf of ``expected`` (numbers compared with a
+    relative tolerance of 1e-9, lists element-wise as numbers), else the first
+    difference. ``normalize(key, want, have)`` may rewrite a pair before comparing."""
+    got = config_leaves(actual)
+    for key, want in config_leaves(expected).items():
+        have = got.get(key)
+        if normalize is not None:
+            want, have = normalize(key, want, have)
+        if isinstance(want, list):
+            want = [float(x) for x in want]
+            have = [float(x) for x in have] if isinstance(have, list) else have
+        if isinstance(want, float) and isinstance(have, int | float):
+            if not math.isclose(want, float(have), rel_tol=1e-9):
+                return f"{key}={have!r}, expected {want!r}"
+        elif want != have:
+            return f"{key}={have!r}, expected {want!r}"
+    return None
+
+
+def md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table (and a blank line) as lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return [*lines, ""]
