@@ -426,10 +426,9 @@ class SharingGroup:
         ends = self._ends.pop(token, None)
         if ends is not None and len(ends) > 1:  # a macro job: all but its last iteration
             k = len(ends)
-            prev = start
-            for j in range(k - 1):
-                self.scheduler.on_job_end(job, seqs, float(ends[j]) - prev, float(ends[j]))
-                prev = float(ends[j])
+            done_ends = ends[:-1].tolist()
+            self.scheduler.on_job_ends(job, seqs, done_ends, start)
+            prev = done_ends[-1]
             for s in seqs:
                 s.generated += k - 1
                 s.kv_tokens += k - 1
