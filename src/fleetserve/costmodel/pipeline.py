@@ -1,0 +1,128 @@
+r"""Iteration time of a pipelined group of instances (KunServe's cooperative execution).
+
+A *buddy group* of ``k`` instances runs one model as a ``k``-stage pipeline:
+stage ``s`` holds a contiguous range of ``n_s`` of the model's ``L`` layers
+(fraction ``f_s = n_s / L``). A batch is split into ``m = min(k, parts)``
+micro-batches (requests for decode, whole prompts for prefill) that flow
+through the stages one after another, so up to ``k`` of them are in flight.
+
+Per micro-batch ``j`` the single-instance cost model gives its full-model
+time ``t_j = o + c_j`` (``o`` = the per-iteration fixed overhead, ``c_j`` =
+everything that scales with the layers: compute, weight and KV streaming,
+tensor-parallel all-reduces). One stage's share is ``o + f_s c_j``: each
+stage launches its own kernels (the overhead is paid per stage), and
+everything else is split by layers. The lm_head and embedding are split with
+the layers too — a simplification (they are ~10 % of a 14B model's work).
+Between stages a micro-batch sends its activations, ``tokens x hidden x
+dtype_bytes`` bytes, over the link (``a_j = latency + bytes / bandwidth``).
+
+One *round* (every micro-batch advancing by one iteration) takes::
+
+    latency_j = sum_s (o + f_s c_j) + (k - 1) a_j + extra_j
+              = k o + c_j + (k - 1) a_j + extra_j        one micro-batch end to end
+    busy_s    = sum_j (o + f_s c_j)                      stage s's GPU per round
+    round     = max( max_j latency_j , max_s busy_s )
+
+The first term is the critical path of one micro-batch (each one's next
+iteration needs its previous output token); the second is the busiest GPU.
+With ``k`` equal micro-batches the GPUs are busy all round (``busy ~
+latency``); with a single micro-batch (a small batch, or one long prompt)
+``k - 1`` stages idle while one works — the pipeline *bubble* — and the round
+is the micro-batch's full latency, slower than a replica by ``(k - 1)(o +
+a)``. For ``k = 1`` the round is exactly the replica's iteration time.
+``extra_j`` is time a micro-batch spends on anything else on its critical
+path (remote-attention round trips of KunServe's live KV exchange).
+
+Micro-batching choices: decode requests are split into ``m`` near-equal
+groups, the KV context divided in proportion; prompts (never split, no
+chunked prefill) go to ``m`` bins by longest-processing-time first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fleetserve.costmodel.roofline import InstanceCost
+from fleetserve.costmodel.transfer import Link, transfer_time
+from fleetserve.errors import ConfigError
+
+__all__ = ["PipelineCost"]
+
+
+class PipelineCost:
+    """Round times of one pipelined group (``k`` stages) of identical instances.
+
+    Args:
+        cost: the single-instance cost model (model, GPU, tensor degree).
+        stage_layers: layers each stage holds, in pipeline order (sum = model layers).
+        link: the link activations cross between consecutive stages.
+    """
+
+    __slots__ = ("_frac", "_hop_bytes", "cost", "k", "link", "overhead_s", "stage_layers")
+
+    def __init__(self, cost: InstanceCost, stage_layers: Sequence[int], link: Link) -> None:
+        total = cost.model.num_layers
+        layers = [int(n) for n in stage_layers]
+        if not layers or any(n < 1 for n in layers) or sum(layers) != total:
+            raise ConfigError(
+                f"pipeline stages must hold >= 1 layer each and {total} in all, got {layers}"
+            )
+        self.cost = cost
+        self.stage_layers = tuple(layers)
+        self.k = len(layers)
+        self.link = link
+        self.overhead_s = cost.params.overhead_s
+        self._frac = tuple(n / total for n in layers)
+        self._hop_bytes = cost.model.hidden_size * cost.model.dtype_bytes
+
+    def hop_time(self, tokens: int) -> float:
+        """One activation transfer of ``tokens`` tokens between two stages."""
+        return transfer_time(tokens * self._hop_bytes, self.link) if self.k > 1 else 0.0
+
+    def _round(self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]) -> float:
+        o = self.overhead_s
+        k = self.k
+        if k == 1:
+            return max(t + e for t, e in zip(full, extra, strict=True))
+        cores = [max(t - o, 0.0) for t in full]
+        lat = max(
+            k * o + c + (k - 1) * self.hop_time(n) + e
+            for c, n, e in zip(cores, tokens, extra, strict=True)
+        )
+        sum_c = sum(cores)
+        busy = len(cores) * o + max(self._frac) * sum_c
+        return max(lat, busy)
+
+    def decode_time(self, batch: int, ctx_total: float, extra_s: float = 0.0) -> float:
+        """One decode round of ``batch`` requests reading ``ctx_total`` KV tokens in all.
+
+        ``extra_s`` is added to the critical path of the first micro-batch
+        (KunServe's remote attention, see the module docstring).
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if self.k == 1:
+            return self.cost.decode_time_scalar(batch, ctx_total) + extra_s
+        m = min(self.k, batch)
+        base, rem = divmod(batch, m)
+        sizes = [base + (1 if j < rem else 0) for j in range(m)]
+        full = [self.cost.decode_time_scalar(b, ctx_total * b / batch) for b in sizes]
+        extra = [extra_s] + [0.0] * (m - 1)
+        return self._round(full, sizes, extra)
+
+    def prefill_time(self, prompt_lens: Sequence[int]) -> float:
+        """One prefill round over whole prompts (micro-batches of whole prompts)."""
+        n = len(prompt_lens)
+        if n == 0:
+            return 0.0
+        if self.k == 1:
+            return self.cost.prefill_time(prompt_lens)
+        m = min(self.k, n)
+        bins: list[list[int]] = [[] for _ in range(m)]
+        loads = [0] * m
+        for length in sorted((int(x) for x in prompt_lens), reverse=True):
+            j = loads.index(min(loads))
+            bins[j].append(length)
+            loads[j] += length
+        full = [self.cost.prefill_time(b) for b in bins]
+        return self._round(full, loads, [0.0] * m)

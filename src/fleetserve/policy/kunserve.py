@@ -1,0 +1,780 @@
+"""KunServe's parameter-centric drop policy: buddy groups, drop trigger, re-balance.
+
+KunServe (paper 004) answers memory throttling by dropping model *parameters*
+instead of KV cache. Instances are replicas of one model (each holds all ``L``
+layers). Under throttling they merge into **buddy groups** (§4.1): a group of
+``k`` instances runs as a ``k``-stage pipeline, each member keeps one
+contiguous range of layers and drops the rest, so the group holds exactly one
+complete copy of every layer and frees ``(k - 1) * P`` bytes, ``P`` being the
+bytes of one replica's layer parameters. This module is the pure decision code:
+
+* :func:`split_layers`, :class:`BuddyPlan`, :func:`freed_bytes`: the plan and
+  which layers each member keeps.
+* :func:`throughput_greedy` (Algorithm 1, the paper's choice) and
+  :func:`memory_greedy` (the alternative it rejects), dispatched by
+  :func:`plan_drop`; :func:`check_one_copy` and :func:`layers_held` check the
+  invariant.
+* :class:`DemandMonitor` (§4.3 "Online monitor and drop trigger") and
+  :func:`should_restore` (when to undo a drop).
+* :func:`max_batch` and :func:`rebalance` (§4.3 "Online dispatcher").
+
+No torch, no clocks (callers pass ``now``), no global state.
+
+Choices the paper leaves open, made here:
+
+* **Freed memory counts whole layers only.** ``freed = Σ (|g| - 1) * P``
+  exactly as in the paper's constraint (a); embeddings and the LM head are
+  part of ``P`` for this accounting (the caller decides what ``P`` holds).
+  Every merge of two groups frees exactly one more ``P`` whatever their sizes,
+  so the freed bytes depend only on how many groups there are.
+* **Stage order** within a group is ascending instance id; stage ``i`` keeps
+  the ``i``-th range of :func:`split_layers`, whose earlier stages take the
+  extra layer when ``L`` is not a multiple of ``k``. Groups in a plan are
+  listed by their smallest id.
+* **Re-planning.** Both strategies start from a given configuration, not only
+  from singletons: the paper's Algorithm 1 starts from singletons, and passing
+  the current groups lets a second throttle merge further without undoing the
+  first drop (a group is never split; splitting is a restore, which is the
+  caller's decision). ``required_bytes`` is then the *total* extra memory the
+  whole configuration must provide, counting what the given groups already
+  free: to ask for ``Δ`` more on top of the current drop, pass
+  ``freed_bytes(current, P) + Δ``.
+* **Tie-breaking** is by smallest instance id, so plans are deterministic.
+* **Group size cap.** A group cannot have more stages than the model has
+  layers. The strategies take an optional keyword ``max_group_size``
+  (callers pass ``L``, or a lower pipeline-depth limit); a merge that would
+  exceed it is not made and the plan may end unmet. The paper then scales out
+  a new instance (§4.1, §4.3); that is the caller's fallback.
+* **Bytes are integers.** Byte arguments must be integers >= 0 (round a
+  fractional requirement up with :func:`math.ceil`); instance ids are any
+  distinct integers. A bad argument raises
+  :class:`~fleetserve.errors.ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleetserve.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_RESTORE_THRESHOLD",
+    "STRATEGIES",
+    "BuddyPlan",
+    "DemandMonitor",
+    "ExecutorLoad",
+    "check_one_copy",
+    "freed_bytes",
+    "layers_held",
+    "max_batch",
+    "memory_greedy",
+    "plan_drop",
+    "rebalance",
+    "should_restore",
+    "singletons",
+    "split_layers",
+    "throughput_greedy",
+]
+
+THROUGHPUT_GREEDY = "throughput-greedy"
+MEMORY_GREEDY = "memory-greedy"
+#: Names :func:`plan_drop` accepts, mapped to the plan's ``strategy``.
+STRATEGIES: dict[str, str] = {
+    "throughput": THROUGHPUT_GREEDY,
+    THROUGHPUT_GREEDY: THROUGHPUT_GREEDY,
+    "memory": MEMORY_GREEDY,
+    MEMORY_GREEDY: MEMORY_GREEDY,
+}
+#: The restore threshold callers use (see :func:`should_restore`).
+DEFAULT_RESTORE_THRESHOLD = 0.5
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _as_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an ``int`` >= ``minimum`` (numpy integers accepted, bools and floats not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    number = operator.index(value)
+    if number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
+    return int(number)
+
+
+def _as_bytes(name: str, value: object) -> int:
+    """A byte count: an integer >= 0."""
+    if isinstance(value, float):
+        raise ConfigError(
+            f"{name} must be an integer number of bytes (round up with math.ceil), got {value!r}"
+        )
+    return _as_int(name, value, 0)
+
+
+def _as_real(name: str, value: object, minimum: float | None = 0.0) -> float:
+    """A finite real number, optionally >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"{name} must be finite, got {number}")
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _normalize_groups(groups: Sequence[Sequence[int]], *, allow_empty: bool = False) -> Groups:
+    """Groups as sorted tuples of ids, listed by smallest id; rejects empty and duplicate ids."""
+    if isinstance(groups, (str, bytes)):
+        raise ConfigError(f"groups must be a sequence of sequences of instance ids, got {groups!r}")
+    out: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for index, group in enumerate(groups):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+            raise ConfigError(f"group {index} must be a sequence of instance ids, got {group!r}")
+        members: list[int] = []
+        for raw in group:
+            iid = _as_int("instance id", raw, -(2**63))
+            if iid in seen:
+                raise ConfigError(f"instance id {iid} appears more than once in the groups")
+            seen.add(iid)
+            members.append(iid)
+        if not members:
+            raise ConfigError(f"group {index} is empty; a buddy group needs at least one instance")
+        out.append(tuple(sorted(members)))
+    if not out and not allow_empty:
+        raise ConfigError("no groups given; pass at least one instance, e.g. singletons(ids)")
+    out.sort(key=lambda g: g[0])
+    return tuple(out)
+
+
+def _as_cap(max_group_size: int | None, start: Groups) -> int | None:
+    """Validate ``max_group_size`` against the starting groups."""
+    if max_group_size is None:
+        return None
+    cap = _as_int("max_group_size", max_group_size, 1)
+    biggest = max(len(g) for g in start)
+    if biggest > cap:
+        raise ConfigError(
+            f"max_group_size {cap} is smaller than an existing group of {biggest} instances"
+        )
+    return cap
+
+
+# ---------------------------------------------------------------- plans
+
+
+def split_layers(num_layers: int, k: int) -> list[tuple[int, int]]:
+    """Split layers ``0..num_layers`` into ``k`` contiguous pipeline stages.
+
+    Returns ``k`` half-open ranges ``[lo, hi)`` in stage order that cover
+    ``0..num_layers`` exactly once. Their sizes differ by at most one; the
+    earlier stages get the extra layers (e.g. 10 layers in 3 stages: 4, 3, 3).
+
+    Raises:
+        ConfigError: ``num_layers < 1`` or ``k`` not in ``1..num_layers``
+            (every stage must keep at least one layer).
+    """
+    layers = _as_int("num_layers", num_layers, 1)
+    stages = _as_int("k (pipeline stages)", k, 1)
+    if stages > layers:
+        raise ConfigError(f"cannot split {layers} layers into {stages} stages: k must be <= layers")
+    base, extra = divmod(layers, stages)
+    ranges: list[tuple[int, int]] = []
+    lo = 0
+    for stage in range(stages):
+        hi = lo + base + (1 if stage < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def singletons(instance_ids: Sequence[int]) -> Groups:
+    """The undropped configuration: every instance its own buddy group."""
+    return _normalize_groups([[iid] for iid in instance_ids])
+
+
+def freed_bytes(groups: Sequence[Sequence[int]], param_bytes: int) -> int:
+    """Bytes a configuration frees: ``Σ (len(g) - 1) * param_bytes`` (paper §4.1, constraint a)."""
+    normalized = _normalize_groups(groups, allow_empty=True)
+    p = _as_bytes("param_bytes", param_bytes)
+    return sum(len(g) - 1 for g in normalized) * p
+
+
+@dataclass(frozen=True, slots=True)
+class BuddyPlan:
+    """A buddy-group configuration and how much memory it frees.
+
+    Attributes:
+        groups: the groups; each lists its instance ids in stage order
+            (ascending id), and they are disjoint. The strategies list groups
+            by their smallest id.
+        freed_bytes: bytes the configuration frees, ``Σ (|g| - 1) * P``.
+        required_bytes: the extra bytes the plan was asked to provide.
+        met: ``freed_bytes >= required_bytes``. An unmet plan is the best the
+            strategy could do; the caller scales out for the rest (§4.1).
+        strategy: ``"throughput-greedy"`` or ``"memory-greedy"`` (free text
+            for hand-made plans).
+    """
+
+    groups: Groups
+    freed_bytes: int
+    required_bytes: int
+    met: bool
+    strategy: str
+
+    def __post_init__(self) -> None:
+        coerced = tuple(tuple(g) for g in self.groups)
+        object.__setattr__(self, "groups", coerced)
+        _normalize_groups(coerced)  # non-empty, no empty group, no duplicate id
+        for group in coerced:
+            if list(group) != sorted(group):
+                raise ConfigError(f"group {group} is not in stage order (ascending instance ids)")
+        freed = _as_bytes("freed_bytes", self.freed_bytes)
+        required = _as_bytes("required_bytes", self.required_bytes)
+        if bool(self.met) != (freed >= required):
+            raise ConfigError(
+                f"met={self.met} contradicts freed_bytes={freed} and required_bytes={required}"
+            )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Group sizes (pipeline depths), in the order of :attr:`groups`."""
+        return tuple(len(g) for g in self.groups)
+
+    @property
+    def max_size(self) -> int:
+        """The deepest pipeline of the plan."""
+        return max(self.sizes)
+
+    @property
+    def instances(self) -> tuple[int, ...]:
+        """Every instance id of the plan, ascending."""
+        return tuple(sorted(iid for g in self.groups for iid in g))
+
+    def group_of(self, iid: int) -> tuple[int, ...]:
+        """The group holding instance ``iid``.
+
+        Raises:
+            ConfigError: ``iid`` is in no group of the plan.
+        """
+        for group in self.groups:
+            if iid in group:
+                return group
+        raise ConfigError(f"instance {iid} is in no group of this plan")
+
+    def assignment(self, num_layers: int) -> dict[int, tuple[int, int]]:
+        """Instance id -> the half-open layer range ``[lo, hi)`` it keeps.
+
+        Each group's ranges come from :func:`split_layers` in stage order, so a
+        singleton keeps every layer. Raises :class:`ConfigError` when a group
+        has more members than ``num_layers``.
+        """
+        held: dict[int, tuple[int, int]] = {}
+        for group in self.groups:
+            for iid, layer_range in zip(group, split_layers(num_layers, len(group)), strict=True):
+                held[iid] = layer_range
+        return held
+
+    def merges_from(self, previous_groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The groups of this plan that are not groups of ``previous_groups``.
+
+        These are the groups whose members must drop (and exchange KV cache);
+        groups present in both configurations (same member set) keep running
+        as they are. Listed in the order of :attr:`groups`.
+        """
+        before = {frozenset(g) for g in _normalize_groups(previous_groups, allow_empty=True)}
+        return [g for g in self.groups if frozenset(g) not in before]
+
+
+def _make_plan(members: list[list[int]], p: int, required: int, strategy: str) -> BuddyPlan:
+    groups = tuple(sorted((tuple(sorted(m)) for m in members), key=lambda g: g[0]))
+    freed = sum(len(g) - 1 for g in groups) * p
+    return BuddyPlan(groups, freed, required, freed >= required, strategy)
+
+
+def throughput_greedy(
+    groups: Sequence[Sequence[int]],
+    param_bytes: int,
+    required_bytes: int,
+    *,
+    max_group_size: int | None = None,
+) -> BuddyPlan:
+    """Algorithm 1 (KunServe's choice): merge the smallest groups until enough is freed.
+
+    Starting from ``groups`` (singletons for a fresh drop; the current groups
+    to merge further on a second throttle, never splitting one), a heap pops
+    the two smallest groups (ties: the group whose smallest id is lowest),
+    merges them and pushes the result, while more than one group remains and
+    the freed bytes are below ``required_bytes``. Each merge frees exactly one
+    more ``param_bytes``, so the plan makes the fewest merges that meet the
+    requirement, and keeping groups small keeps pipelines shallow (from
+    singletons the sizes stay within a factor of two of each other).
+    ``O(N log N)`` for ``N`` instances.
+
+    Args:
+        groups: the starting configuration (disjoint, non-empty groups of ids).
+        param_bytes: ``P``, the bytes of one replica's layer parameters.
+        required_bytes: ``R``, the total extra bytes the configuration must
+            free (counting what ``groups`` already free).
+        max_group_size: optional cap on group size (pass the layer count);
+            when the two smallest groups cannot merge under it, no pair can,
+            and the plan stops unmet.
+
+    Returns:
+        The plan, ``strategy="throughput-greedy"``; ``met`` is False when even
+        one group (or the cap) cannot free ``R``.
+    """
+    start = _normalize_groups(groups)
+    p = _as_bytes("param_bytes", param_bytes)
+    required = _as_bytes("required_bytes", required_bytes)
+    cap = _as_cap(max_group_size, start)
+    heap: list[tuple[int, int, list[int]]] = [(len(g), g[0], list(g)) for g in start]
+    heapq.heapify(heap)
+    freed = sum(len(g) - 1 for g in start) * p
+    while len(heap) > 1 and freed < required:
+        first = heapq.heappop(heap)
+        second = heapq.heappop(heap)
+        if cap is not None and first[0] + second[0] > cap:
+            heapq.heappush(heap, first)
+            heapq.heappush(heap, second)
+            break
+        merged = first[2] + second[2]
+        heapq.heappush(heap, (len(merged), min(first[1], second[1]), merged))
+        freed += p
+    return _make_plan([entry[2] for entry in heap], p, required, THROUGHPUT_GREEDY)
+
+
+def memory_greedy(
+    groups: Sequence[Sequence[int]],
+    param_bytes: int,
+    required_bytes: int,
+    kv_region_bytes: int,
+    *,
+    max_group_size: int | None = None,
+) -> BuddyPlan:
+    """The paper's memory-greedy alternative: grow big groups for more droppable memory.
+
+    The paper: "prioritizes the configuration with more droppable parameter
+    memory ... group as many instances as possible ... terminate when the
+    additional memory exceeds the original KVCache region". Implemented as:
+    ``target = max(required_bytes, kv_region_bytes)``; while more than one
+    group remains and the freed bytes are below ``target``, merge the
+    smallest group (ties: lowest smallest id) into the largest other group
+    (ties: lowest smallest id), so one group grows into a deep pipeline.
+    "Exceeds" is read as ``freed >= target``. ``O(N log N)`` comparisons.
+
+    Args:
+        groups: the starting configuration, as for :func:`throughput_greedy`.
+        param_bytes: ``P``.
+        required_bytes: ``R``, total extra bytes needed (``met`` still means
+            ``freed >= R``).
+        kv_region_bytes: the original KV-cache region, in the same scope as
+            ``R`` (cluster-wide: the sum over the planned instances of the KV
+            region each had before any drop). Stopping there means the KV
+            capacity at most doubles, since doubling it does not double
+            throughput.
+        max_group_size: optional cap; the smallest group then merges into the
+            largest group it fits in, and the plan stops when it fits in none
+            (then no pair fits).
+
+    Returns:
+        The plan, ``strategy="memory-greedy"``.
+    """
+    start = _normalize_groups(groups)
+    p = _as_bytes("param_bytes", param_bytes)
+    required = _as_bytes("required_bytes", required_bytes)
+    kv_region = _as_bytes("kv_region_bytes", kv_region_bytes)
+    cap = _as_cap(max_group_size, start)
+    target = max(required, kv_region)
+    total = sum(len(g) for g in start)
+    limit_cap = total if cap is None else cap
+    # Groups keyed by their smallest id; ``order`` sorted by (size, smallest id).
+    members: dict[int, list[int]] = {g[0]: list(g) for g in start}
+    order: list[tuple[int, int]] = sorted((len(g), g[0]) for g in start)
+    freed = sum(len(g) - 1 for g in start) * p
+    while len(order) > 1 and freed < target:
+        small_size, small_id = order[0]
+        room = limit_cap - small_size
+        # Candidates: the other groups of size <= room; take the largest, lowest id.
+        hi = bisect_right(order, room, key=lambda entry: entry[0])
+        if hi <= 1:
+            break
+        big_size = order[hi - 1][0]
+        lo = bisect_left(order, big_size, lo=1, hi=hi, key=lambda entry: entry[0])
+        _, big_id = order.pop(lo)
+        order.pop(0)
+        merged = members.pop(big_id)
+        merged.extend(members.pop(small_id))  # in place: the big group grows, O(N) in all
+        new_id = min(big_id, small_id)
+        members[new_id] = merged
+        insort(order, (len(merged), new_id))
+        freed += p
+    return _make_plan(list(members.values()), p, required, MEMORY_GREEDY)
+
+
+def plan_drop(
+    strategy: str,
+    groups: Sequence[Sequence[int]],
+    param_bytes: int,
+    required_bytes: int,
+    kv_region_bytes: int,
+    *,
+    max_group_size: int | None = None,
+) -> BuddyPlan:
+    """Plan a drop with the named strategy.
+
+    ``strategy`` is ``"throughput"`` (or ``"throughput-greedy"``, the paper's
+    choice) or ``"memory"`` (or ``"memory-greedy"``); ``kv_region_bytes`` is
+    used by the memory-greedy strategy only.
+
+    Raises:
+        ConfigError: an unknown strategy or a bad argument.
+    """
+    name = STRATEGIES.get(strategy.strip().lower()) if isinstance(strategy, str) else None
+    if name is None:
+        raise ConfigError(
+            f"unknown KunServe drop strategy {strategy!r}; expected 'throughput' or 'memory'"
+        )
+    if name == THROUGHPUT_GREEDY:
+        _as_bytes("kv_region_bytes", kv_region_bytes)
+        return throughput_greedy(groups, param_bytes, required_bytes, max_group_size=max_group_size)
+    return memory_greedy(
+        groups, param_bytes, required_bytes, kv_region_bytes, max_group_size=max_group_size
+    )
+
+
+def check_one_copy(plan: BuddyPlan, num_layers: int) -> None:
+    """Assert the one-copy invariant of a plan.
+
+    Every instance is in exactly one group, and within each group the members'
+    layer ranges (:meth:`BuddyPlan.assignment`) are non-empty and cover every
+    layer ``0..num_layers`` exactly once.
+
+    Raises:
+        AssertionError: the invariant does not hold (raised explicitly, so it
+            also works under ``python -O``).
+        ConfigError: ``num_layers < 1``.
+    """
+    layers = _as_int("num_layers", num_layers, 1)
+    owner: dict[int, int] = {}
+    for index, group in enumerate(plan.groups):
+        if not group:
+            raise AssertionError(f"group {index} is empty")
+        for iid in group:
+            if iid in owner:
+                raise AssertionError(f"instance {iid} is in groups {owner[iid]} and {index}")
+            owner[iid] = index
+        if len(group) > layers:
+            raise AssertionError(
+                f"group {group} has {len(group)} stages but the model has {layers} layers"
+            )
+    held = plan.assignment(layers)
+    for group in plan.groups:
+        count = np.zeros(layers, dtype=np.int64)
+        for iid in group:
+            lo, hi = held[iid]
+            if not 0 <= lo < hi <= layers:
+                raise AssertionError(f"instance {iid} holds bad layer range [{lo}, {hi})")
+            count[lo:hi] += 1
+        if not np.all(count == 1):
+            missing = np.flatnonzero(count == 0).tolist()
+            doubled = np.flatnonzero(count > 1).tolist()
+            raise AssertionError(
+                f"group {group} does not hold one copy: missing {missing}, repeated {doubled}"
+            )
+
+
+def layers_held(plan: BuddyPlan, num_layers: int) -> dict[int, int]:
+    """Instance id -> how many of the ``num_layers`` layers it keeps under ``plan``."""
+    return {iid: hi - lo for iid, (lo, hi) in plan.assignment(num_layers).items()}
+
+
+# ---------------------------------------------------------------- monitor
+
+
+class DemandMonitor:
+    """The §4.3 drop trigger: extrapolate KV demand and capacity one horizon ahead.
+
+    Per executor key, :meth:`observe` records ``(now, demand, capacity)``
+    samples. *Demand* is the KV bytes the executor's running requests hold
+    plus the KV bytes its head-of-line queued requests need, as Llumnix counts
+    head-of-line queued requests; the caller computes it (how many queued
+    requests count as head-of-line is its choice). *Capacity* is the HBM
+    available to the KV cache, which grows when parameters are dropped.
+
+    The paper uses "the increase rate of KVCache requirements and the change
+    rate of available HBM" and triggers when usage "is about to exceed the
+    available HBM in one second". Choices made here:
+
+    * Rates are least-squares slopes over the samples of the last
+      ``window_s`` seconds (a sample at exactly ``now - window_s`` is kept),
+      but at least the two latest samples are always kept, so a slow sampler
+      still has a rate. With fewer than two samples, or all at one time,
+      rates are 0.
+    * "Current" values are the latest sample; predictions are
+      ``current + rate * horizon``, not clamped at 0.
+    * Throttled means current demand > current capacity *or* predicted
+      demand > predicted capacity (strict: demand equal to capacity fits).
+    * Times per key must not decrease; an unknown key raises ConfigError.
+
+    Args:
+        window_s: sliding-window length, seconds (> 0). Default 1.0.
+        horizon_s: default look-ahead of :meth:`predict`, :meth:`throttled`
+            and :meth:`required_bytes`, seconds (>= 0). Default 1.0 (the paper's
+            "one second").
+    """
+
+    def __init__(self, window_s: float = 1.0, horizon_s: float = 1.0) -> None:
+        self.window_s = _as_real("window_s", window_s)
+        if self.window_s <= 0:
+            raise ConfigError(f"window_s must be > 0, got {self.window_s}")
+        self.horizon_s = _as_real("horizon_s", horizon_s)
+        self._samples: dict[int, deque[tuple[float, float, float]]] = {}
+
+    def observe(self, key: int, now: float, demand_bytes: float, capacity_bytes: float) -> None:
+        """Record one sample of executor ``key`` and evict samples older than the window."""
+        t = _as_real("now", now, None)
+        demand = _as_real("demand_bytes", demand_bytes)
+        capacity = _as_real("capacity_bytes", capacity_bytes)
+        samples = self._samples.setdefault(key, deque())
+        if samples and t < samples[-1][0]:
+            raise ConfigError(
+                f"executor {key}: sample time {t} is before the previous one {samples[-1][0]}"
+            )
+        samples.append((t, demand, capacity))
+        oldest = t - self.window_s
+        while len(samples) > 2 and samples[0][0] < oldest:
+            samples.popleft()
+
+    def samples(self, key: int) -> tuple[tuple[float, float, float], ...]:
+        """The ``(time, demand, capacity)`` samples of ``key`` in the window, oldest first."""
+        return tuple(self._get(key))
+
+    def rates(self, key: int) -> tuple[float, float]:
+        """Least-squares slopes ``(demand rate, capacity rate)``, bytes per second."""
+        samples = self._get(key)
+        times = [s[0] for s in samples]
+        return _slope(times, [s[1] for s in samples]), _slope(times, [s[2] for s in samples])
+
+    def predict(self, key: int, horizon_s: float | None = None) -> tuple[float, float]:
+        """``(demand, capacity)`` extrapolated ``horizon_s`` seconds past the latest sample."""
+        horizon = self._horizon(horizon_s)
+        _, demand, capacity = self._get(key)[-1]
+        demand_rate, capacity_rate = self.rates(key)
+        return demand + demand_rate * horizon, capacity + capacity_rate * horizon
+
+    def throttled(self, key: int, horizon_s: float | None = None) -> bool:
+        """Whether ``key`` is, or within ``horizon_s`` will be, short of KV memory."""
+        _, demand, capacity = self._get(key)[-1]
+        future_demand, future_capacity = self.predict(key, horizon_s)
+        return demand > capacity or future_demand > future_capacity
+
+    def required_bytes(self, key: int, horizon_s: float | None = None) -> float:
+        """Extra bytes ``key`` needs: the larger of the predicted and current shortfall, >= 0."""
+        _, demand, capacity = self._get(key)[-1]
+        future_demand, future_capacity = self.predict(key, horizon_s)
+        return max(0.0, future_demand - future_capacity, demand - capacity)
+
+    def forget(self, key: int) -> None:
+        """Drop every sample of ``key`` (an unknown key is a no-op)."""
+        self._samples.pop(key, None)
+
+    def _get(self, key: int) -> deque[tuple[float, float, float]]:
+        samples = self._samples.get(key)
+        if not samples:
+            raise ConfigError(f"executor {key} has no samples; call observe() first")
+        return samples
+
+    def _horizon(self, horizon_s: float | None) -> float:
+        return self.horizon_s if horizon_s is None else _as_real("horizon_s", horizon_s)
+
+
+def _slope(times: Sequence[float], values: Sequence[float]) -> float:
+    """Least-squares slope of ``values`` over ``times``; 0 with < 2 points or no time span."""
+    n = len(times)
+    if n < 2:
+        return 0.0
+    t_mean = math.fsum(times) / n
+    v_mean = math.fsum(values) / n
+    den = math.fsum((t - t_mean) ** 2 for t in times)
+    if den <= 0.0:
+        return 0.0
+    num = math.fsum((t - t_mean) * (v - v_mean) for t, v in zip(times, values, strict=True))
+    return num / den
+
+
+def should_restore(
+    demand_bytes: float,
+    restored_capacity_bytes: float,
+    threshold: float = DEFAULT_RESTORE_THRESHOLD,
+) -> bool:
+    """Whether a drop can be undone: ``demand <= threshold * restored capacity``.
+
+    The paper restores "when the memory demand decreases" without a rule; this
+    is a hysteresis rule. ``restored_capacity_bytes`` is the KV capacity the
+    executor(s) would have with their parameters restored (smaller than the
+    current one); a threshold below 1 (callers use 0.5) leaves headroom, so a
+    restore is not immediately followed by another drop.
+
+    Raises:
+        ConfigError: negative bytes or ``threshold`` outside ``(0, 1]``.
+    """
+    demand = _as_real("demand_bytes", demand_bytes)
+    capacity = _as_real("restored_capacity_bytes", restored_capacity_bytes)
+    fraction = _as_real("threshold", threshold)
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"threshold must be in (0, 1], got {fraction}")
+    return demand <= fraction * capacity
+
+
+# ---------------------------------------------------------------- dispatcher
+
+
+def max_batch(decode_time: Callable[[int], float], limit: int, slowdown: float = 2.0) -> int:
+    """The §4.3 per-instance maximum batch, from a cost model's decode time.
+
+    The paper profiles the limit offline so that a dropped instance does not
+    queue behind a batch its compute cannot serve, without a rule. Here it is
+    the largest ``b`` in ``1..limit`` whose decode step time
+    ``decode_time(b) <= slowdown * decode_time(1)``. ``decode_time`` is
+    assumed non-decreasing in the batch size (true of the cost models), which
+    makes the feasible sizes a prefix, found by binary search with
+    ``O(log limit)`` calls. Batch size 1 always qualifies.
+
+    Raises:
+        ConfigError: ``limit < 1``, ``slowdown < 1`` or a negative or
+            non-finite ``decode_time(1)``.
+    """
+    top = _as_int("limit", limit, 1)
+    factor = _as_real("slowdown", slowdown)
+    if factor < 1.0:
+        raise ConfigError(f"slowdown must be >= 1, got {factor}")
+    base = decode_time(1)
+    if not math.isfinite(base) or base < 0:
+        raise ConfigError(f"decode_time(1) must be finite and >= 0, got {base}")
+    budget = factor * base
+    lo, hi = 1, top  # decode_time(lo) <= budget; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_time(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLoad:
+    """One executor's load as the dispatcher sees it after a drop.
+
+    Attributes:
+        key: executor key (an instance, or a buddy group's entry instance).
+        running: requests in its running batch (never moved).
+        waiting: queued request ids, in queue order (head first).
+        max_batch: its maximum batch (:func:`max_batch`), >= 1.
+        free_tokens: KV tokens it can give to requests moved to it: its free
+            KV tokens after its own queue is provided for (the caller
+            computes it).
+        waiting_tokens: KV tokens each waiting request needs, same order.
+    """
+
+    key: int
+    running: int
+    waiting: tuple[int, ...]
+    max_batch: int
+    free_tokens: int
+    waiting_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "waiting", tuple(self.waiting))
+        object.__setattr__(self, "waiting_tokens", tuple(self.waiting_tokens))
+        where = f"executor {self.key}"
+        _as_int(f"{where}: running", self.running, 0)
+        _as_int(f"{where}: max_batch", self.max_batch, 1)
+        _as_int(f"{where}: free_tokens", self.free_tokens, 0)
+        if len(self.waiting) != len(self.waiting_tokens):
+            raise ConfigError(
+                f"{where}: {len(self.waiting)} waiting requests but "
+                f"{len(self.waiting_tokens)} waiting_tokens"
+            )
+        if len(set(self.waiting)) != len(self.waiting):
+            raise ConfigError(f"{where}: a request id appears twice in its queue")
+        for tokens in self.waiting_tokens:
+            _as_int(f"{where}: waiting_tokens", tokens, 0)
+
+    @property
+    def slots(self) -> int:
+        """Queued requests its batch can still take: ``max(0, max_batch - running)``."""
+        return max(0, self.max_batch - self.running)
+
+
+def rebalance(loads: Sequence[ExecutorLoad]) -> list[tuple[int, int, int]]:
+    """The §4.3 dispatcher re-balance after a drop: move overflowed requests to spare executors.
+
+    * **Overflow** of an executor: its waiting requests beyond the
+      ``max_batch - running`` slots its batch has left, taken from the *tail*
+      of its queue (the head keeps its place). Running requests are never
+      moved (their KV cache stays; victims are served by KV exchange).
+    * **Spare** executors: ``running + len(waiting) < max_batch``, with
+      ``max_batch - running - len(waiting)`` free slots and ``free_tokens``.
+    * Overflowed requests are placed in the order they appear (``loads``
+      order, then queue order; the records carry no arrival times). Each
+      goes to the spare executor with the most slots left whose tokens left
+      (``free_tokens`` minus the tokens already moved there) cover its
+      ``waiting_tokens``; ties go to the lowest key. A request that fits
+      nowhere stays where it is (the caller may scale out).
+
+    No executor is both overflowed and spare, so nothing moves to its own
+    executor, and no target goes over its slots or tokens. ``O(M * S)`` for
+    ``M`` overflowed requests and ``S`` spare executors.
+
+    Returns:
+        ``(request_id, from_key, to_key)`` per move, in placement order.
+
+    Raises:
+        ConfigError: duplicate executor keys or a request id in two queues.
+    """
+    keys: set[int] = set()
+    requests: set[int] = set()
+    overflow: list[tuple[int, int, int]] = []  # (request id, from key, tokens)
+    spare: dict[int, list[int]] = {}  # key -> [slots left, tokens left]
+    for load in loads:
+        if load.key in keys:
+            raise ConfigError(f"executor key {load.key} appears twice in the loads")
+        keys.add(load.key)
+        for rid in load.waiting:
+            if rid in requests:
+                raise ConfigError(f"request {rid} is queued on more than one executor")
+            requests.add(rid)
+        slots = load.slots
+        if len(load.waiting) > slots:
+            tail = zip(load.waiting[slots:], load.waiting_tokens[slots:], strict=True)
+            overflow.extend((rid, load.key, tokens) for rid, tokens in tail)
+        elif load.running + len(load.waiting) < load.max_batch:
+            spare[load.key] = [slots - len(load.waiting), load.free_tokens]
+    moves: list[tuple[int, int, int]] = []
+    for rid, source, tokens in overflow:
+        best: int | None = None
+        best_slots = 0
+        for key, (slots_left, tokens_left) in spare.items():
+            if slots_left <= 0 or tokens_left < tokens:
+                continue
+            if best is None or slots_left > best_slots or (slots_left == best_slots and key < best):
+                best, best_slots = key, slots_left
+        if best is None:
+            continue
+        spare[best][0] -= 1
+        spare[best][1] -= tokens
+        moves.append((rid, source, best))
+    return moves

@@ -1,0 +1,1585 @@
+"""Discrete-event simulation of a replicated model under memory throttling (KunServe §4).
+
+``N`` instances of one model (each on ``tp`` GPUs) serve one request stream.
+How the deployment reacts when KV memory runs short is the *stack*
+(:data:`~fleetserve.sim.kun_parts.KUN_STACKS`): queue (vLLM), drop KV and
+recompute, swap KV to host, Llumnix live migration, a static pipeline, or
+KunServe's parameter-centric management. All of them share this engine, the
+cost model and the memory accounting, so they differ only in that reaction.
+
+Executors. An *executor* is what runs batches: a replica (one instance,
+every layer) or a buddy group of ``k`` instances running as a ``k``-stage
+pipeline (:class:`~fleetserve.costmodel.pipeline.PipelineCost`). Each
+instance belongs to exactly one executor. An executor schedules like a vLLM
+instance: FCFS admission while the prompts fit (prefill-only iterations,
+prefill first), otherwise a decode iteration of every running request; when
+the next decode token does not fit, the newest running request is preempted
+(recomputed later; ``kv-swap`` swaps it to host instead).
+
+Memory (per instance, in token-layers, see :mod:`fleetserve.sim.kun_parts`)::
+
+    capacity_i = (hbm x mem_util x tp - weights_i) / kv_bytes_per_token_per_layer
+    weights_i  = non-layer weights + layers held x layer bytes (+ a reload in flight)
+    used_i     = layers_i x T_e + corr_i
+
+``T_e`` is the KV tokens of executor ``e``'s requests (running, prefilling,
+stalled, reserved for transfers in); a settled request's KV is spread over
+the stages in proportion to their layers. ``corr_i`` corrects for KV that is
+not where the proportional rule puts it: a piece of a victim's KV still on
+its source (``+layers x tokens`` on the source, ``-`` on the destination until
+the destination reserves it when the copy starts). Nothing is ever
+over-committed: admission and decode growth check every stage, a copy
+starts only when its destination has room, and a drop only frees memory.
+
+KunServe (``pressure="kunserve"``), every ``monitor_interval_s``:
+
+1. the monitor (:class:`~fleetserve.policy.kunserve.DemandMonitor`) samples
+   each executor's demand (KV in use + the head-of-line queued request's
+   prompt, as Llumnix counts it) and capacity, and flags those predicted to
+   run out within ``horizon_s``;
+2. if any is flagged, the planner (Algorithm 1, or the memory-greedy
+   variant) merges groups until the parameter memory freed covers what the
+   flagged executors need (the predicted shortfall, or everything their
+   queues ask for, whichever is larger); executors to merge stop starting
+   iterations, and once all are at an iteration boundary they become one
+   pipeline: each instance keeps its stage's layers and drops the rest (the
+   bytes join its KV pool at once), the queues are merged in arrival order;
+3. *victims* (requests that were decoding) have KV for layers now owned by
+   another stage; each missing piece crosses its source's link (one piece
+   at a time per link, victims in arrival order). ``live``: victims keep
+   decoding, with attention for layers not yet moved run on the source
+   (remote attention: per such layer, the query and new K/V go out and the
+   attention output comes back, on the critical path of the iteration),
+   and KV chunks yield the link to activations: the copy runs at
+   ``bandwidth x (1 - activation duty)``. ``blocking``: victims stall until all
+   their pieces have arrived, and the copy runs at full bandwidth;
+4. while any group exists the dispatcher caps each executor's batch at its
+   maximum batch (the largest batch whose decode iteration is at most
+   ``max_batch_slowdown`` x the batch-1 one) and moves queued requests beyond
+   that cap to executors with spare slots and memory;
+5. a group whose demand falls to ``restore_threshold`` of the KV capacity its
+   members would have as replicas stops taking requests and reloads the
+   dropped layers (host PCIe or a peer's link; each instance once it has
+   the room). Then, with live restore, it splits into replicas at its next
+   boundary: its requests are spread over the members (largest KV first, to
+   the member with most room) and their missing KV moves live like a live
+   exchange; without it, the group keeps pipelining until its requests are
+   done and splits then.
+
+Victims' decode gaps (time between consecutive tokens) are tracked from the
+drop until their KV has fully arrived; ``extra["kunserve"]["victims"]``
+summarizes them, per request in ``victim_records``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fleetserve.cluster.state import ClusterState, SeqView
+from fleetserve.costmodel import CostModel
+from fleetserve.costmodel.pipeline import PipelineCost
+from fleetserve.costmodel.transfer import (
+    NETWORK_LATENCY_S,
+    Link,
+    host_link,
+    intra_node_link,
+    transfer_time,
+)
+from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import (
+    GpuInterval,
+    MigrationRecord,
+    RequestRecord,
+    RunResult,
+    TimeSeries,
+)
+from fleetserve.policy.actions import Dispatch, Migrate, Reject
+from fleetserve.policy.dispatch import WorstFit
+from fleetserve.policy.kunserve import (
+    DemandMonitor,
+    ExecutorLoad,
+    freed_bytes,
+    max_batch,
+    plan_drop,
+    rebalance,
+    should_restore,
+    split_layers,
+)
+from fleetserve.policy.llumnix import Llumnix
+from fleetserve.sim.events import P_ARRIVAL, P_EPOCH, P_ITER_END, P_SAMPLE, P_TRANSFER, EventQueue
+from fleetserve.sim.kun_parts import Channel, KSeq, KunSettings, Piece, Transfer
+from fleetserve.spec import get_gpu, get_model
+from fleetserve.workload.request import Request
+
+logger = logging.getLogger(__name__)
+
+IDLE, PREFILL, DECODE = 0, 1, 2
+K_ITER, K_XFER, K_ATTACH, K_MONITOR, K_SAMPLE = range(5)
+VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
+
+ProgressFn = Callable[[float, int, int], None]
+
+
+class Executor:
+    """A replica or a pipelined buddy group (implements ``InstanceView``).
+
+    Args:
+        eid: executor id (never reused).
+        members: instance ids, in stage order.
+        stage_layers: ``(lo, hi)`` layer range of each member's stage.
+        pcost: round times of this pipeline.
+        sim: the simulator (for the memory of its members).
+    """
+
+    def __init__(
+        self,
+        eid: int,
+        members: tuple[int, ...],
+        stage_layers: Sequence[tuple[int, int]],
+        pcost: PipelineCost,
+        sim: KunSimulator,
+        now: float,
+    ) -> None:
+        self.id = eid
+        self.members = members
+        self.ranges = dict(zip(members, stage_layers, strict=True))
+        self.layers = {m: hi - lo for m, (lo, hi) in self.ranges.items()}
+        self.pcost = pcost
+        self.sim = sim
+        self.created_s = now
+        self.waiting: deque[KSeq] = deque()
+        self.running: dict[int, KSeq] = {}
+        self.stalled: dict[int, KSeq] = {}
+        self.prefill: list[KSeq] = []
+        self.pending_attach: list[KSeq] = []
+        self.swapped: deque[KSeq] = deque()
+        self.swap_out_busy = False
+        self.swap_in_busy = False
+        self.steps = 0
+        self.sum_base = 0
+        self.static = 0  # KV tokens of requests not running (prefill, stalled, reserved in)
+        self.inflight = 0  # tokens the decode iteration in flight is adding
+        self._fheap: list[tuple[int, int]] = []
+        self.phase = IDLE
+        self.version = 0
+        self.frozen = False
+        self.accepting = True
+        self.restoring = False
+        self.reload_left: set[int] = set()
+        self.live_pieces: set[Piece] = set()
+        self.tracked: dict[int, KSeq] = {}
+        self.mig_ready: list[KSeq] = []
+        self.max_batch = sim.max_num_seqs
+        self.last_end = now
+
+    # ---------------------------------------------------------------- memory
+    def T(self) -> int:
+        """KV tokens this executor's requests hold (see the module docstring)."""
+        return self.sum_base + len(self.running) * self.steps + self.static + self.inflight
+
+    def room_tokens(self) -> int:
+        """KV tokens every stage can still take."""
+        mem = self.sim
+        return min(mem.free_tl(m) // n for m, n in self.layers.items())
+
+    def capacity_tokens(self) -> int:
+        """KV tokens the executor holds when full (all settled)."""
+        mem = self.sim
+        return min(mem.cap_tl(m) // n for m, n in self.layers.items())
+
+    def waiting_tokens(self) -> int:
+        return sum(s.need_tokens() for s in self.waiting)
+
+    @property
+    def k(self) -> int:
+        return len(self.members)
+
+    @property
+    def stable(self) -> bool:
+        """No merge, restore, KV piece, swap or migration in progress."""
+        return (
+            not self.frozen
+            and not self.restoring
+            and not self.live_pieces
+            and not self.stalled
+            and not self.pending_attach
+            and not any(s.mig is not None for s in self.running.values())
+            and not self.swap_in_busy
+            and not self.swap_out_busy
+        )
+
+    # -------------------------------------------------------- InstanceView
+    @property
+    def model(self) -> str:
+        return self.sim.model.name
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        tp = self.sim.tp
+        return tuple(g for m in self.members for g in range(m * tp, (m + 1) * tp))
+
+    @property
+    def tp(self) -> int:
+        return self.sim.tp
+
+    @property
+    def block_size(self) -> int:
+        return VIEW_BLOCK
+
+    @property
+    def total_blocks(self) -> int:
+        return self.capacity_tokens() // VIEW_BLOCK
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return max(0, self.room_tokens()) // VIEW_BLOCK
+
+    @property
+    def reserved_blocks(self) -> int:
+        return -(-self.waiting_tokens() // VIEW_BLOCK)
+
+    @property
+    def available_blocks(self) -> int:
+        wm = int(self.sim.watermark * self.capacity_tokens())
+        return (self.room_tokens() - self.waiting_tokens() - wm) // VIEW_BLOCK
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.stalled) + len(self.prefill)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def decode_steps(self) -> int:
+        return self.steps
+
+    @property
+    def idle(self) -> bool:
+        return self.phase == IDLE and not self.waiting and not self.num_running
+
+    def seqs(self) -> list[SeqView]:
+        return [*self.running.values(), *self.prefill, *self.waiting]
+
+    # -------------------------------------------------------------- requests
+    def run(self, s: KSeq, kv: int) -> None:
+        """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
+        s.base = kv - self.steps
+        s.state = "running"
+        s.exe = self
+        s.finish_step = self.steps + (s.req.output_tokens - (kv - s.prompt + 1))
+        self.running[s.id] = s
+        self.sum_base += s.base
+        heapq.heappush(self._fheap, (s.finish_step, s.id))
+
+    def unrun(self, s: KSeq) -> int:
+        """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
+        del self.running[s.id]
+        kv = s.base + self.steps
+        self.sum_base -= s.base
+        s.gen = kv - s.prompt + 1
+        s.tokens = kv
+        return kv
+
+
+class _Merge:
+    """Executors frozen to become one buddy group."""
+
+    __slots__ = ("members", "olds")
+
+    def __init__(self, olds: list[Executor], members: tuple[int, ...]) -> None:
+        self.olds = olds
+        self.members = members
+
+
+class _Migration:
+    """A Llumnix live migration: pre-copy of ``tokens`` while running at the source."""
+
+    __slots__ = ("dst", "ready", "src", "started_s", "tokens")
+
+    def __init__(self, src: Executor, dst: Executor, tokens: int, now: float) -> None:
+        self.src = src
+        self.dst = dst
+        self.tokens = tokens
+        self.ready = False
+        self.started_s = now
+
+
+class KunSimulator:
+    """Simulates ``requests`` on ``instances`` replicas of ``model`` under ``settings``.
+
+    Args:
+        requests: the workload (one model), sorted by arrival, ids ``0..n-1``.
+        model, gpu: catalog names.
+        instances: instances (replicas) in the cluster.
+        tp: GPUs per instance (tensor parallel).
+        settings: the stack's behaviour (:class:`KunSettings`).
+        stack: the stack's name (for results).
+        mem_util: share of each GPU's HBM the engine may use.
+        kv_tokens: KV memory provisioned per instance, in tokens (all layers);
+            None: everything ``mem_util`` leaves after the weights. The
+            instance's memory is then the weights plus exactly this, so
+            dropped layers still join the KV pool (KunServe's experiments
+            provision KV at 2.1x the average demand).
+        network_gbps: per-GPU network bandwidth in Gbit/s (None: the GPU spec's).
+        gpus_per_node: GPUs per server (None: the GPU spec's); instances on
+            different servers talk over the network, on one server over NVLink.
+        cost: cost model (default: the analytic roofline).
+        seed: seeds the policies' RNG.
+        max_num_seqs, max_batched_tokens, watermark: vLLM engine limits.
+        sample_interval_s: time-series sampling period.
+        check_integrity: check every invariant after every event (slow; tests).
+        max_time_s: stop at this simulated time.
+        config: the resolved config to store with the results.
+        notes: remarks to carry into the results.
+        progress: ``progress(sim_time, events, done)`` every ``progress_every`` events.
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        *,
+        model: str,
+        gpu: str,
+        instances: int,
+        tp: int = 1,
+        settings: KunSettings | None = None,
+        stack: str = "custom",
+        mem_util: float = 0.9,
+        kv_tokens: int | None = None,
+        network_gbps: float | None = None,
+        gpus_per_node: int | None = None,
+        cost: CostModel | None = None,
+        seed: int = 0,
+        max_num_seqs: int = 256,
+        max_batched_tokens: int = 8192,
+        watermark: float = 0.01,
+        sample_interval_s: float = 1.0,
+        check_integrity: bool = False,
+        max_time_s: float | None = None,
+        config: dict[str, Any] | None = None,
+        notes: Sequence[str] = (),
+        progress: ProgressFn | None = None,
+        progress_every: int = 4096,
+    ) -> None:
+        self.settings = st = settings or KunSettings()
+        self.stack = stack
+        self.model = spec = get_model(model)
+        self.gpu = get_gpu(gpu)
+        if spec.kv_layers != spec.num_layers:
+            raise ConfigError(
+                f"model {model}: KunServe's layer dropping needs a KV cache in every layer "
+                f"({spec.kv_layers} of {spec.num_layers} layers have one)"
+            )
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+            raise ConfigError(f"instances must be an integer >= 1, got {instances!r}")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+        if st.static_stages > instances:
+            raise ConfigError(
+                f"static pipeline of {st.static_stages} stages needs at least that many "
+                f"instances, got {instances}"
+            )
+        if st.static_stages > spec.num_layers:
+            raise ConfigError(f"{st.static_stages} stages exceed the {spec.num_layers} layers")
+        if not 0 < mem_util <= 1:
+            raise ConfigError(f"mem_util must be in (0, 1], got {mem_util!r}")
+        self.requests = list(requests)
+        for i, r in enumerate(self.requests):
+            if r.id != i:
+                raise ConfigError(f"request ids must be 0..n-1 in order; position {i} has {r.id}")
+            if i and r.arrival_s < self.requests[i - 1].arrival_s:
+                raise ConfigError(f"requests must be sorted by arrival; request {i} is not")
+            if r.model != spec.name:
+                raise ConfigError(
+                    f"request {r.id} is for model {r.model!r}; this deployment serves {spec.name}"
+                )
+        self.tp = tp
+        self.n = instances
+        self.L = spec.num_layers
+        self.kvpl = spec.kv_bytes_per_token_per_layer
+        self.kv_tok_bytes = spec.kv_bytes_per_token
+        self.layer_b = spec.weight_bytes_per_layer
+        self.base_w = spec.weight_bytes - self.L * self.layer_b
+        self.param_bytes = self.L * self.layer_b  # P: droppable bytes of one replica
+        cap = int(self.gpu.hbm_bytes * mem_util) * tp
+        if spec.weight_bytes >= cap:
+            raise ConfigError(
+                f"{model} ({spec.weight_bytes / 1e9:.1f} GB) does not fit {tp} x {gpu} "
+                f"at mem_util {mem_util}"
+            )
+        if kv_tokens is not None:
+            if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1:
+                raise ConfigError(f"kv_tokens must be an integer >= 1, got {kv_tokens!r}")
+            want = spec.weight_bytes + kv_tokens * spec.kv_bytes_per_token
+            if want > cap:
+                raise ConfigError(
+                    f"kv_tokens={kv_tokens} per instance needs {want / 1e9:.1f} GB with the "
+                    f"weights, more than {tp} x {gpu} offers at mem_util {mem_util} "
+                    f"({cap / 1e9:.1f} GB)"
+                )
+            cap = want
+        self.cap_b = [cap] * instances
+        self.weights = [spec.weight_bytes] * instances
+        self.held: list[tuple[int, int]] = [(0, self.L)] * instances
+        self.reloading = [0] * instances  # bytes of a reload in flight
+        self.corr = [0] * instances
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.watermark = watermark
+        self.sample_interval_s = sample_interval_s
+        self.check = check_integrity
+        self.max_time_s = max_time_s
+        self.config = dict(config or {})
+        self.notes = list(notes)
+        self.progress = progress
+        self.progress_every = progress_every
+        self.rng = np.random.default_rng(seed)
+        self.cost = (cost or CostModel()).bind(spec, self.gpu, tp)
+        per_node = gpus_per_node or self.gpu.gpus_per_node
+        self.node_of = [(i * tp) // per_node for i in range(instances)]
+        bw = (network_gbps * 1e9 / 8) if network_gbps is not None else self.gpu.network_bw
+        if not bw > 0:
+            raise ConfigError(f"network_gbps must be > 0, got {network_gbps!r}")
+        self.net_link = Link(bw, NETWORK_LATENCY_S)
+        self.nvlink = intra_node_link(self.gpu)
+        self.pcie = host_link(self.gpu)
+        self.net = [Channel(f"net{i}", self.net_link) for i in range(instances)]
+        self.host = [Channel(f"host{i}", self.pcie) for i in range(instances)]
+        self.nvl = [Channel(f"nvlink{i}", self.nvlink) for i in range(instances)]
+        mean_ctx = (
+            float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in self.requests]))
+            if self.requests
+            else 1024.0
+        )
+        self._mean_ctx = mean_ctx
+        self._max_batch: dict[tuple[int, ...], int] = {}
+
+        self.events = EventQueue()
+        self.records = [
+            RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
+            for r in self.requests
+        ]
+        self.seqs: list[KSeq | None] = [None] * len(self.requests)
+        self.exe_of: list[Executor | None] = [None] * instances
+        self.execs: dict[int, Executor] = {}
+        self._next_eid = 0
+        self.state = ClusterState(
+            gpus_limit=instances * tp,
+            elastic=False,
+            model_tp={spec.name: tp},
+            gpus_per_node=per_node,
+            block_size=VIEW_BLOCK,
+        )
+        self.dispatcher = WorstFit()
+        self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
+        self.monitor = DemandMonitor(window_s=st.window_s, horizon_s=st.horizon_s)
+        self.merging: list[_Merge] = []
+        self.n_events = 0
+        self.n_done = 0
+        self.timeseries = TimeSeries(sample_interval_s)
+        self.migrations: list[MigrationRecord] = []
+        self.aborted = 0
+        self.mem_events: list[dict[str, Any]] = []
+        self.victim_records: list[dict[str, Any]] = []
+        self.drops = 0
+        self.restores = 0
+        self.bytes_freed = 0
+        self.group_seconds = 0.0
+        self._pipe_since: float | None = None
+        self.time_in_pipeline_s = 0.0
+        self.tl_t: list[float] = []
+        self.tl_groups: list[int] = []
+        self.tl_dropped: list[int] = []
+        k = st.static_stages
+        for lo in range(0, instances, k):
+            self._new_executor(tuple(range(lo, min(lo + k, instances))), 0.0)
+        self._update_pipe_clock(0.0)
+
+    # ------------------------------------------------------------- memory
+    def cap_tl(self, m: int) -> int:
+        """KV capacity of instance ``m`` in token-layers."""
+        return (self.cap_b[m] - self.weights[m]) // self.kvpl
+
+    def used_tl(self, m: int) -> int:
+        exe = self.exe_of[m]
+        assert exe is not None
+        return exe.layers[m] * exe.T() + self.corr[m]
+
+    def free_tl(self, m: int) -> int:
+        return self.cap_tl(m) - self.used_tl(m)
+
+    def _link(self, a: int, b: int) -> Link:
+        return self.nvlink if self.node_of[a] == self.node_of[b] else self.net_link
+
+    def _chan(self, a: int, b: int) -> Channel:
+        """The channel ``a`` sends to ``b`` on (NVLink inside a server, else its NIC)."""
+        return self.nvl[a] if self.node_of[a] == self.node_of[b] else self.net[a]
+
+    def _new_executor(self, members: tuple[int, ...], now: float) -> Executor:
+        ranges = split_layers(self.L, len(members))
+        link = self.net_link
+        if all(self.node_of[m] == self.node_of[members[0]] for m in members):
+            link = self.nvlink
+        pcost = PipelineCost(self.cost, [hi - lo for lo, hi in ranges], link)
+        exe = Executor(self._next_eid, members, ranges, pcost, self, now)
+        self._next_eid += 1
+        for m, (lo, hi) in zip(members, ranges, strict=True):
+            old = self.held[m]
+            if (old[1] - old[0]) > (hi - lo):  # drop what the stage does not need
+                dropped = (old[1] - old[0] - (hi - lo)) * self.layer_b
+                self.weights[m] -= dropped
+                self.bytes_freed += dropped
+                self.held[m] = (lo, hi)
+            elif old != (lo, hi) and (old[1] - old[0]) < self.L:
+                raise RuntimeError(f"instance {m} holds {old}, cannot serve stage {(lo, hi)}")
+            self.exe_of[m] = exe
+        exe.max_batch = self._batch_cap(exe)
+        self.execs[exe.id] = exe
+        self.state.add(exe)
+        return exe
+
+    def _retire(self, exe: Executor, now: float) -> None:
+        self.state.remove(exe.id)
+        del self.execs[exe.id]
+        self.monitor.forget(exe.id)
+        if exe.k > 1:
+            self.group_seconds += now - exe.created_s
+
+    def _batch_cap(self, exe: Executor) -> int:
+        key = exe.pcost.stage_layers
+        got = self._max_batch.get(key)
+        if got is None:
+            pc = exe.pcost
+            ctx = self._mean_ctx
+            got = max_batch(
+                lambda b: pc.decode_time(b, b * ctx),
+                self.max_num_seqs,
+                self.settings.max_batch_slowdown,
+            )
+            self._max_batch[key] = got
+        return got
+
+    def _update_pipe_clock(self, now: float) -> None:
+        grouped = any(e.k > 1 for e in self.execs.values())
+        if grouped and self._pipe_since is None:
+            self._pipe_since = now
+        elif not grouped and self._pipe_since is not None:
+            self.time_in_pipeline_s += now - self._pipe_since
+            self._pipe_since = None
+
+    @property
+    def grouped(self) -> bool:
+        return self._pipe_since is not None
+
+    # ----------------------------------------------------------------- loop
+    def run(self) -> RunResult:
+        """Run to completion (or ``max_time_s``) and return the results."""
+        wall0 = time.perf_counter()
+        reqs = self.requests
+        n = len(reqs)
+        ev = self.events
+        heap = ev.heap
+        max_t = self.max_time_s if self.max_time_s is not None else float("inf")
+        ai = 0
+        ev.push(0.0, P_SAMPLE, K_SAMPLE, None)
+        ev.push(0.0, P_EPOCH, K_MONITOR, None)
+        inf = float("inf")
+        end_s = 0.0
+        progress, every = self.progress, self.progress_every
+        while True:
+            ta = reqs[ai].arrival_s if ai < n else inf
+            if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
+                t = heap[0][0]
+                if t > max_t:
+                    break
+                t, _p, _s, kind, payload = ev.pop()
+                if kind == K_ITER:
+                    exe, version = payload
+                    if exe.version != version or exe.id not in self.execs:
+                        continue
+                    self._on_iter_end(exe, t)
+                elif kind == K_XFER:
+                    ch, version = payload
+                    if ch.version != version:
+                        continue
+                    self._on_xfer_end(ch, t)
+                elif kind == K_ATTACH:
+                    self._on_attach(payload, t)
+                elif kind == K_MONITOR:
+                    self._on_monitor(t, ai < n)
+                else:
+                    self._on_sample(t, ai < n)
+            elif ai < n:
+                if ta > max_t:
+                    break
+                t = ta
+                self._on_arrival(reqs[ai], t)
+                ai += 1
+            else:
+                break
+            end_s = t
+            self.n_events += 1
+            if self.check:
+                self.check_integrity(ai)
+            if progress is not None and self.n_events % every == 0:
+                progress(t, self.n_events, self.n_done)
+        if self.max_time_s is not None and (heap or ai < n):
+            end_s = max(end_s, self.max_time_s)
+        self._sample(end_s)
+        if progress is not None:
+            progress(end_s, self.n_events, self.n_done)
+        return self._result(end_s, time.perf_counter() - wall0)
+
+    def _push_iter(self, exe: Executor, end: float) -> None:
+        self.events.push(end, P_ITER_END, K_ITER, (exe, exe.version))
+
+    def _push_xfer(self, ch: Channel, end: float | None) -> None:
+        if end is not None:
+            self.events.push(end, P_TRANSFER, K_XFER, (ch, ch.version))
+
+    def _work_left(self, arrivals_left: bool) -> bool:
+        """Arrivals, requests somewhere, or transfers under way."""
+        return (
+            arrivals_left
+            or any(
+                e.waiting or e.num_running or e.swapped or e.pending_attach
+                for e in self.execs.values()
+            )
+            or any(ch.busy for ch in (*self.net, *self.host, *self.nvl))
+        )
+
+    # ------------------------------------------------------------- arrivals
+    def _on_arrival(self, req: Request, now: float) -> None:
+        rec = self.records[req.id]
+        limit = int(min(self.cap_tl(m) for m in range(self.n)) // self.L * (1 - self.watermark))
+        if req.max_kv_tokens > limit:
+            rec.status = "rejected"
+            rec.reason = (
+                f"needs {req.max_kv_tokens} KV tokens, more than one instance holds ({limit})"
+            )
+            self.n_done += 1
+            return
+        s = KSeq(req, rec)
+        self.seqs[req.id] = s
+        exe = self._choose_executor(req, now)
+        if exe is None:
+            rec.status = "rejected"
+            rec.reason = "no executor accepts requests"
+            self.seqs[req.id] = None
+            self.n_done += 1
+            return
+        self._enqueue(s, exe, now)
+
+    def _choose_executor(self, req: Request, now: float) -> Executor | None:
+        """Worst-Fit (most available memory; Llumnix's dispatch, which KunServe
+        inherits) among accepting executors; while groups exist (KunServe),
+        among those below their maximum batch first."""
+        cands = [e for e in self.execs.values() if e.accepting]
+        if not cands:
+            cands = list(self.execs.values())
+        if self.grouped and self.settings.pressure == "kunserve":
+            under = [e for e in cands if e.num_running + e.num_waiting < e.max_batch]
+            cands = under or cands
+        st = ClusterState(block_size=VIEW_BLOCK)
+        for e in cands:
+            st.add(e)
+        action = self.dispatcher.dispatch(st, req, now, self.rng)
+        if isinstance(action, Dispatch):
+            return self.execs[action.instance_id]
+        if isinstance(action, Reject):
+            return None
+        raise RuntimeError(f"unexpected dispatch action {action!r}")
+
+    def _enqueue(self, s: KSeq, exe: Executor, now: float) -> None:
+        s.state = "waiting"
+        s.exe = exe
+        exe.waiting.append(s)
+        if exe.phase == IDLE:
+            self._schedule(exe, now)
+
+    # ----------------------------------------------------------- iterations
+    def _schedule(self, exe: Executor, now: float) -> None:
+        """Plan ``exe``'s next iteration at a boundary (or while it sits idle)."""
+        if exe.phase != IDLE:
+            return
+        if exe.frozen:
+            self._try_merges(now)
+            self._try_split(exe, now)
+            return
+        for s in exe.pending_attach:
+            exe.static -= s.tokens
+            exe.run(s, s.tokens)
+        exe.pending_attach.clear()
+        pressure = self.settings.pressure
+        if exe.waiting:
+            admitted = self._admit(exe)
+            if not admitted and exe.running and self._head_blocked_by_memory(exe):
+                if pressure == "kv-drop":
+                    self._drop_for_head(exe, now)
+                    admitted = self._admit(exe)
+                elif pressure == "kv-swap" and not exe.swap_out_busy:
+                    self._swap_out(exe, self._newest(exe), now)
+            if admitted:
+                self._start_prefill(exe, admitted, now)
+                return
+        if pressure == "kv-swap":
+            self._swap_in(exe, now)
+        if exe.running:
+            self._start_decode(exe, now)
+        else:
+            exe.phase = IDLE
+            if exe.restoring and not self.settings.live_restore:
+                self._try_split(exe, now)
+
+    def _cap(self, exe: Executor) -> int:
+        if self.grouped and self.settings.pressure == "kunserve":
+            return min(self.max_num_seqs, exe.max_batch)
+        return self.max_num_seqs
+
+    def _head_blocked_by_memory(self, exe: Executor) -> bool:
+        """The head of the queue has a batch slot but not the memory."""
+        room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
+        slots = self._cap(exe) - len(exe.running) - len(exe.stalled)
+        return slots > 0 and exe.waiting[0].need_tokens() > room
+
+    def _admit(self, exe: Executor) -> list[KSeq]:
+        """FCFS: the head of the queue while it fits (memory above the watermark,
+        batch slots, the token budget; a lone prompt may exceed the budget)."""
+        room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
+        slots = self._cap(exe) - len(exe.running) - len(exe.stalled)
+        budget = self.max_batched_tokens
+        out: list[KSeq] = []
+        for s in exe.waiting:
+            need = s.need_tokens()
+            if need > room or slots <= 0 or (out and need > budget):
+                break
+            out.append(s)
+            room -= need
+            slots -= 1
+            budget -= need
+        return out
+
+    def _start_prefill(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
+        for _ in admitted:
+            exe.waiting.popleft()
+        lens = []
+        for s in admitted:
+            n = s.need_tokens()
+            exe.static += n
+            s.state = "prefill"
+            lens.append(n)
+        exe.prefill = admitted
+        exe.phase = PREFILL
+        exe.version += 1
+        self._push_iter(exe, now + exe.pcost.prefill_time(lens))
+
+    def _newest(self, exe: Executor) -> KSeq:
+        return max(exe.running.values(), key=lambda s: (s.req.arrival_s, s.id))
+
+    def _start_decode(self, exe: Executor, now: float) -> None:
+        pressure = self.settings.pressure
+        while exe.running and exe.room_tokens() < len(exe.running):
+            victim = self._newest(exe)
+            if pressure == "kv-swap":
+                if not exe.swap_out_busy:
+                    self._swap_out(exe, victim, now)
+                    continue
+                exe.phase = IDLE  # wait for the swap-out in flight to free memory
+                return
+            self._preempt(exe, victim, now)
+        B = len(exe.running)
+        if B == 0:
+            exe.phase = IDLE
+            return
+        exe.inflight = B
+        ctx = exe.sum_base + B * exe.steps + B
+        extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
+        t = exe.pcost.decode_time(B, ctx, extra)
+        if exe.live_pieces:
+            hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
+            share = 1.0 - min(0.95, (hop + extra) / t)
+            for p in exe.live_pieces:
+                if p.started and not p.cancelled:
+                    ch = self._chan(p.src, p.dst)
+                    self._push_xfer(ch, ch.set_share(share, now))
+        exe.phase = DECODE
+        exe.version += 1
+        self._push_iter(exe, now + t)
+
+    def _remote_overhead(self, exe: Executor) -> float:
+        """Remote-attention round trips of live victims, per iteration: for each
+        source, per layer not yet moved, the queries and new K/V of its victims
+        go out and the attention outputs come back (sequential across layers)."""
+        spec = self.model
+        q_b = spec.num_heads * spec.head_dim * spec.dtype_bytes
+        kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        per_src: dict[int, dict[int, int]] = {}
+        for p in exe.live_pieces:
+            if p.cancelled or p.seq.state != "running":
+                continue
+            d = per_src.setdefault(p.src, {})
+            d[p.seq.id] = d.get(p.seq.id, 0) + p.layers
+        total = 0.0
+        for src, by_seq in per_src.items():
+            count = len(by_seq)
+            layers = max(by_seq.values())
+            dst = exe.members[0]
+            link = self._link(src, dst)
+            total += layers * (
+                transfer_time(count * (q_b + kv_b), link) + transfer_time(count * q_b, link)
+            )
+        return total
+
+    def _preempt(self, exe: Executor, s: KSeq, now: float) -> None:
+        """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
+        self._cancel_pieces(s)
+        self._cancel_migration(s)
+        exe.unrun(s)
+        s.tokens = 0
+        s.state = "waiting"
+        s.record.preemptions += 1
+        self._untrack(exe, s, now)
+        exe.waiting.appendleft(s)
+
+    def _drop_for_head(self, exe: Executor, now: float) -> None:
+        """KV drop: free the newest running requests until the head of the
+        queue fits; they are requeued at the tail and recomputed."""
+        head = exe.waiting[0]
+        wm = int(self.watermark * exe.capacity_tokens())
+        dropped: list[KSeq] = []
+        while exe.running and exe.room_tokens() - wm < head.need_tokens():
+            s = self._newest(exe)
+            self._cancel_pieces(s)
+            self._cancel_migration(s)
+            exe.unrun(s)
+            s.tokens = 0
+            s.state = "waiting"
+            s.record.preemptions += 1
+            self._untrack(exe, s, now)
+            dropped.append(s)
+        exe.waiting.extend(reversed(dropped))
+
+    def _on_iter_end(self, exe: Executor, now: float) -> None:
+        exe.last_end = now
+        if exe.phase == PREFILL:
+            for s in exe.prefill:
+                n = s.need_tokens()
+                exe.static -= n
+                rec = s.record
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+                s.last_tok_s = now
+                if s.gen + 1 >= s.req.output_tokens:
+                    s.gen = s.req.output_tokens
+                    self._finish(exe, s, now)
+                else:
+                    exe.run(s, n)
+            exe.prefill = []
+        else:
+            exe.inflight = 0
+            exe.steps += 1
+            steps = exe.steps
+            fheap = exe._fheap
+            running = exe.running
+            while fheap and fheap[0][0] <= steps:
+                step, sid = heapq.heappop(fheap)
+                fin = running.get(sid)
+                if fin is None or fin.finish_step != step:
+                    continue
+                exe.unrun(fin)
+                fin.gen = fin.req.output_tokens
+                self._finish(exe, fin, now)
+            if exe.tracked:
+                for s in list(exe.tracked.values()):
+                    if s.state == "running":
+                        gap = now - s.last_tok_s
+                        if gap > s.max_gap_s:
+                            s.max_gap_s = gap
+                        s.last_tok_s = now
+                        if not s.pieces:
+                            self._untrack(exe, s, now)
+        exe.phase = IDLE
+        if exe.mig_ready:
+            self._migrations_at_boundary(exe, now)
+        self._schedule(exe, now)
+
+    def _finish(self, exe: Executor, s: KSeq, now: float) -> None:
+        self._cancel_pieces(s)
+        self._cancel_migration(s)
+        s.state = "done"
+        s.tokens = 0
+        rec = s.record
+        rec.finish_s = now
+        rec.generated = s.req.output_tokens
+        rec.status = "finished"
+        rec.instance = exe.id
+        self._untrack(exe, s, now)
+        self.n_done += 1
+
+    # ------------------------------------------------------------ transfers
+    def _enqueue_transfer(self, ch: Channel, tr: Transfer, now: float) -> None:
+        ch.queue.append(tr)
+        self._push_xfer(ch, ch.try_start(now))
+
+    def _on_xfer_end(self, ch: Channel, now: float) -> None:
+        tr = ch.finish()
+        tr.on_done(now)
+        self._push_xfer(ch, ch.try_start(now))
+        self._retry_channels(now)
+
+    def _retry_channels(self, now: float) -> None:
+        for ch in (*self.net, *self.host, *self.nvl):
+            if ch.cur is None and ch.queue:
+                self._push_xfer(ch, ch.try_start(now))
+
+    def _on_attach(self, s: KSeq, now: float) -> None:
+        exe = s.exe
+        assert exe is not None
+        exe.pending_attach.append(s)
+        if exe.phase == IDLE:
+            self._schedule(exe, now)
+
+    # ------------------------------------------------------------- KV pieces
+    def _add_pieces(self, s: KSeq, exe: Executor, pieces: list[Piece], now: float) -> None:
+        """Register ``s``'s pieces (proportional accounting corrected) and queue
+        them on their sources' links."""
+        for p in pieces:
+            tl = p.token_layers
+            self.corr[p.src] += tl
+            self.corr[p.dst] -= tl
+            s.pieces.append(p)
+            if p.live:
+                exe.live_pieces.add(p)
+            self._enqueue_transfer(self._chan(p.src, p.dst), self._piece_transfer(p, exe), now)
+
+    def _piece_transfer(self, p: Piece, exe: Executor) -> Transfer:
+        def ready() -> bool:
+            return p.cancelled or self.free_tl(p.dst) >= p.token_layers
+
+        def on_start(now: float) -> None:
+            if not p.cancelled:
+                p.started = True
+                self.corr[p.dst] += p.token_layers
+
+        def on_done(now: float) -> list[Any]:
+            if p.cancelled:
+                return []
+            self.corr[p.src] -= p.token_layers
+            s = p.seq
+            s.pieces.remove(p)
+            exe.live_pieces.discard(p)
+            if not s.pieces and s.state == "stalled":
+                exe.stalled.pop(s.id)
+                s.state = "transit"
+                exe.pending_attach.append(s)
+                if exe.phase == IDLE:
+                    self._schedule(exe, now)
+            return []
+
+        nbytes = float(p.token_layers * self.kvpl) / self.tp
+        tr = Transfer("kv-piece", nbytes, on_done, ready=ready, on_start=on_start, live=p.live)
+        p.transfer = tr
+        return tr
+
+    def _cancel_pieces(self, s: KSeq) -> None:
+        """``s`` leaves (finished, preempted): its pending pieces are void."""
+        # A piece not started still has its destination's negative correction;
+        # a started one had reserved the destination (net zero there). Either
+        # way the source no longer holds it. A copy in flight runs to its end.
+        exe = s.exe
+        for p in s.pieces:
+            self.corr[p.src] -= p.token_layers
+            if not p.started:
+                self.corr[p.dst] += p.token_layers
+            p.cancelled = True
+            if p.transfer is not None:
+                p.transfer.cancelled = True
+            if exe is not None:
+                exe.live_pieces.discard(p)
+        s.pieces = []
+
+    def _untrack(self, exe: Executor, s: KSeq, now: float) -> None:
+        if s.tracked_since is None:
+            return
+        exe.tracked.pop(s.id, None)
+        self.victim_records.append(
+            {
+                "request": s.id,
+                "kind": s.track_kind,
+                "mode": self.settings.exchange if s.track_kind == "exchange" else "live",
+                "start_s": s.tracked_since,
+                "end_s": now,
+                "max_gap_s": s.max_gap_s,
+                "outcome": s.state,
+            }
+        )
+        s.tracked_since = None
+
+    def _track(self, exe: Executor, s: KSeq, now: float, last_tok: float, kind: str) -> None:
+        s.tracked_since = now
+        s.track_kind = kind
+        s.max_gap_s = 0.0
+        s.last_tok_s = last_tok
+        exe.tracked[s.id] = s
+
+    # --------------------------------------------------------------- monitor
+    def _on_monitor(self, now: float, arrivals_left: bool) -> None:
+        st = self.settings
+        mon = self.monitor
+        kvb = self.kv_tok_bytes
+        for e in self.execs.values():
+            head = e.waiting[0].need_tokens() if e.waiting else 0
+            mon.observe(e.id, now, float((e.T() + head) * kvb), float(e.capacity_tokens() * kvb))
+        if st.pressure == "kunserve":
+            self._maybe_drop(now)
+            self._maybe_restore(now)
+            if self.grouped:
+                self._rebalance(now)
+        elif st.pressure == "llumnix":
+            self._llumnix_plan(now)
+        self._retry_channels(now)
+        if self._work_left(arrivals_left):
+            self.events.push(now + st.monitor_interval_s, P_EPOCH, K_MONITOR, None)
+
+    def _maybe_drop(self, now: float) -> None:
+        mon = self.monitor
+        h = self.settings.horizon_s
+        kvb = self.kv_tok_bytes
+        flagged = [e for e in self.execs.values() if e.accepting and mon.throttled(e.id, h)]
+        if not flagged:
+            return
+        need = 0.0
+        for e in flagged:
+            queued = (e.T() + e.waiting_tokens() - e.capacity_tokens()) * kvb
+            need += max(mon.required_bytes(e.id, h), float(queued))
+        groups = [e.members for e in self.execs.values()]
+        current = freed_bytes(groups, self.param_bytes)
+        kv_region = sum(self.cap_b) - self.n * self.model.weight_bytes
+        plan = plan_drop(
+            self.settings.strategy,
+            groups,
+            self.param_bytes,
+            int(current + need),
+            int(kv_region),
+            max_group_size=self.L,
+        )
+        for g in plan.merges_from(groups):
+            uniq: list[Executor] = []
+            for m in g:
+                owner = self.exe_of[m]
+                assert owner is not None
+                if owner not in uniq:
+                    uniq.append(owner)
+            if not all(e.stable for e in uniq):
+                continue
+            for e in uniq:
+                e.frozen = True
+            self.merging.append(_Merge(uniq, tuple(sorted(g))))
+        if self.merging:
+            self._try_merges(now)
+
+    def _try_merges(self, now: float) -> None:
+        for mg in list(self.merging):
+            if all(e.phase == IDLE for e in mg.olds):
+                self.merging.remove(mg)
+                self._merge(mg, now)
+
+    def _merge(self, mg: _Merge, now: float) -> None:
+        """Form one buddy group from ``mg.olds`` (all at a boundary)."""
+        live = self.settings.exchange == "live"
+        old_owner: dict[int, list[int]] = {}
+        for e in mg.olds:
+            owner = [0] * self.L
+            for m, (lo, hi) in e.ranges.items():
+                for layer in range(lo, hi):
+                    owner[layer] = m
+            old_owner[e.id] = owner
+        for e in mg.olds:
+            self._retire(e, now)
+        new = self._new_executor(mg.members, now)
+        new_owner = [0] * self.L
+        for m, (lo, hi) in new.ranges.items():
+            for layer in range(lo, hi):
+                new_owner[layer] = m
+        waiting: list[KSeq] = []
+        victims: list[tuple[KSeq, int, dict[tuple[int, int], int], float]] = []
+        for e in mg.olds:
+            waiting.extend(e.waiting)
+            owner = old_owner[e.id]
+            moves: dict[tuple[int, int], int] = {}
+            for layer in range(self.L):
+                a, b = owner[layer], new_owner[layer]
+                if a != b:
+                    moves[(a, b)] = moves.get((a, b), 0) + 1
+            for s in list(e.running.values()):
+                kv = e.unrun(s)
+                victims.append((s, kv, moves, e.last_end))
+            assert not e.stalled and not e.prefill and not e.pending_attach
+        waiting.sort(key=lambda s: (s.req.arrival_s, s.id))
+        for s in waiting:
+            s.exe = new
+            new.waiting.append(s)
+        victims.sort(key=lambda v: (v[0].req.arrival_s, v[0].id))
+        for s, kv, moves, last_end in victims:
+            pieces = [Piece(s, a, b, n, kv, live) for (a, b), n in sorted(moves.items())]
+            if live or not pieces:
+                new.run(s, kv)
+            else:
+                s.state = "stalled"
+                s.exe = new
+                s.tokens = kv
+                new.static += kv
+                new.stalled[s.id] = s
+            if pieces:
+                self._track(new, s, now, last_end, "exchange")
+                self._add_pieces(s, new, pieces, now)
+        self.drops += 1
+        self.mem_events.append(
+            {"t": now, "event": "drop", "group": list(mg.members), "victims": len(victims)}
+        )
+        self._update_pipe_clock(now)
+        self._schedule(new, now)
+
+    # --------------------------------------------------------------- restore
+    def _maybe_restore(self, now: float) -> None:
+        st = self.settings
+        h = st.horizon_s
+        for e in list(self.execs.values()):
+            if e.restoring and not e.reload_left and st.live_restore and not e.frozen:
+                e.frozen = True  # a split that found no room earlier: try again
+                if e.phase == IDLE:
+                    self._try_split(e, now)
+                continue
+            if e.k == 1 or not e.stable or self.monitor.throttled(e.id, h):
+                continue
+            demand = e.T() + e.waiting_tokens()
+            restored = sum(
+                (self.cap_b[m] - self.model.weight_bytes) // self.kv_tok_bytes for m in e.members
+            )
+            if should_restore(float(demand), float(restored), st.restore_threshold):
+                self._begin_restore(e, now)
+
+    def _begin_restore(self, e: Executor, now: float) -> None:
+        e.restoring = True
+        e.accepting = False
+        e.reload_left = set(e.members)
+        self.mem_events.append({"t": now, "event": "restore-start", "group": list(e.members)})
+        for m in e.members:
+            need = (self.L - (self.held[m][1] - self.held[m][0])) * self.layer_b
+            ch = self.host[m] if self.settings.restore_from == "host" else self.net[m]
+            self._enqueue_transfer(ch, self._reload_transfer(e, m, need), now)
+
+    def _reload_transfer(self, e: Executor, m: int, need: int) -> Transfer:
+        def ready() -> bool:
+            return self.free_tl(m) * self.kvpl >= need
+
+        def on_start(now: float) -> None:
+            self.weights[m] += need
+            self.reloading[m] += need
+
+        def on_done(now: float) -> list[Any]:
+            self.reloading[m] -= need
+            self.held[m] = (0, self.L)
+            e.reload_left.discard(m)
+            if not e.reload_left:
+                if self.settings.live_restore:
+                    e.frozen = True
+                    if e.phase == IDLE:
+                        self._try_split(e, now)
+                elif e.phase == IDLE:
+                    self._try_split(e, now)
+            return []
+
+        return Transfer("reload", float(need) / self.tp, on_done, ready=ready, on_start=on_start)
+
+    def _try_split(self, e: Executor, now: float) -> None:
+        """Split a restored group into replicas (see the module docstring)."""
+        if not e.restoring or e.reload_left or e.phase != IDLE or e.id not in self.execs:
+            return
+        if not self.settings.live_restore and (
+            e.waiting or e.running or e.stalled or e.prefill or e.pending_attach
+        ):
+            return
+        # assign running requests: largest KV first, to the member with most room
+        room = {m: self.cap_tl(m) // self.L for m in e.members}
+        wm = {m: int(self.watermark * room[m]) for m in e.members}
+        take: dict[int, list[tuple[KSeq, int]]] = {m: [] for m in e.members}
+        for s in sorted(e.running.values(), key=lambda s: (-s.kv_tokens, s.id)):
+            kv = s.kv_tokens
+            m = max(e.members, key=lambda m: (room[m] - wm[m], -m))
+            if room[m] - wm[m] < kv + 1:
+                e.frozen = False  # cannot place everyone yet: keep pipelining
+                return
+            room[m] -= kv
+            take[m].append((s, kv))
+        waiting = list(e.waiting)
+        old_ranges = dict(e.ranges)
+        for s in list(e.running.values()):
+            e.unrun(s)
+        self._retire(e, now)
+        news = {m: self._new_executor((m,), now) for m in e.members}
+        for m, items in take.items():
+            new = news[m]
+            for s, kv in items:
+                new.run(s, kv)
+                pieces = [
+                    Piece(s, src, m, hi - lo, kv, True)
+                    for src, (lo, hi) in sorted(old_ranges.items())
+                    if src != m
+                ]
+                self._track(new, s, now, e.last_end, "restore")
+                self._add_pieces(s, new, pieces, now)
+        self.restores += 1
+        self.mem_events.append({"t": now, "event": "restore", "group": list(e.members)})
+        self._update_pipe_clock(now)
+        for s in waiting:
+            exe = self._choose_executor(s.req, now)
+            assert exe is not None
+            self._enqueue(s, exe, now)
+        for new in news.values():
+            self._schedule(new, now)
+
+    # ------------------------------------------------------------- rebalance
+    def _rebalance(self, now: float) -> None:
+        loads = []
+        for e in self.execs.values():
+            if not e.accepting or e.frozen:
+                continue
+            loads.append(
+                ExecutorLoad(
+                    key=e.id,
+                    running=len(e.running) + len(e.stalled) + len(e.prefill),
+                    waiting=tuple(s.id for s in e.waiting),
+                    max_batch=e.max_batch,
+                    free_tokens=max(0, e.room_tokens() - e.waiting_tokens()),
+                    waiting_tokens=tuple(s.need_tokens() for s in e.waiting),
+                )
+            )
+        touched: set[int] = set()
+        for rid, src, dst in rebalance(loads):
+            s = self.seqs[rid]
+            assert s is not None and s.state == "waiting"
+            a, b = self.execs[src], self.execs[dst]
+            a.waiting.remove(s)
+            s.exe = b
+            b.waiting.append(s)
+            touched.add(dst)
+        for eid in sorted(touched):
+            e = self.execs[eid]
+            if e.phase == IDLE:
+                self._schedule(e, now)
+
+    # ------------------------------------------------------------------ swap
+    def _swap_out(self, exe: Executor, s: KSeq, now: float) -> None:
+        kv = exe.unrun(s)
+        s.state = "stalled"
+        exe.stalled[s.id] = s
+        exe.static += kv
+        exe.swap_out_busy = True
+        s.record.preemptions += 1
+
+        def on_done(t: float) -> list[Any]:
+            exe.stalled.pop(s.id)
+            exe.static -= kv
+            s.state = "host"
+            exe.swapped.append(s)
+            exe.swap_out_busy = False
+            if exe.phase == IDLE:
+                self._schedule(exe, t)
+            return []
+
+        nbytes = kv * self.kv_tok_bytes / self.tp
+        self._enqueue_transfer(
+            self.host[exe.members[0]], Transfer("swap-out", nbytes, on_done), now
+        )
+
+    def _swap_in(self, exe: Executor, now: float) -> None:
+        if exe.swap_in_busy or not exe.swapped:
+            return
+        s = exe.swapped[0]
+        wm = int(self.watermark * exe.capacity_tokens())
+        if exe.waiting and exe.waiting[0].need_tokens() <= exe.room_tokens() - wm:
+            return  # queued requests first (swapping exists to admit them)
+        if s.tokens > exe.room_tokens() - wm:
+            return
+        exe.swapped.popleft()
+        kv = s.tokens
+        exe.static += kv
+        s.state = "transit"
+        exe.swap_in_busy = True
+
+        def on_done(t: float) -> list[Any]:
+            exe.swap_in_busy = False
+            exe.pending_attach.append(s)
+            if exe.phase == IDLE:
+                self._schedule(exe, t)
+            return []
+
+        nbytes = kv * self.kv_tok_bytes / self.tp
+        self._enqueue_transfer(self.host[exe.members[0]], Transfer("swap-in", nbytes, on_done), now)
+
+    # --------------------------------------------------------------- llumnix
+    def _llumnix_plan(self, now: float) -> None:
+        assert self.llumnix is not None
+        for action in self.llumnix.plan(self.state, now, self.rng):
+            assert isinstance(action, Migrate)
+            s = self.seqs[action.request_id]
+            dst = self.execs.get(action.dst)
+            if s is None or dst is None or s.state != "running" or s.mig is not None:
+                self.llumnix.on_move_aborted(action.request_id)
+                continue
+            src = s.exe
+            assert src is not None
+            kv = s.kv_tokens
+            wm = int(self.watermark * dst.capacity_tokens())
+            if dst.room_tokens() - wm < kv:
+                self.llumnix.on_move_aborted(action.request_id)
+                self.aborted += 1
+                continue
+            dst.static += kv
+            mig = _Migration(src, dst, kv, now)
+            s.mig = mig
+
+            def on_done(t: float, s: KSeq = s, mig: _Migration = mig) -> list[Any]:
+                if s.mig is not mig:
+                    return []
+                mig.ready = True
+                mig.src.mig_ready.append(s)
+                if mig.src.phase == IDLE:
+                    self._migrations_at_boundary(mig.src, t)
+                    self._schedule(mig.src, t)
+                return []
+
+            nbytes = kv * self.kv_tok_bytes / self.tp
+            self._enqueue_transfer(
+                self.net[src.members[0]], Transfer("migration", nbytes, on_done), now
+            )
+
+    def _migrations_at_boundary(self, exe: Executor, now: float) -> None:
+        """Migrations whose pre-copy is done: stop, copy the tokens added
+        meanwhile, resume at the destination."""
+        ready, exe.mig_ready = exe.mig_ready, []
+        for s in ready:
+            mig = s.mig
+            if mig is None or s.state != "running" or s.exe is not exe:
+                continue
+            dst = mig.dst
+            kv = s.kv_tokens
+            delta = kv - mig.tokens
+            wm = int(self.watermark * dst.capacity_tokens())
+            if dst.id not in self.execs or dst.room_tokens() - wm < delta:
+                self._cancel_migration(s)
+                self.aborted += 1
+                continue
+            exe.unrun(s)
+            dst.static += delta
+            s.state = "transit"
+            s.exe = dst
+            s.mig = None
+            stall = transfer_time(delta * self.kv_tok_bytes / self.tp, self.net_link)
+            s.record.migrations += 1
+            s.record.migration_stall_s += stall
+            self.migrations.append(
+                MigrationRecord(now + stall, s.id, exe.id, dst.id, "kv", kv * self.kv_tok_bytes, 1)
+            )
+            self.events.push(now + stall, P_TRANSFER, K_ATTACH, s)
+
+    def _cancel_migration(self, s: KSeq) -> None:
+        mig = s.mig
+        if mig is None:
+            return
+        mig.dst.static -= mig.tokens
+        s.mig = None
+        if self.llumnix is not None:
+            self.llumnix.on_move_aborted(s.id)
+
+    # --------------------------------------------------------------- samples
+    def _on_sample(self, now: float, arrivals_left: bool) -> None:
+        self._sample(now)
+        if self._work_left(arrivals_left):
+            self.events.push(now + self.sample_interval_s, P_SAMPLE, K_SAMPLE, None)
+
+    def _sample(self, now: float) -> None:
+        used = cap = queued = running = waiting_tok = 0
+        for m in range(self.n):
+            used += self.used_tl(m)
+            cap += self.cap_tl(m)
+        for e in self.execs.values():
+            queued += len(e.waiting) + len(e.swapped)
+            running += e.num_running
+            waiting_tok += e.waiting_tokens()
+        b = self.kvpl
+        self.timeseries.append(
+            now,
+            self.n * self.tp,
+            used * b,
+            cap * b,
+            used * b + waiting_tok * self.kv_tok_bytes,
+            queued,
+            running,
+        )
+        self.tl_t.append(now)
+        self.tl_groups.append(sum(1 for e in self.execs.values() if e.k > 1))
+        self.tl_dropped.append(sum(self.model.weight_bytes - w for w in self.weights))
+
+    # --------------------------------------------------------------- results
+    def _result(self, end_s: float, wall_s: float) -> RunResult:
+        if self.requests:
+            p = np.array([r.prompt_tokens for r in self.requests], dtype=np.float64)
+            o = np.array([r.output_tokens for r in self.requests], dtype=np.float64)
+            for rec, t in zip(self.records, self.cost.ideal_times(p, o).tolist(), strict=True):
+                rec.ideal_s = t
+        for s in self.seqs:
+            if s is not None and s.record.status == "unfinished":
+                s.record.generated = s.generated
+        if self._pipe_since is not None:
+            self.time_in_pipeline_s += end_s - self._pipe_since
+            self._pipe_since = None
+        for e in self.execs.values():
+            if e.k > 1:
+                self.group_seconds += end_s - e.created_s
+        gaps = [v["max_gap_s"] for v in self.victim_records]
+        victims = {
+            "count": len(self.victim_records),
+            "mode": self.settings.exchange,
+            "max_gap_s": max(gaps, default=0.0),
+            "mean_max_gap_s": float(np.mean(gaps)) if gaps else 0.0,
+        }
+        kv_per_gpu = (self.cap_b[0] - self.model.weight_bytes) // self.tp
+        extra = {
+            "memory": {
+                "drops": self.drops,
+                "restores": self.restores,
+                "bytes_freed": self.bytes_freed,
+                "time_in_pipeline_s": self.time_in_pipeline_s,
+                "group_seconds": self.group_seconds,
+                "events": self.mem_events,
+                "timeline": {
+                    "t": self.tl_t,
+                    "groups": self.tl_groups,
+                    "dropped_bytes": self.tl_dropped,
+                },
+            },
+            "kunserve": {
+                "stack": self.stack,
+                "settings": {
+                    k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__
+                },
+                "victims": victims,
+            },
+        }
+        cfg = dict(self.config)
+        notes = list(self.notes)
+        if self.aborted:
+            notes.append(f"{self.aborted} planned migrations were aborted")
+        return RunResult(
+            records=self.records,
+            timeseries=self.timeseries,
+            gpu_intervals=[GpuInterval(g, 0.0, end_s) for g in range(self.n * self.tp)],
+            migrations=self.migrations,
+            end_s=end_s,
+            kv_bytes_per_gpu=kv_per_gpu,
+            config=cfg,
+            sim_wall_s=wall_s,
+            sim_events=self.n_events,
+            notes=notes,
+            aborted_migrations=self.aborted,
+            extra=extra,
+        )
+
+    # ------------------------------------------------------------- integrity
+    def check_integrity(self, arrived: int) -> None:
+        """Every invariant: no instance over-committed, token accounting,
+        corrections equal to the pending pieces, one copy of every layer per
+        executor, every arrived request in exactly one place."""
+        seen: dict[int, str] = {}
+
+        def place(s: KSeq, where: str) -> None:
+            assert s.id not in seen, f"request {s.id} in {seen[s.id]} and {where}"
+            seen[s.id] = where
+
+        corr = [0] * self.n
+        members_seen: set[int] = set()
+        for e in self.execs.values():
+            # one complete copy of every layer: the stages partition the layers,
+            # and every member holds (at least) its stage's layers
+            covered = sorted(e.ranges.values())
+            assert covered[0][0] == 0 and covered[-1][1] == self.L, (e.id, covered)
+            for (_, hi), (lo, _) in itertools.pairwise(covered):
+                assert hi == lo, (e.id, covered)
+            for m, (lo, hi) in e.ranges.items():
+                assert m not in members_seen, f"instance {m} in two executors"
+                members_seen.add(m)
+                assert self.exe_of[m] is e
+                h = self.held[m]
+                assert h[0] <= lo and hi <= h[1], (m, h, (lo, hi))
+            t = 0
+            for s in e.running.values():
+                place(s, f"running on {e.id}")
+                assert s.state == "running" and s.exe is e
+                kv = s.base + e.steps
+                assert kv <= s.prompt + s.req.output_tokens - 1
+                t += kv
+            for s in e.prefill:
+                place(s, f"prefill on {e.id}")
+                t += s.need_tokens()
+            for s in e.stalled.values():
+                place(s, f"stalled on {e.id}")
+                t += s.tokens
+            for s in e.pending_attach:
+                place(s, f"attaching to {e.id}")
+                t += s.tokens
+            for s in e.waiting:
+                place(s, f"waiting on {e.id}")
+                assert s.state == "waiting" and not s.pieces
+            for s in e.swapped:
+                place(s, f"swapped from {e.id}")
+            for s in e.running.values():
+                if s.mig is not None:
+                    t += 0  # reserved at the destination, counted there
+            reserved = 0
+            for s2 in self.seqs[:arrived]:
+                if s2 is None:
+                    continue
+                if s2.mig is not None and s2.mig.dst is e:
+                    reserved += s2.mig.tokens
+                if s2.state == "transit" and s2.exe is e and s2 not in e.pending_attach:
+                    reserved += s2.tokens
+            assert e.T() == t + reserved + e.inflight, (e.id, e.T(), t, reserved, e.inflight)
+            for s in [*e.running.values(), *e.stalled.values(), *e.pending_attach]:
+                for p in s.pieces:
+                    assert not p.cancelled
+                    corr[p.src] += p.token_layers
+                    if not p.started:
+                        corr[p.dst] -= p.token_layers
+        for s3 in self.seqs[:arrived]:
+            if s3 is not None and s3.state == "transit" and s3.id not in seen:
+                place(s3, "in transit")
+        assert members_seen == set(range(self.n))
+        assert corr == self.corr, (corr, self.corr)
+        for m in range(self.n):
+            lo, hi = self.held[m]
+            assert self.weights[m] == self.base_w + (hi - lo) * self.layer_b + self.reloading[m]
+            used = self.used_tl(m)
+            assert used >= 0, (m, used)
+            assert self.weights[m] + used * self.kvpl <= self.cap_b[m], (
+                f"instance {m} over-committed"
+            )
+        for rec in self.records[:arrived]:
+            in_flight = rec.id in seen
+            terminal = rec.status in ("finished", "rejected")
+            assert in_flight != terminal, f"request {rec.id}: in flight={in_flight}, {rec.status}"

@@ -1,0 +1,566 @@
+"""KunServe drop policy (fleetserve.policy.kunserve): buddy groups, trigger, re-balance."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetserve.errors import ConfigError
+from fleetserve.policy.kunserve import (
+    BuddyPlan,
+    DemandMonitor,
+    ExecutorLoad,
+    check_one_copy,
+    freed_bytes,
+    layers_held,
+    max_batch,
+    memory_greedy,
+    plan_drop,
+    rebalance,
+    should_restore,
+    singletons,
+    split_layers,
+    throughput_greedy,
+)
+
+GiB = 2**30
+P = 28 * GiB  # one replica's layer parameters (e.g. a 14B model in fp16)
+FAST = settings(max_examples=150, deadline=None)
+
+
+@st.composite
+def partitions(draw: st.DrawFn, max_n: int = 64) -> list[list[int]]:
+    """A random partition of instance ids 0..n-1 into groups."""
+    n = draw(st.integers(1, max_n))
+    ids = draw(st.permutations(range(n)))
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    bounds = [0, *cuts, n]
+    return [list(ids[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def instance_count(groups: list[list[int]]) -> int:
+    return sum(len(g) for g in groups)
+
+
+param_bytes = st.integers(0, 64 * GiB)
+req_bytes = st.integers(0, 4096 * GiB)
+
+
+# ---------------------------------------------------------------- split_layers
+
+
+def test_split_layers_examples() -> None:
+    assert split_layers(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split_layers(80, 1) == [(0, 80)]
+    assert split_layers(5, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert split_layers(7, 2) == [(0, 4), (4, 7)]
+
+
+@FAST
+@given(st.integers(1, 200), st.data())
+def test_split_layers_cover_contiguous_balanced(num_layers: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, num_layers))
+    ranges = split_layers(num_layers, k)
+    assert len(ranges) == k
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    for (_, hi), (lo, _) in itertools.pairwise(ranges):
+        assert hi == lo
+    sizes = [hi - lo for lo, hi in ranges]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # earlier stages get the extra layers
+
+
+@pytest.mark.parametrize(("layers", "k"), [(0, 1), (4, 0), (4, 5), (-1, 1), (4, 1.5)])
+def test_split_layers_rejects(layers: int, k: int) -> None:
+    with pytest.raises(ConfigError):
+        split_layers(layers, k)
+
+
+# ---------------------------------------------------------------- paper example
+
+
+def test_paper_example_eight_instances() -> None:
+    start = singletons(range(8))
+    four = throughput_greedy(start, P, 4 * P)
+    assert four.groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert four.freed_bytes == 4 * P and four.met
+    assert four.strategy == "throughput-greedy"
+    eight = throughput_greedy(start, P, 7 * P)
+    assert eight.groups == (tuple(range(8)),)
+    assert eight.freed_bytes == 7 * P and eight.met
+    assert eight.freed_bytes / four.freed_bytes == pytest.approx(1.75)
+    assert freed_bytes(four.groups, P) == 4 * P
+    assert freed_bytes(eight.groups, P) == 7 * P
+
+
+def test_paper_example_unmet_and_zero_requirement() -> None:
+    start = singletons(range(8))
+    assert throughput_greedy(start, P, 0).groups == start
+    unmet = throughput_greedy(start, P, 8 * P)
+    assert not unmet.met and unmet.sizes == (8,)
+    # R just above 4P needs a fifth merge: the smallest two groups then are 2 and 2.
+    five = throughput_greedy(start, P, 4 * P + 1)
+    assert sorted(five.sizes) == [2, 2, 4] and five.freed_bytes == 5 * P
+
+
+def test_memory_greedy_grows_one_group() -> None:
+    start = singletons(range(8))
+    plan = memory_greedy(start, P, 2 * P, 3 * P)
+    assert plan.groups == ((0, 1, 2, 3), (4,), (5,), (6,), (7,))
+    assert plan.freed_bytes == 3 * P and plan.met and plan.strategy == "memory-greedy"
+    # The KV region above R sets the target; R above the region sets it instead.
+    assert memory_greedy(start, P, 5 * P, 1 * P).freed_bytes == 5 * P
+    assert memory_greedy(start, P, 0, 0).groups == start
+    unmet = memory_greedy(start, P, 9 * P, 0)
+    assert not unmet.met and unmet.sizes == (8,)
+
+
+def test_second_throttle_merges_current_groups() -> None:
+    current = [[0, 1], [2, 3], [4], [5], [6], [7]]
+    assert freed_bytes(current, P) == 2 * P
+    plan = throughput_greedy(current, P, 3 * P)
+    assert plan.groups == ((0, 1), (2, 3), (4, 5), (6,), (7,))
+    assert plan.merges_from(current) == [(4, 5)]
+    plan = throughput_greedy(current, P, 4 * P)
+    assert plan.groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    # The next merge joins the two smallest (ties: lowest smallest id): (0,1) and (2,3).
+    plan = throughput_greedy(current, P, 5 * P)
+    assert plan.groups == ((0, 1, 2, 3), (4, 5), (6, 7))
+    assert plan.merges_from(current) == [(0, 1, 2, 3), (4, 5), (6, 7)]
+
+
+def test_max_group_size_caps_pipelines() -> None:
+    start = singletons(range(8))
+    plan = throughput_greedy(start, P, 7 * P, max_group_size=4)
+    assert plan.sizes == (4, 4) and not plan.met and plan.freed_bytes == 6 * P
+    plan = memory_greedy(start, P, 0, 7 * P, max_group_size=3)
+    assert plan.groups == ((0, 1, 2), (3, 4, 5), (6, 7))
+    with pytest.raises(ConfigError, match="max_group_size"):
+        throughput_greedy([[0, 1, 2]], P, P, max_group_size=2)
+
+
+# ---------------------------------------------------------------- plan helpers
+
+
+def test_plan_accessors() -> None:
+    plan = throughput_greedy(singletons([3, 9, 4, 1, 7]), P, 2 * P)
+    assert plan.groups == ((1, 3), (4, 7), (9,))
+    assert plan.sizes == (2, 2, 1) and plan.max_size == 2
+    assert plan.instances == (1, 3, 4, 7, 9)
+    assert plan.group_of(7) == (4, 7) and plan.group_of(9) == (9,)
+    with pytest.raises(ConfigError, match="no group"):
+        plan.group_of(2)
+    assert plan.assignment(5) == {1: (0, 3), 3: (3, 5), 4: (0, 3), 7: (3, 5), 9: (0, 5)}
+    assert layers_held(plan, 5) == {1: 3, 3: 2, 4: 3, 7: 2, 9: 5}
+    check_one_copy(plan, 5)
+    assert plan.merges_from([[1], [3], [4], [9], [7]]) == [(1, 3), (4, 7)]
+    assert plan.merges_from([[3, 1], [4, 7], [9]]) == []
+    assert plan.merges_from([]) == [(1, 3), (4, 7), (9,)]
+
+
+def test_check_one_copy_rejects_too_deep_group() -> None:
+    plan = throughput_greedy(singletons(range(4)), P, 3 * P)
+    check_one_copy(plan, 4)
+    with pytest.raises(AssertionError, match="stages"):
+        check_one_copy(plan, 3)
+    with pytest.raises(ConfigError):
+        plan.assignment(3)
+
+
+@pytest.mark.parametrize(
+    ("groups", "p", "r", "match"),
+    [
+        ([[0], [1]], -1, 0, "param_bytes"),
+        ([[0], [1]], 1, -5, "required_bytes"),
+        ([[0], [1]], 1.5, 0, "integer number of bytes"),
+        ([], 1, 0, "no groups"),
+        ([[0], []], 1, 0, "empty"),
+        ([[0, 1], [1]], 1, 0, "more than once"),
+        ([[0, "a"]], 1, 0, "integer"),
+    ],
+)
+def test_strategies_reject_bad_arguments(
+    groups: list[list[int]], p: int, r: int, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        throughput_greedy(groups, p, r)
+    with pytest.raises(ConfigError, match=match):
+        memory_greedy(groups, p, r, 0)
+
+
+def test_plan_drop_dispatch_and_errors() -> None:
+    start = singletons(range(8))
+    assert plan_drop("throughput", start, P, 4 * P, 6 * P) == throughput_greedy(start, P, 4 * P)
+    assert plan_drop("memory", start, P, 4 * P, 6 * P) == memory_greedy(start, P, 4 * P, 6 * P)
+    assert plan_drop("Memory-Greedy", start, P, 0, P).strategy == "memory-greedy"
+    with pytest.raises(ConfigError, match="unknown KunServe drop strategy"):
+        plan_drop("optimal", start, P, 0, 0)
+    with pytest.raises(ConfigError, match="kv_region_bytes"):
+        plan_drop("throughput", start, P, 0, -1)
+    with pytest.raises(ConfigError, match="param_bytes"):
+        freed_bytes(start, -1)
+
+
+def test_buddy_plan_validates() -> None:
+    with pytest.raises(ConfigError, match="stage order"):
+        BuddyPlan(((1, 0),), P, 0, True, "x")
+    with pytest.raises(ConfigError, match="met"):
+        BuddyPlan(((0, 1),), P, 2 * P, True, "x")
+    with pytest.raises(ConfigError, match="more than once"):
+        BuddyPlan(((0, 1), (1,)), P, 0, True, "x")
+
+
+# ---------------------------------------------------------------- plan properties
+
+
+@FAST
+@given(partitions(), param_bytes, req_bytes, req_bytes, st.integers(1, 128), st.booleans())
+def test_one_copy_invariant_for_every_plan(
+    groups: list[list[int]], p: int, r: int, kv: int, num_layers: int, memory: bool
+) -> None:
+    cap = max(num_layers, max(len(g) for g in groups))
+    strategy = "memory" if memory else "throughput"
+    plan = plan_drop(strategy, groups, p, r, kv, max_group_size=cap)
+    assert plan.instances == tuple(range(instance_count(groups)))
+    assert plan.max_size <= cap
+    assert plan.freed_bytes == freed_bytes(plan.groups, p)
+    assert plan.met == (plan.freed_bytes >= r)
+    target = max(r, kv) if memory else r
+    if plan.freed_bytes < target and len(plan.groups) > 1:  # stopped by the cap only
+        smallest = sorted(plan.sizes)
+        assert smallest[0] + smallest[1] > cap
+    if cap == num_layers:
+        check_one_copy(plan, num_layers)
+        held = layers_held(plan, num_layers)
+        for group in plan.groups:
+            assert sum(held[iid] for iid in group) == num_layers
+
+
+@FAST
+@given(partitions(), param_bytes, req_bytes)
+def test_throughput_greedy_minimal_and_met_iff(groups: list[list[int]], p: int, r: int) -> None:
+    plan = throughput_greedy(groups, p, r)
+    n = instance_count(groups)
+    assert plan.met == (plan.freed_bytes >= r)
+    assert plan.freed_bytes == (n - len(plan.groups)) * p
+    if not plan.met:
+        assert plan.sizes == (n,)
+    merges = len(groups) - len(plan.groups)
+    if merges > 0:  # one merge fewer would not meet R
+        assert plan.freed_bytes - p < r
+
+
+@FAST
+@given(st.integers(1, 64), param_bytes, req_bytes)
+def test_throughput_greedy_from_singletons_balanced(n: int, p: int, r: int) -> None:
+    plan = throughput_greedy(singletons(range(n)), p, r)
+    assert max(plan.sizes) <= 2 * min(plan.sizes)
+
+
+@FAST
+@given(partitions(), param_bytes, req_bytes, req_bytes)
+def test_memory_greedy_frees_at_least_throughput(
+    groups: list[list[int]], p: int, r: int, kv: int
+) -> None:
+    mem = memory_greedy(groups, p, r, kv)
+    thr = throughput_greedy(groups, p, r)
+    assert mem.freed_bytes >= thr.freed_bytes
+    assert mem.met == thr.met  # both stop only at R (or beyond) or at one group
+    target = max(r, kv)
+    assert mem.freed_bytes >= target or mem.sizes == (instance_count(groups),)
+    merges = len(groups) - len(mem.groups)
+    if merges > 0:
+        assert mem.freed_bytes - p < target
+
+
+@FAST
+@given(st.integers(1, 64), st.integers(1, 64), param_bytes, req_bytes, req_bytes)
+def test_memory_greedy_frees_at_least_throughput_capped_from_singletons(
+    n: int, cap: int, p: int, r: int, kv: int
+) -> None:
+    start = singletons(range(n))
+    mem = memory_greedy(start, p, r, kv, max_group_size=cap)
+    thr = throughput_greedy(start, p, r, max_group_size=cap)
+    assert mem.freed_bytes >= thr.freed_bytes
+
+
+@FAST
+@given(partitions(), param_bytes, req_bytes, req_bytes, st.integers(0, 8), st.booleans())
+def test_existing_groups_never_split(
+    groups: list[list[int]], p: int, r: int, kv: int, slack: int, memory: bool
+) -> None:
+    cap = max(len(g) for g in groups) + slack
+    for max_size in (None, cap):
+        if memory:
+            plan = memory_greedy(groups, p, r, kv, max_group_size=max_size)
+        else:
+            plan = throughput_greedy(groups, p, r, max_group_size=max_size)
+        for group in groups:
+            assert set(group) <= set(plan.group_of(group[0]))
+        new = plan.merges_from(groups)
+        originals = {frozenset(g) for g in groups}
+        for merged in plan.groups:
+            if merged in new:  # a union of at least two original groups
+                assert sum(1 for g in originals if g <= set(merged)) >= 2
+            else:
+                assert frozenset(merged) in originals
+
+
+# ---------------------------------------------------------------- monitor
+
+
+@FAST
+@given(
+    st.floats(-1e9, 1e9),
+    st.floats(-1e9, 1e9),
+    st.floats(0.01, 0.3),
+    st.integers(2, 30),
+)
+def test_monitor_slope_of_linear_inputs(d_rate: float, c_rate: float, dt: float, n: int) -> None:
+    mon = DemandMonitor(window_s=1.0)
+    d0, c0 = 1e11, 1e11
+    for i in range(n):
+        t = 100.0 + i * dt
+        mon.observe(7, t, d0 + d_rate * i * dt, c0 + c_rate * i * dt)
+    got_d, got_c = mon.rates(7)
+    assert got_d == pytest.approx(d_rate, rel=1e-6, abs=1e-2)
+    assert got_c == pytest.approx(c_rate, rel=1e-6, abs=1e-2)
+    last = n - 1
+    pd, pc = mon.predict(7, 0.5)
+    assert pd == pytest.approx(d0 + d_rate * (last * dt + 0.5), rel=1e-9, abs=10.0)
+    assert pc == pytest.approx(c0 + c_rate * (last * dt + 0.5), rel=1e-9, abs=10.0)
+
+
+def test_monitor_window_eviction_keeps_two_latest() -> None:
+    mon = DemandMonitor(window_s=1.0)
+    for i in range(11):
+        mon.observe(1, i * 0.25, 100.0 * i, 1000.0)
+    times = [s[0] for s in mon.samples(1)]
+    assert times == [1.5, 1.75, 2.0, 2.25, 2.5]  # a sample at exactly now - window is kept
+    # A slow sampler: samples 10 s apart still give a rate from the two latest.
+    slow = DemandMonitor(window_s=1.0)
+    for i in range(4):
+        slow.observe(2, 10.0 * i, 50.0 * i, 0.0)
+    assert [s[0] for s in slow.samples(2)] == [20.0, 30.0]
+    assert slow.rates(2) == pytest.approx((5.0, 0.0))
+
+
+def test_monitor_forgets_old_slope() -> None:
+    mon = DemandMonitor(window_s=1.0)
+    for i in range(10):  # falling demand
+        mon.observe(0, 0.1 * i, 1000.0 - 100.0 * i, 2000.0)
+    for i in range(1, 21):  # then rising for 2 s
+        mon.observe(0, 0.9 + 0.1 * i, 100.0 + 50.0 * i, 2000.0)
+    assert mon.rates(0)[0] == pytest.approx(500.0)
+
+
+def test_monitor_throttled_cases() -> None:
+    mon = DemandMonitor()
+    mon.observe(0, 0.0, 50.0, 100.0)
+    assert not mon.throttled(0) and mon.required_bytes(0) == 0.0
+    assert mon.predict(0) == (50.0, 100.0)  # one sample: rates are 0
+    mon.observe(0, 0.5, 80.0, 100.0)  # +60/s: predicted 140 > 100 in 1 s
+    assert mon.throttled(0)
+    assert mon.required_bytes(0) == pytest.approx(40.0)
+    assert not mon.throttled(0, horizon_s=0.25)  # 95 <= 100
+    assert mon.required_bytes(0, horizon_s=0.25) == 0.0
+    # Already over capacity but falling: throttled now, current shortfall counts.
+    mon.observe(1, 0.0, 300.0, 100.0)
+    mon.observe(1, 1.0, 200.0, 100.0)
+    assert mon.throttled(1) and mon.required_bytes(1) == pytest.approx(100.0)
+    # Capacity shrinking (-60/s) under a flat demand: 50 > 70 - 60 in 1 s.
+    mon.observe(2, 0.0, 50.0, 100.0)
+    mon.observe(2, 0.5, 50.0, 70.0)
+    assert mon.throttled(2) and mon.required_bytes(2) == pytest.approx(40.0)
+    # Equal times: no rate.
+    mon.observe(3, 1.0, 10.0, 100.0)
+    mon.observe(3, 1.0, 90.0, 100.0)
+    assert mon.rates(3) == (0.0, 0.0) and not mon.throttled(3)
+    mon.forget(0)
+    mon.forget(42)  # unknown: no-op
+    with pytest.raises(ConfigError, match="no samples"):
+        mon.predict(0)
+
+
+def test_monitor_rejects_bad_input() -> None:
+    with pytest.raises(ConfigError):
+        DemandMonitor(window_s=0.0)
+    with pytest.raises(ConfigError):
+        DemandMonitor(horizon_s=-1.0)
+    mon = DemandMonitor()
+    mon.observe(0, 5.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="before"):
+        mon.observe(0, 4.0, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="demand_bytes"):
+        mon.observe(0, 6.0, -1.0, 1.0)
+    with pytest.raises(ConfigError, match="finite"):
+        mon.observe(0, math.nan, 1.0, 1.0)
+
+
+def test_should_restore() -> None:
+    assert should_restore(40.0, 100.0, 0.5)
+    assert should_restore(50.0, 100.0, 0.5)
+    assert not should_restore(51.0, 100.0, 0.5)
+    assert should_restore(100.0, 100.0, 1.0)
+    assert should_restore(30.0, 100.0)  # default threshold 0.5
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="threshold"):
+            should_restore(1.0, 1.0, bad)
+    with pytest.raises(ConfigError):
+        should_restore(-1.0, 1.0, 0.5)
+
+
+# ---------------------------------------------------------------- max_batch
+
+
+@FAST
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=300),
+    st.floats(1.0, 5.0),
+)
+def test_max_batch_matches_brute_force(steps: list[float], slowdown: float) -> None:
+    times = [1e-3 + s for s in _cumsum(steps)]  # non-decreasing decode times
+    calls: list[int] = []
+
+    def decode_time(b: int) -> float:
+        calls.append(b)
+        return times[b - 1]
+
+    limit = len(times)
+    want = max(b for b in range(1, limit + 1) if times[b - 1] <= slowdown * times[0])
+    assert max_batch(decode_time, limit, slowdown) == want
+    assert len(calls) <= 2 + math.ceil(math.log2(limit + 1))
+
+
+def _cumsum(xs: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def test_max_batch_examples_and_errors() -> None:
+    assert max_batch(lambda b: 10.0 + b, 100) == 12  # 10 + b <= 2 * 11
+    assert max_batch(lambda b: 10.0 + b, 5) == 5
+    assert max_batch(lambda b: 1.0, 64, 1.0) == 64
+    with pytest.raises(ConfigError, match="slowdown"):
+        max_batch(lambda b: 1.0, 8, 0.5)
+    with pytest.raises(ConfigError, match="limit"):
+        max_batch(lambda b: 1.0, 0)
+    with pytest.raises(ConfigError, match="decode_time"):
+        max_batch(lambda b: math.inf, 4)
+
+
+# ---------------------------------------------------------------- rebalance
+
+
+def test_rebalance_example() -> None:
+    loads = [
+        ExecutorLoad(0, running=4, waiting=(10, 11, 12), max_batch=5, free_tokens=0,
+                     waiting_tokens=(100, 200, 300)),
+        ExecutorLoad(1, running=1, waiting=(), max_batch=4, free_tokens=1000,
+                     waiting_tokens=()),
+        ExecutorLoad(2, running=0, waiting=(20,), max_batch=4, free_tokens=2500,
+                     waiting_tokens=(50,)),
+        ExecutorLoad(3, running=6, waiting=(30,), max_batch=4, free_tokens=900,
+                     waiting_tokens=(400,)),
+    ]  # fmt: skip
+    # Overflow: 0 keeps 10 (one slot), moves 11, 12; 3 is over its batch, moves 30.
+    # Spare: 1 (3 slots, 1000 tokens), 2 (3 slots, 2500 tokens). 11: tie on slots -> key 1;
+    # 12: key 2 has more slots left; 30: tie again (2 and 2) -> key 1.
+    assert rebalance(loads) == [(11, 0, 1), (12, 0, 2), (30, 3, 1)]
+    # With too few tokens on key 2, 12 goes to key 1 and 30 no longer fits anywhere.
+    loads[1] = ExecutorLoad(1, 1, (), 4, 600, ())
+    loads[2] = ExecutorLoad(2, 0, (20,), 4, 250, (50,))
+    assert rebalance(loads) == [(11, 0, 1), (12, 0, 1)]
+
+
+def test_rebalance_unplaceable_stays_and_errors() -> None:
+    full = ExecutorLoad(0, 2, (1, 2), 2, 0, (5, 5))
+    small = ExecutorLoad(1, 0, (), 2, 4, ())
+    assert rebalance([full, small]) == []
+    assert rebalance([]) == []
+    with pytest.raises(ConfigError, match="twice in the loads"):
+        rebalance([small, small])
+    with pytest.raises(ConfigError, match="more than one executor"):
+        rebalance([full, ExecutorLoad(1, 0, (2,), 2, 4, (1,))])
+    with pytest.raises(ConfigError, match="waiting_tokens"):
+        ExecutorLoad(0, 0, (1, 2), 2, 0, (5,))
+    with pytest.raises(ConfigError, match="max_batch"):
+        ExecutorLoad(0, 0, (), 0, 0, ())
+    with pytest.raises(ConfigError, match="free_tokens"):
+        ExecutorLoad(0, 0, (), 1, -1, ())
+
+
+@st.composite
+def executor_loads(draw: st.DrawFn) -> list[ExecutorLoad]:
+    n = draw(st.integers(0, 12))
+    keys = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n, unique=True))
+    next_rid = 0
+    loads = []
+    for key in keys:
+        queued = draw(st.integers(0, 10))
+        rids = tuple(range(next_rid, next_rid + queued))
+        next_rid += queued
+        tokens = tuple(draw(st.lists(st.integers(0, 500), min_size=queued, max_size=queued)))
+        loads.append(
+            ExecutorLoad(
+                key,
+                running=draw(st.integers(0, 12)),
+                waiting=rids,
+                max_batch=draw(st.integers(1, 12)),
+                free_tokens=draw(st.integers(0, 3000)),
+                waiting_tokens=tokens,
+            )
+        )
+    return loads
+
+
+@FAST
+@given(executor_loads())
+def test_rebalance_properties(loads: list[ExecutorLoad]) -> None:
+    moves = rebalance(loads)
+    by_key = {load.key: load for load in loads}
+    overflow: dict[int, tuple[int, int]] = {}  # rid -> (from key, tokens)
+    for load in loads:
+        for rid, tok in zip(
+            load.waiting[load.slots :], load.waiting_tokens[load.slots :], strict=True
+        ):
+            overflow[rid] = (load.key, tok)
+    moved = [rid for rid, _, _ in moves]
+    assert len(moved) == len(set(moved))
+    slots_used: Counter[int] = Counter()
+    tokens_used: Counter[int] = Counter()
+    for rid, src, dst in moves:
+        assert rid in overflow and overflow[rid][0] == src  # only overflow, from its executor
+        assert src != dst
+        slots_used[dst] += 1
+        tokens_used[dst] += overflow[rid][1]
+    slots_left: dict[int, int] = {}
+    tokens_left: dict[int, int] = {}
+    for load in loads:
+        spare = load.max_batch - load.running - len(load.waiting)
+        if slots_used[load.key]:
+            assert spare >= slots_used[load.key]
+            assert load.free_tokens >= tokens_used[load.key]
+        if spare > 0:
+            slots_left[load.key] = spare - slots_used[load.key]
+            tokens_left[load.key] = load.free_tokens - tokens_used[load.key]
+    # Conservation: applying the moves keeps every request exactly once.
+    queues = {load.key: list(load.waiting) for load in loads}
+    for rid, src, dst in moves:
+        queues[src].remove(rid)
+        queues[dst].append(rid)
+    after = sorted(rid for q in queues.values() for rid in q)
+    assert after == sorted(rid for load in loads for rid in load.waiting)
+    # Greedy completeness: an unmoved overflow request fits on no spare executor at the end.
+    for rid, (_, tok) in overflow.items():
+        if rid not in moved:
+            assert all(slots_left[k] <= 0 or tokens_left[k] < tok for k in slots_left)
+    assert set(by_key) == {load.key for load in loads}
