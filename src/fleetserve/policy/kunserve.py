@@ -58,7 +58,7 @@ import math
 import operator
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,6 +197,82 @@ def split_layers(num_layers: int, k: int) -> list[tuple[int, int]]:
         ranges.append((lo, hi))
         lo = hi
     return ranges
+
+
+def stages_within(
+    held: Mapping[int, tuple[int, int]], num_layers: int
+) -> list[tuple[int, tuple[int, int]]] | None:
+    """Stage order and layer ranges for a group whose members already hold ``held``.
+
+    Merging groups that already dropped layers (a second throttle, Algorithm 1
+    merging two pairs) must not make a member load layers back: each member
+    keeps a non-empty contiguous sub-range of what it holds, and the ranges
+    tile ``0..num_layers``. Among such tilings this picks the most even one
+    (smallest largest stage — the slowest stage paces a pipeline — then the
+    smallest sum of squared stage sizes), by dynamic programming over (stage,
+    first layer). Members holding a strict sub-range go in the order of their
+    range; each member holding every layer is inserted where the tiling is
+    most even (the latest such position, so singletons keep id order). When
+    every member holds every layer this is :func:`split_layers`. Two pairs
+    ``{a1: 0-24, a2: 24-48}`` and ``{b1: 0-24, b2: 24-48}`` give ``a1 0-12,
+    b1 12-24, a2 24-36, b2 36-48``.
+
+    Returns:
+        ``[(member, (lo, hi)), ...]`` in stage order, or None when the
+        holdings admit no tiling (the caller skips that merge).
+    """
+    layers = _as_int("num_layers", num_layers, 1)
+    if not held:
+        raise ConfigError("stages_within needs at least one member")
+    if len(held) > layers:
+        return None
+    full = sorted(m for m, (lo, hi) in held.items() if lo <= 0 and hi >= layers)
+    if len(full) == len(held):
+        return list(zip(full, split_layers(layers, len(full)), strict=True))
+    order = sorted((m for m in held if m not in full), key=lambda m: (held[m][0], held[m][1], m))
+
+    def tile(seq: list[int]) -> tuple[tuple[int, int], list[int]] | None:
+        k = len(seq)
+        # best[i][c]: (cost, next cut) tiling [c, layers) with seq[i:], cost = (max, sumsq)
+        best: list[dict[int, tuple[tuple[int, int], int]]] = [{} for _ in range(k + 1)]
+        best[k][layers] = ((0, 0), layers)
+        for i in range(k - 1, -1, -1):
+            lo, hi = held[seq[i]]
+            for c in range(lo, min(hi, layers)):
+                choice: tuple[tuple[int, int], int] | None = None
+                for e in range(c + 1, min(hi, layers) + 1):
+                    nxt = best[i + 1].get(e)
+                    if nxt is None or (i + 1 < k and e < held[seq[i + 1]][0]):
+                        continue
+                    size = e - c
+                    cost = (max(size, nxt[0][0]), size * size + nxt[0][1])
+                    if choice is None or cost < choice[0]:
+                        choice = (cost, e)
+                if choice is not None:
+                    best[i][c] = choice
+        first = best[0].get(0)
+        if first is None:
+            return None
+        cuts = [0]
+        for i in range(k):
+            cuts.append(best[i][cuts[-1]][1])
+        return first[0], cuts
+
+    for m in full:
+        pick: tuple[tuple[int, int], list[int]] | None = None
+        for pos in range(len(order) + 1):
+            cand = [*order[:pos], m, *order[pos:]]
+            got = tile(cand)
+            if got is not None and (pick is None or got[0] <= pick[0]):
+                pick = (got[0], cand)
+        if pick is None:
+            return None
+        order = pick[1]
+    got = tile(order)
+    if got is None:
+        return None
+    cuts = got[1]
+    return [(m, (cuts[i], cuts[i + 1])) for i, m in enumerate(order)]
 
 
 def singletons(instance_ids: Sequence[int]) -> Groups:

@@ -11,10 +11,18 @@ Executors. An *executor* is what runs batches: a replica (one instance,
 every layer) or a buddy group of ``k`` instances running as a ``k``-stage
 pipeline (:class:`~fleetserve.costmodel.pipeline.PipelineCost`). Each
 instance belongs to exactly one executor. An executor schedules like a vLLM
-instance: FCFS admission while the prompts fit (prefill-only iterations,
-prefill first), otherwise a decode iteration of every running request; when
-the next decode token does not fit, the newest running request is preempted
-(recomputed later; ``kv-swap`` swaps it to host instead).
+instance: FCFS admission while the prompts fit (prefill-only iterations),
+otherwise a decode iteration of every running request; when the next decode
+token does not fit, the newest running request is preempted (recomputed
+later; ``kv-swap`` swaps it to host instead). One choice differs from vLLM
+v0's prefill-first order: after a prefill iteration, a decode iteration of
+the running requests comes next when there are any (prefill and decode
+alternate under a long queue). Without it, the flood of admissions right
+after memory frees (a drop, a burst draining) would stall every running
+request for many prefill iterations in a row — chunked-prefill engines
+(Sarathi-Serve, vLLM v1) bound that stall too. It applies to every stack.
+Batch limits: ``max_num_seqs`` and ``max_batched_tokens`` per stage (a
+pipeline keeps a micro-batch per stage in flight, as vLLM's virtual engines).
 
 Memory (per instance, in token-layers, see :mod:`fleetserve.sim.kun_parts`)::
 
@@ -57,14 +65,18 @@ KunServe (``pressure="kunserve"``), every ``monitor_interval_s``:
    maximum batch (the largest batch whose decode iteration is at most
    ``max_batch_slowdown`` x the batch-1 one) and moves queued requests beyond
    that cap to executors with spare slots and memory;
-5. a group whose demand falls to ``restore_threshold`` of the KV capacity its
-   members would have as replicas stops taking requests and reloads the
-   dropped layers (host PCIe or a peer's link; each instance once it has
-   the room). Then, with live restore, it splits into replicas at its next
-   boundary: its requests are spread over the members (largest KV first, to
-   the member with most room) and their missing KV moves live like a live
-   exchange; without it, the group keeps pipelining until its requests are
-   done and splits then.
+5. a group at least ``restore_min_s`` old whose demand falls to
+   ``restore_threshold`` of the KV capacity its members would have as
+   replicas stops taking requests (the dispatcher sends them elsewhere, or
+   to its queue when every executor is restoring) and reloads the dropped
+   layers (host PCIe or a peer's link; each instance once it has the room).
+   Once reloaded it admits nothing new. Then, with live restore, it splits
+   into replicas at its next boundary: its running requests are spread over
+   the members (largest KV first, to the member with most room; if they do
+   not fit yet it keeps pipelining, draining, and tries again), their
+   missing KV moves live like a live exchange, and its queue is dispatched
+   again. Without live restore, the group keeps pipelining until its
+   requests are done and splits then.
 
 Victims' decode gaps (time between consecutive tokens) are tracked from the
 drop until their KV has fully arrived; ``extra["kunserve"]["victims"]``
@@ -112,6 +124,7 @@ from fleetserve.policy.kunserve import (
     rebalance,
     should_restore,
     split_layers,
+    stages_within,
 )
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.sim.events import P_ARRIVAL, P_EPOCH, P_ITER_END, P_SAMPLE, P_TRANSFER, EventQueue
@@ -177,6 +190,7 @@ class Executor:
         self.live_pieces: set[Piece] = set()
         self.tracked: dict[int, KSeq] = {}
         self.mig_ready: list[KSeq] = []
+        self.last_prefill = False  # the last iteration was a prefill (interleaving)
         self.max_batch = sim.max_num_seqs
         self.last_end = now
 
@@ -188,7 +202,7 @@ class Executor:
     def room_tokens(self) -> int:
         """KV tokens every stage can still take."""
         mem = self.sim
-        return min(mem.free_tl(m) // n for m, n in self.layers.items())
+        return min(mem.avail_tl(m) // n for m, n in self.layers.items())
 
     def capacity_tokens(self) -> int:
         """KV tokens the executor holds when full (all settled)."""
@@ -296,13 +310,14 @@ class Executor:
 
 
 class _Merge:
-    """Executors frozen to become one buddy group."""
+    """Executors frozen to become one buddy group (members in stage order)."""
 
-    __slots__ = ("members", "olds")
+    __slots__ = ("members", "olds", "ranges")
 
-    def __init__(self, olds: list[Executor], members: tuple[int, ...]) -> None:
+    def __init__(self, olds: list[Executor], stages: list[tuple[int, tuple[int, int]]]) -> None:
         self.olds = olds
-        self.members = members
+        self.members = tuple(m for m, _ in stages)
+        self.ranges = [r for _, r in stages]
 
 
 class _Migration:
@@ -437,6 +452,7 @@ class KunSimulator:
         self.held: list[tuple[int, int]] = [(0, self.L)] * instances
         self.reloading = [0] * instances  # bytes of a reload in flight
         self.corr = [0] * instances
+        self.pend_in = [0] * instances  # token-layers committed to pieces not reserved yet
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.watermark = watermark
@@ -488,6 +504,8 @@ class KunSimulator:
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.monitor = DemandMonitor(window_s=st.window_s, horizon_s=st.horizon_s)
         self.merging: list[_Merge] = []
+        self._wd_since = 0.0
+        self._wd_done = 0
         self.n_events = 0
         self.n_done = 0
         self.timeseries = TimeSeries(sample_interval_s)
@@ -520,7 +538,12 @@ class KunSimulator:
         return exe.layers[m] * exe.T() + self.corr[m]
 
     def free_tl(self, m: int) -> int:
+        """Token-layers of instance ``m`` not holding anything."""
         return self.cap_tl(m) - self.used_tl(m)
+
+    def avail_tl(self, m: int) -> int:
+        """Free token-layers not committed to KV pieces still to arrive."""
+        return self.cap_tl(m) - self.used_tl(m) - self.pend_in[m]
 
     def _link(self, a: int, b: int) -> Link:
         return self.nvlink if self.node_of[a] == self.node_of[b] else self.net_link
@@ -529,8 +552,16 @@ class KunSimulator:
         """The channel ``a`` sends to ``b`` on (NVLink inside a server, else its NIC)."""
         return self.nvl[a] if self.node_of[a] == self.node_of[b] else self.net[a]
 
-    def _new_executor(self, members: tuple[int, ...], now: float) -> Executor:
-        ranges = split_layers(self.L, len(members))
+    def _new_executor(
+        self,
+        members: tuple[int, ...],
+        now: float,
+        ranges: Sequence[tuple[int, int]] | None = None,
+    ) -> Executor:
+        """An executor of ``members`` in stage order holding ``ranges``
+        (default: an even split); members drop the layers outside their range."""
+        if ranges is None:
+            ranges = split_layers(self.L, len(members))
         link = self.net_link
         if all(self.node_of[m] == self.node_of[members[0]] for m in members):
             link = self.nvlink
@@ -544,7 +575,7 @@ class KunSimulator:
                 self.weights[m] -= dropped
                 self.bytes_freed += dropped
                 self.held[m] = (lo, hi)
-            elif old != (lo, hi) and (old[1] - old[0]) < self.L:
+            if not old[0] <= lo < hi <= old[1]:
                 raise RuntimeError(f"instance {m} holds {old}, cannot serve stage {(lo, hi)}")
             self.exe_of[m] = exe
         exe.max_batch = self._batch_cap(exe)
@@ -567,7 +598,7 @@ class KunSimulator:
             ctx = self._mean_ctx
             got = max_batch(
                 lambda b: pc.decode_time(b, b * ctx),
-                self.max_num_seqs,
+                self.max_num_seqs * exe.k,
                 self.settings.max_batch_slowdown,
             )
             self._max_batch[key] = got
@@ -725,17 +756,20 @@ class KunSimulator:
             exe.run(s, s.tokens)
         exe.pending_attach.clear()
         pressure = self.settings.pressure
-        if exe.waiting:
+        draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
+        if exe.waiting and not draining and not (exe.last_prefill and exe.running):
             admitted = self._admit(exe)
             if not admitted and exe.running and self._head_blocked_by_memory(exe):
                 if pressure == "kv-drop":
                     self._drop_for_head(exe, now)
                     admitted = self._admit(exe)
-                elif pressure == "kv-swap" and not exe.swap_out_busy:
+                elif pressure == "kv-swap" and self._may_swap_out(exe):
                     self._swap_out(exe, self._newest(exe), now)
             if admitted:
+                exe.last_prefill = True
                 self._start_prefill(exe, admitted, now)
                 return
+        exe.last_prefill = False
         if pressure == "kv-swap":
             self._swap_in(exe, now)
         if exe.running:
@@ -746,9 +780,13 @@ class KunSimulator:
                 self._try_split(exe, now)
 
     def _cap(self, exe: Executor) -> int:
+        """Batch slots: ``max_num_seqs`` per stage (a pipeline keeps one
+        micro-batch per stage in flight, as vLLM's virtual engines do), and
+        the dispatcher's maximum batch while KunServe has groups."""
+        cap = self.max_num_seqs * exe.k
         if self.grouped and self.settings.pressure == "kunserve":
-            return min(self.max_num_seqs, exe.max_batch)
-        return self.max_num_seqs
+            return min(cap, exe.max_batch)
+        return cap
 
     def _head_blocked_by_memory(self, exe: Executor) -> bool:
         """The head of the queue has a batch slot but not the memory."""
@@ -761,7 +799,7 @@ class KunSimulator:
         batch slots, the token budget; a lone prompt may exceed the budget)."""
         room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
         slots = self._cap(exe) - len(exe.running) - len(exe.stalled)
-        budget = self.max_batched_tokens
+        budget = self.max_batched_tokens * exe.k
         out: list[KSeq] = []
         for s in exe.waiting:
             need = s.need_tokens()
@@ -795,11 +833,12 @@ class KunSimulator:
         while exe.running and exe.room_tokens() < len(exe.running):
             victim = self._newest(exe)
             if pressure == "kv-swap":
-                if not exe.swap_out_busy:
+                if self._may_swap_out(exe):
                     self._swap_out(exe, victim, now)
                     continue
-                exe.phase = IDLE  # wait for the swap-out in flight to free memory
-                return
+                if exe.swap_out_busy:
+                    exe.phase = IDLE  # wait for the swap-out in flight to free memory
+                    return
             self._preempt(exe, victim, now)
         B = len(exe.running)
         if B == 0:
@@ -812,10 +851,8 @@ class KunSimulator:
         if exe.live_pieces:
             hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
             share = 1.0 - min(0.95, (hop + extra) / t)
-            for p in exe.live_pieces:
-                if p.started and not p.cancelled:
-                    ch = self._chan(p.src, p.dst)
-                    self._push_xfer(ch, ch.set_share(share, now))
+            for ch in {self._chan(p.src, p.dst) for p in exe.live_pieces}:
+                self._push_xfer(ch, ch.set_share(share, now))
         exe.phase = DECODE
         exe.version += 1
         self._push_iter(exe, now + t)
@@ -857,12 +894,18 @@ class KunSimulator:
 
     def _drop_for_head(self, exe: Executor, now: float) -> None:
         """KV drop: free the newest running requests until the head of the
-        queue fits; they are requeued at the tail and recomputed."""
+        queue fits; they are requeued at the tail and recomputed. A request's
+        KV is dropped at most once (a request dropped again and again would
+        never finish; real systems bound this too)."""
         head = exe.waiting[0]
         wm = int(self.watermark * exe.capacity_tokens())
         dropped: list[KSeq] = []
-        while exe.running and exe.room_tokens() - wm < head.need_tokens():
-            s = self._newest(exe)
+        while exe.room_tokens() - wm < head.need_tokens():
+            cands = [s for s in exe.running.values() if not s.dropped]
+            if not cands:
+                break
+            s = max(cands, key=lambda s: (s.req.arrival_s, s.id))
+            s.dropped = True
             self._cancel_pieces(s)
             self._cancel_migration(s)
             exe.unrun(s)
@@ -961,6 +1004,11 @@ class KunSimulator:
             tl = p.token_layers
             self.corr[p.src] += tl
             self.corr[p.dst] -= tl
+            if self.free_tl(p.dst) >= tl:  # reserve the destination now if it has room
+                self.corr[p.dst] += tl
+                p.started = True
+            else:  # commit it: admissions must not take this room
+                self.pend_in[p.dst] += tl
             s.pieces.append(p)
             if p.live:
                 exe.live_pieces.add(p)
@@ -968,12 +1016,13 @@ class KunSimulator:
 
     def _piece_transfer(self, p: Piece, exe: Executor) -> Transfer:
         def ready() -> bool:
-            return p.cancelled or self.free_tl(p.dst) >= p.token_layers
+            return p.cancelled or p.started or self.free_tl(p.dst) >= p.token_layers
 
         def on_start(now: float) -> None:
-            if not p.cancelled:
+            if not p.cancelled and not p.started:
                 p.started = True
                 self.corr[p.dst] += p.token_layers
+                self.pend_in[p.dst] -= p.token_layers
 
         def on_done(now: float) -> list[Any]:
             if p.cancelled:
@@ -997,14 +1046,15 @@ class KunSimulator:
 
     def _cancel_pieces(self, s: KSeq) -> None:
         """``s`` leaves (finished, preempted): its pending pieces are void."""
-        # A piece not started still has its destination's negative correction;
-        # a started one had reserved the destination (net zero there). Either
-        # way the source no longer holds it. A copy in flight runs to its end.
+        # A piece not reserved still has its destination's negative correction
+        # (and commitment); a reserved one is net zero there. Either way the
+        # source no longer holds it. A copy in flight runs to its end.
         exe = s.exe
         for p in s.pieces:
             self.corr[p.src] -= p.token_layers
             if not p.started:
                 self.corr[p.dst] += p.token_layers
+                self.pend_in[p.dst] -= p.token_layers
             p.cancelled = True
             if p.transfer is not None:
                 p.transfer.cancelled = True
@@ -1053,7 +1103,26 @@ class KunSimulator:
             self._llumnix_plan(now)
         self._retry_channels(now)
         if self._work_left(arrivals_left):
+            self._watchdog(now)
             self.events.push(now + st.monitor_interval_s, P_EPOCH, K_MONITOR, None)
+
+    def _watchdog(self, now: float) -> None:
+        """Fail loudly instead of ticking forever when requests wait but nothing
+        can ever move them (a bug, not a workload property)."""
+        busy = (
+            any(e.phase != IDLE for e in self.execs.values())
+            or any(ch.cur is not None for ch in (*self.net, *self.host, *self.nvl))
+            or self.n_done != self._wd_done
+        )
+        if busy:
+            self._wd_since = now
+            self._wd_done = self.n_done
+        elif now - self._wd_since > 600.0:
+            state = {
+                e.id: (e.members, len(e.waiting), e.num_running, e.restoring, e.frozen)
+                for e in self.execs.values()
+            }
+            raise RuntimeError(f"simulation stalled at t={now:.1f}s: executors {state}")
 
     def _maybe_drop(self, now: float) -> None:
         mon = self.monitor
@@ -1086,9 +1155,12 @@ class KunSimulator:
                     uniq.append(owner)
             if not all(e.stable for e in uniq):
                 continue
+            stages = stages_within({m: self.held[m] for m in g}, self.L)
+            if stages is None:
+                continue
             for e in uniq:
                 e.frozen = True
-            self.merging.append(_Merge(uniq, tuple(sorted(g))))
+            self.merging.append(_Merge(uniq, stages))
         if self.merging:
             self._try_merges(now)
 
@@ -1110,7 +1182,7 @@ class KunSimulator:
             old_owner[e.id] = owner
         for e in mg.olds:
             self._retire(e, now)
-        new = self._new_executor(mg.members, now)
+        new = self._new_executor(mg.members, now, mg.ranges)
         new_owner = [0] * self.L
         for m, (lo, hi) in new.ranges.items():
             for layer in range(lo, hi):
@@ -1164,7 +1236,12 @@ class KunSimulator:
                 if e.phase == IDLE:
                     self._try_split(e, now)
                 continue
-            if e.k == 1 or not e.stable or self.monitor.throttled(e.id, h):
+            if (
+                e.k == 1
+                or not e.stable
+                or now - e.created_s < st.restore_min_s
+                or self.monitor.throttled(e.id, h)
+            ):
                 continue
             demand = e.T() + e.waiting_tokens()
             restored = sum(
@@ -1211,7 +1288,7 @@ class KunSimulator:
         if not e.restoring or e.reload_left or e.phase != IDLE or e.id not in self.execs:
             return
         if not self.settings.live_restore and (
-            e.waiting or e.running or e.stalled or e.prefill or e.pending_attach
+            e.running or e.stalled or e.prefill or e.pending_attach
         ):
             return
         # assign running requests: largest KV first, to the member with most room
@@ -1222,7 +1299,8 @@ class KunSimulator:
             kv = s.kv_tokens
             m = max(e.members, key=lambda m: (room[m] - wm[m], -m))
             if room[m] - wm[m] < kv + 1:
-                e.frozen = False  # cannot place everyone yet: keep pipelining
+                e.frozen = False  # cannot place everyone yet: keep pipelining (and draining)
+                self._schedule(e, now)
                 return
             room[m] -= kv
             take[m].append((s, kv))
@@ -1284,6 +1362,11 @@ class KunSimulator:
                 self._schedule(e, now)
 
     # ------------------------------------------------------------------ swap
+    def _may_swap_out(self, exe: Executor) -> bool:
+        """One swap-out at a time, and at most ``swap_max_out`` requests out."""
+        out = len(exe.swapped) + (1 if exe.swap_out_busy else 0) + (1 if exe.swap_in_busy else 0)
+        return not exe.swap_out_busy and out < self.settings.swap_max_out
+
     def _swap_out(self, exe: Executor, s: KSeq, now: float) -> None:
         kv = exe.unrun(s)
         s.state = "stalled"
@@ -1513,6 +1596,7 @@ class KunSimulator:
             seen[s.id] = where
 
         corr = [0] * self.n
+        pend = [0] * self.n
         members_seen: set[int] = set()
         for e in self.execs.values():
             # one complete copy of every layer: the stages partition the layers,
@@ -1566,11 +1650,13 @@ class KunSimulator:
                     corr[p.src] += p.token_layers
                     if not p.started:
                         corr[p.dst] -= p.token_layers
+                        pend[p.dst] += p.token_layers
         for s3 in self.seqs[:arrived]:
             if s3 is not None and s3.state == "transit" and s3.id not in seen:
                 place(s3, "in transit")
         assert members_seen == set(range(self.n))
         assert corr == self.corr, (corr, self.corr)
+        assert pend == self.pend_in, (pend, self.pend_in)
         for m in range(self.n):
             lo, hi = self.held[m]
             assert self.weights[m] == self.base_w + (hi - lo) * self.layer_b + self.reloading[m]

@@ -59,12 +59,15 @@ class KunSettings:
         monitor_interval_s: how often the monitor samples and decides.
         restore_threshold: restore a group when its KV demand is at most this
             share of the KV capacity its members have as full replicas.
+        restore_min_s: a group restores no earlier than this long after it
+            formed (hysteresis: a drop answers a predicted shortage, so the
+            demand right after it may still be low).
         restore_from: ``host`` (PCIe from the host copy) or ``peer`` (network).
         max_batch_slowdown: the dispatcher's maximum batch per instance is the
             largest batch whose decode iteration is at most this many times
             the batch-1 iteration (from the cost model).
-        llumnix_min_gap_tokens: Llumnix migrates only when the freeness gap
-            between two instances exceeds this many KV tokens.
+        swap_max_out: ``kv-swap``: requests an instance may have swapped out
+            at once (vLLM swaps "a small number of requests, default 1").
     """
 
     pressure: str = "queue"
@@ -76,9 +79,10 @@ class KunSettings:
     window_s: float = 1.0
     monitor_interval_s: float = 0.1
     restore_threshold: float = 0.5
+    restore_min_s: float = 5.0
     restore_from: str = "host"
     max_batch_slowdown: float = 2.0
-    llumnix_min_gap_tokens: int = 2048
+    swap_max_out: int = 1
 
     def __post_init__(self) -> None:
         if self.pressure not in PRESSURES:
@@ -101,6 +105,8 @@ class KunSettings:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and v > 0):
                 raise ConfigError(f"kunserve.{name} must be a number > 0, got {v!r}")
+        if isinstance(self.swap_max_out, bool) or self.swap_max_out < 1:
+            raise ConfigError(f"kunserve.swap_max_out must be >= 1, got {self.swap_max_out!r}")
         if self.max_batch_slowdown < 1:
             raise ConfigError("kunserve.max_batch_slowdown must be >= 1")
         if not 0 < self.restore_threshold <= 1:
@@ -198,6 +204,7 @@ class KSeq:
 
     __slots__ = (
         "base",
+        "dropped",
         "exe",
         "finish_step",
         "gen",
@@ -223,6 +230,7 @@ class KSeq:
         self.exe: Executor | None = None
         self.state = "new"
         self.base = 0
+        self.dropped = False  # its KV was dropped once (kv-drop)
         self.finish_step = 0
         self.gen = 0  # generated tokens while not running
         self.tokens = 0  # KV tokens held while not running
