@@ -32,6 +32,7 @@ DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
 _SECTION = {
     "MultiConfigSection": "multi.",
+    "KunConfigSection": "kunserve.",
     "WorkloadConfig": "workload.",
     "ClusterConfig": "cluster.",
     "EngineConfig": "engine.",
@@ -330,6 +331,93 @@ class MultiConfigSection:
             )
 
 
+KUN_GENERATORS: tuple[str, ...] = ("bursty",)
+
+
+@dataclass(frozen=True)
+class KunConfigSection:
+    """KunServe runs: one replicated model under memory throttling.
+
+    A run uses the KunServe simulator (:mod:`fleetserve.sim.kun`) when its
+    stack is one only that simulator has (``kunserve`` and its ablations,
+    ``kv-drop``, ``kv-swap``, ``pipeline``) or when ``kunserve.generator`` is
+    set (then ``vllm`` and ``llumnix`` name that simulator's baselines too).
+    The pool is fixed: ``cluster.gpus`` GPUs, ``cluster.tp`` per instance.
+
+    Attributes:
+        generator: ``bursty``: the KunServe experiment's workload
+            (:func:`fleetserve.workload.bursty.kunserve_workload`) instead of
+            ``workload.trace``.
+        profile, arrival, rate, duration_s, burst_start_s, burst_len_s,
+            burst_factor, cv: the generator's arguments (length profile
+            ``burstgpt``/``agieval-cot``/``azure-conv``, arrivals
+            ``azure-burst``/``gamma``).
+        kv_tokens: KV memory provisioned per instance, in tokens (None: all
+            HBM the weights leave at ``cluster.mem_util``).
+        network_gbps: per-GPU network bandwidth (None: the GPU's).
+        gpus_per_node: GPUs per server (None: the GPU's); KunServe's testbed
+            has one GPU per server.
+        exchange, live_restore, strategy, static_stages, horizon_s, window_s,
+            monitor_interval_s, restore_threshold, restore_min_s,
+            restore_from, max_batch_slowdown, swap_max_out: override the
+            stack's :class:`~fleetserve.sim.kun_parts.KunSettings` (None: keep).
+    """
+
+    generator: str | None = None
+    profile: str = "burstgpt"
+    arrival: str = "azure-burst"
+    rate: float = 5.0
+    duration_s: float = 300.0
+    burst_start_s: float = 90.0
+    burst_len_s: float = 20.0
+    burst_factor: float = 14.0
+    cv: float = 3.0
+    kv_tokens: int | None = None
+    network_gbps: float | None = None
+    gpus_per_node: int | None = None
+    exchange: str | None = None
+    live_restore: bool | None = None
+    strategy: str | None = None
+    static_stages: int | None = None
+    horizon_s: float | None = None
+    window_s: float | None = None
+    monitor_interval_s: float | None = None
+    restore_threshold: float | None = None
+    restore_min_s: float | None = None
+    restore_from: str | None = None
+    max_batch_slowdown: float | None = None
+    swap_max_out: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "rate", "duration_s", "burst_len_s", "burst_factor", "cv")
+        _positive(self, "kv_tokens", "network_gbps", "gpus_per_node")
+        if self.generator is not None and self.generator not in KUN_GENERATORS:
+            raise ConfigError(
+                f"kunserve.generator must be one of {', '.join(KUN_GENERATORS)}, "
+                f"got {self.generator!r}"
+            )
+        if self.burst_start_s < 0:
+            raise ConfigError(f"kunserve.burst_start_s must be >= 0, got {self.burst_start_s}")
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings this section overrides (fields not None)."""
+        names = (
+            "exchange",
+            "live_restore",
+            "strategy",
+            "static_stages",
+            "horizon_s",
+            "window_s",
+            "monitor_interval_s",
+            "restore_threshold",
+            "restore_min_s",
+            "restore_from",
+            "max_batch_slowdown",
+            "swap_max_out",
+        )
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs; ``summary.json`` stores it resolved.
@@ -355,6 +443,7 @@ class SimConfig:
     mell: MellConfig = field(default_factory=MellConfig)
     services: tuple[ServiceConfig, ...] | None = None
     multi: MultiConfigSection = field(default_factory=MultiConfigSection)
+    kunserve: KunConfigSection = field(default_factory=KunConfigSection)
     seed: int = 0
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
@@ -382,11 +471,27 @@ class SimConfig:
             raise ConfigError(
                 "a multi-LLM run (services or multi.generator) needs a fixed pool: set cluster.gpus"
             )
+        if self.is_multi and self.kunserve.generator is not None:
+            raise ConfigError("kunserve.generator cannot be combined with a multi-LLM run")
+        if self.is_kun and self.cluster.gpus is None:
+            raise ConfigError(
+                f"stack {self.policy.stack!r} runs a fixed pool of replicas: set cluster.gpus "
+                "(or --gpus N)"
+            )
 
     @property
     def is_multi(self) -> bool:
         """Whether this is a multi-LLM run (the sharing-group simulator)."""
         return self.services is not None or self.multi.generator is not None
+
+    @property
+    def is_kun(self) -> bool:
+        """Whether this run uses the KunServe simulator (see :class:`KunConfigSection`)."""
+        if self.is_multi:
+            return False
+        from fleetserve.sim.kun_parts import KUN_ONLY_STACKS
+
+        return self.policy.stack in KUN_ONLY_STACKS or self.kunserve.generator is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``summary.json``)."""

@@ -126,6 +126,10 @@ def simulate_and_write(
         )
         result.notes.extend(wl.notes)
         result.config["run"] = cfg.to_dict()
+    elif cfg.is_kun:
+        from fleetserve.sim.kun_run import run_kun
+
+        result = run_kun(cfg, wl.requests, wl.notes, progress, PROGRESS_EVERY)
     else:
         sim = Simulator(
             cfg, wl.requests, notes=wl.notes, progress=progress, progress_every=PROGRESS_EVERY

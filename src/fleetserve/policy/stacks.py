@@ -57,4 +57,6 @@ def get_stack(name: str) -> Stack:
     try:
         return STACKS[name]
     except KeyError:
-        raise UnknownNameError("stack", name, STACKS) from None
+        from fleetserve.sim.kun_parts import KUN_STACKS
+
+        raise UnknownNameError("stack", name, sorted({*STACKS, *KUN_STACKS})) from None

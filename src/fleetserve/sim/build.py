@@ -84,6 +84,13 @@ def build_workload(cfg: SimConfig, base_dir: Path | None = None) -> Workload:
         for n in mi.notes:
             logger.info(n)
         return Workload(mi.requests, mi.source, mi.notes, mi.services, mi.history)
+    if cfg.kunserve.generator is not None:
+        from fleetserve.sim.kun_run import build_kun_requests
+
+        kreqs, ksource = build_kun_requests(cfg)
+        if not kreqs:
+            raise ConfigError(f"the workload from {ksource} is empty")
+        return Workload(kreqs, ksource, [f"workload: {ksource}"])
     wl = cfg.workload
     rng = np.random.default_rng(cfg.seed)
     notes: list[str] = []

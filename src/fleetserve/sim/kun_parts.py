@@ -180,6 +180,14 @@ KUN_STACKS: dict[str, KunStack] = {
 }
 
 
+KUN_ONLY_STACKS: frozenset[str] = frozenset(
+    n for n in KUN_STACKS if n not in ("vllm", "llumnix")
+)
+"""Stacks only the KunServe simulator has (``vllm`` and ``llumnix`` also name
+stacks of the main simulator; they mean the KunServe baselines when
+``kunserve.generator`` is set)."""
+
+
 def get_kun_stack(name: str) -> KunStack:
     """The KunServe-comparison stack called ``name`` (clear error with suggestions)."""
     try:

@@ -127,6 +127,11 @@ def preflight(config: SimConfig) -> None:
 
         multi_preflight(config)
         return
+    if config.is_kun:
+        from fleetserve.sim.kun_run import kun_preflight
+
+        kun_preflight(config)
+        return
     resolve_policies(config)
     gpu = get_gpu(config.cluster.gpu)
     cl = config.cluster

@@ -1,0 +1,137 @@
+"""Running the KunServe simulator from a :class:`~fleetserve.config.SimConfig`.
+
+``fleetserve simulate``/``compare`` call :func:`run_kun` when the config is a
+KunServe run (:attr:`SimConfig.is_kun`): the stack's
+:class:`~fleetserve.sim.kun_parts.KunSettings` with the ``kunserve`` section's
+overrides, ``cluster.gpus // cluster.tp`` instances of ``model``, and the
+workload of ``kunserve.generator`` or of ``workload`` (one model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fleetserve.errors import ConfigError
+from fleetserve.sim.kun import KunSimulator, ProgressFn
+from fleetserve.sim.kun_parts import KunSettings, get_kun_stack
+from fleetserve.spec import get_gpu, get_model
+from fleetserve.workload.request import Request
+
+if TYPE_CHECKING:
+    from fleetserve.config import SimConfig
+    from fleetserve.metrics.records import RunResult
+
+__all__ = ["build_kun_requests", "kun_preflight", "kun_settings", "run_kun"]
+
+
+def kun_settings(cfg: SimConfig) -> KunSettings:
+    """The stack's settings with the config's ``kunserve`` overrides (validated)."""
+    stack = get_kun_stack(cfg.policy.stack)
+    try:
+        return stack.settings.with_overrides(**cfg.kunserve.overrides())
+    except TypeError as e:  # pragma: no cover - overrides() only names real fields
+        raise ConfigError(f"kunserve: {e}") from None
+
+
+def _instances(cfg: SimConfig) -> int:
+    gpus = cfg.cluster.gpus
+    tp = cfg.cluster.tp
+    if gpus is None:
+        raise ConfigError("a KunServe run needs a fixed pool: set cluster.gpus (or --gpus N)")
+    if gpus % tp:
+        raise ConfigError(f"cluster.gpus={gpus} is not a multiple of cluster.tp={tp}")
+    return gpus // tp
+
+
+def _simulator(
+    cfg: SimConfig,
+    requests: Sequence[Request],
+    notes: Sequence[str] = (),
+    progress: ProgressFn | None = None,
+    progress_every: int = 4096,
+) -> KunSimulator:
+    kc = cfg.kunserve
+    return KunSimulator(
+        requests,
+        model=get_model(cfg.model).name,
+        gpu=get_gpu(cfg.cluster.gpu).name,
+        instances=_instances(cfg),
+        tp=cfg.cluster.tp,
+        settings=kun_settings(cfg),
+        stack=cfg.policy.stack,
+        mem_util=cfg.cluster.mem_util,
+        kv_tokens=kc.kv_tokens,
+        network_gbps=kc.network_gbps,
+        gpus_per_node=kc.gpus_per_node,
+        seed=cfg.seed,
+        max_num_seqs=cfg.engine.max_num_seqs,
+        max_batched_tokens=cfg.engine.max_batched_tokens,
+        watermark=cfg.engine.watermark,
+        sample_interval_s=cfg.sample_interval_s,
+        check_integrity=cfg.check_integrity,
+        max_time_s=cfg.max_time_s,
+        config=cfg.to_dict(),
+        notes=notes,
+        progress=progress,
+        progress_every=progress_every,
+    )
+
+
+def kun_preflight(cfg: SimConfig) -> None:
+    """Check the stack, the overrides and that the deployment fits, before any work.
+
+    Raises:
+        FleetserveError: the first problem found, as one clear line.
+    """
+    if cfg.workload.models is not None and len(set(cfg.workload.models)) > 1:
+        raise ConfigError(
+            f"stack {cfg.policy.stack!r} serves one replicated model; workload.models "
+            f"names {len(set(cfg.workload.models))}"
+        )
+    _simulator(cfg, [])
+
+
+def build_kun_requests(cfg: SimConfig) -> tuple[list[Request], str]:
+    """The ``kunserve.generator`` workload and its description."""
+    from fleetserve.workload.bursty import kunserve_workload
+
+    kc = cfg.kunserve
+    reqs = kunserve_workload(
+        kc.profile,
+        kc.arrival,
+        kc.rate,
+        kc.duration_s,
+        burst_start_s=kc.burst_start_s,
+        burst_len_s=kc.burst_len_s,
+        burst_factor=kc.burst_factor,
+        cv=kc.cv,
+        model=cfg.model,
+        seed=cfg.seed,
+    )
+    source = (
+        f"KunServe bursty workload: {kc.profile} lengths, {kc.arrival} arrivals at "
+        f"{kc.rate:g} req/s for {kc.duration_s:g} s, x{kc.burst_factor:g} from "
+        f"{kc.burst_start_s:g} s for {kc.burst_len_s:g} s"
+    )
+    return reqs, source
+
+
+def run_kun(
+    cfg: SimConfig,
+    requests: Sequence[Request],
+    notes: Sequence[str] = (),
+    progress: ProgressFn | None = None,
+    progress_every: int = 4096,
+) -> RunResult:
+    """Simulate ``requests`` (one model, ids ``0..n-1`` in arrival order) under ``cfg``."""
+    models = {r.model for r in requests}
+    if len(models) > 1:
+        raise ConfigError(
+            f"stack {cfg.policy.stack!r} serves one replicated model; the workload has "
+            f"{len(models)}: {', '.join(sorted(models))}"
+        )
+    if models and get_model(cfg.model).name not in models:
+        (only,) = models
+        raise ConfigError(f"the workload is for {only}, the config's model is {cfg.model}")
+    return _simulator(cfg, requests, notes, progress, progress_every).run()
