@@ -952,6 +952,8 @@ class KunSimulator:
                         gap = now - s.last_tok_s
                         if gap > s.max_gap_s:
                             s.max_gap_s = gap
+                        s.sum_gap_s += gap
+                        s.n_gaps += 1
                         s.last_tok_s = now
                         if not s.pieces:
                             self._untrack(exe, s, now)
@@ -1074,6 +1076,8 @@ class KunSimulator:
                 "start_s": s.tracked_since,
                 "end_s": now,
                 "max_gap_s": s.max_gap_s,
+                "mean_gap_s": s.sum_gap_s / s.n_gaps if s.n_gaps else None,
+                "tokens": s.n_gaps,
                 "outcome": s.state,
             }
         )
@@ -1083,6 +1087,8 @@ class KunSimulator:
         s.tracked_since = now
         s.track_kind = kind
         s.max_gap_s = 0.0
+        s.sum_gap_s = 0.0
+        s.n_gaps = 0
         s.last_tok_s = last_tok
         exe.tracked[s.id] = s
 
@@ -1535,12 +1541,16 @@ class KunSimulator:
         for e in self.execs.values():
             if e.k > 1:
                 self.group_seconds += end_s - e.created_s
-        gaps = [v["max_gap_s"] for v in self.victim_records]
+        exch = [v for v in self.victim_records if v["kind"] == "exchange"]
+        gaps = [v["max_gap_s"] for v in exch]
+        mean_gaps = [v["mean_gap_s"] for v in exch if v["mean_gap_s"] is not None]
         victims = {
-            "count": len(self.victim_records),
+            "count": len(exch),
             "mode": self.settings.exchange,
             "max_gap_s": max(gaps, default=0.0),
             "mean_max_gap_s": float(np.mean(gaps)) if gaps else 0.0,
+            "mean_decode_time_s": float(np.mean(mean_gaps)) if mean_gaps else 0.0,
+            "restore_moves": len(self.victim_records) - len(exch),
         }
         kv_per_gpu = (self.cap_b[0] - self.model.weight_bytes) // self.tp
         extra = {
@@ -1563,6 +1573,7 @@ class KunSimulator:
                     k: getattr(self.settings, k) for k in self.settings.__dataclass_fields__
                 },
                 "victims": victims,
+                "victim_records": self.victim_records,
             },
         }
         cfg = dict(self.config)

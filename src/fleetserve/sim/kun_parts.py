@@ -180,9 +180,7 @@ KUN_STACKS: dict[str, KunStack] = {
 }
 
 
-KUN_ONLY_STACKS: frozenset[str] = frozenset(
-    n for n in KUN_STACKS if n not in ("vllm", "llumnix")
-)
+KUN_ONLY_STACKS: frozenset[str] = frozenset(n for n in KUN_STACKS if n not in ("vllm", "llumnix"))
 """Stacks only the KunServe simulator has (``vllm`` and ``llumnix`` also name
 stacks of the main simulator; they mean the KunServe baselines when
 ``kunserve.generator`` is set)."""
@@ -220,11 +218,13 @@ class KSeq:
         "last_tok_s",
         "max_gap_s",
         "mig",
+        "n_gaps",
         "pieces",
         "prompt",
         "record",
         "req",
         "state",
+        "sum_gap_s",
         "tokens",
         "track_kind",
         "tracked_since",
@@ -246,6 +246,8 @@ class KSeq:
         self.mig: Any = None  # a Llumnix migration in flight
         self.last_tok_s = 0.0
         self.max_gap_s = 0.0
+        self.sum_gap_s = 0.0
+        self.n_gaps = 0
         self.tracked_since: float | None = None  # victim: when its exchange began
         self.track_kind = ""  # "exchange" or "restore"
 
