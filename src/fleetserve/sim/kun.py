@@ -525,6 +525,7 @@ class KunSimulator:
         k = st.static_stages
         for lo in range(0, instances, k):
             self._new_executor(tuple(range(lo, min(lo + k, instances))), 0.0)
+        self.bytes_freed = 0  # a static pipeline never held those layers: not a drop
         self._update_pipe_clock(0.0)
 
     # ------------------------------------------------------------- memory
