@@ -10,6 +10,8 @@ request is in exactly one place or in exactly one terminal state.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -366,3 +368,71 @@ def test_stages_within_tiles_and_respects_holdings(
         assert held[m][0] <= lo and hi <= held[m][1]
         pos = hi
     assert pos == layers
+
+
+# ------------------------------------------------------------------- the CLI
+
+
+def test_simulate_kunserve_stack_on_a_trace_writes_memory_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_cli import assert_summary_complete, load_summary, run_cli
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(120):
+        lines.append(f"2023-11-16 18:15:{i // 10:02d}.{(i % 10) * 100:03d},{400 + i * 7},120")
+    trace = tmp_path / "burst.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    rc, _, err = run_cli(
+        capsys,
+        "simulate",
+        "--trace",
+        trace,
+        "--format",
+        "azure",
+        "--model",
+        MODEL,
+        "--gpu",
+        GPU,
+        "--gpus",
+        "4",
+        "--stack",
+        "kunserve",
+        "--set",
+        "kunserve.kv_tokens=4000",
+        "--set",
+        "check_integrity=true",
+        "--no-progress",
+        "--out",
+        out,
+    )
+    assert rc == 0, err
+    s = load_summary(out)
+    assert_summary_complete(s)
+    mem = s["memory"]
+    assert mem["drops"] >= 1 and mem["bytes_freed"] > 0
+    assert {"drops", "restores", "bytes_freed", "time_in_pipeline_s"} <= set(mem)
+    assert s["config"]["policy"]["stack"] == "kunserve"
+
+
+def test_simulate_kunserve_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_cli import assert_one_line_error, run_cli
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    base = ["simulate", "--model", MODEL, "--gpu", GPU, "--out", tmp_path / "x"]
+    rc, out, err = run_cli(capsys, *base, "--stack", "kunserve")
+    assert_one_line_error(rc, out, err, "cluster.gpus")
+    rc, out, err = run_cli(capsys, *base, "--gpus", "8", "--stack", "kunserve-memgreed")
+    assert_one_line_error(rc, out, err, "kunserve-memgreedy")
+    rc, out, err = run_cli(
+        capsys, *base, "--gpus", "8", "--stack", "kunserve", "--set", "kunserve.strategy=fast"
+    )
+    assert_one_line_error(rc, out, err, "kunserve.strategy")
+    rc, out, err = run_cli(
+        capsys, *base, "--gpus", "8", "--stack", "pipeline", "--set", "kunserve.kv_tokens=99999999"
+    )
+    assert_one_line_error(rc, out, err, "kv_tokens")
