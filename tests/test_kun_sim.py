@@ -436,3 +436,18 @@ def test_simulate_kunserve_errors_are_one_line(
         capsys, *base, "--gpus", "8", "--stack", "pipeline", "--set", "kunserve.kv_tokens=99999999"
     )
     assert_one_line_error(rc, out, err, "kv_tokens")
+
+
+def test_fallback_activates_a_spare_instance_when_drops_cannot_free_enough() -> None:
+    # one instance: nothing to merge with, so the planner cannot meet the need
+    wl = _burst(n_long=4, n_burst=40, prompt=600)
+    sim = _sim(wl, "kunserve", instances=1, kv_tokens=2500, spare_instances=1)
+    assert sim.active == [True, False]
+    res = sim.run()
+    _terminal_once(sim, len(wl))
+    kinds = [e["event"] for e in res.extra["memory"]["events"]]
+    assert "scale-out" in kinds
+    assert sim.active[1]
+    starts = {iv.gpu: iv.start_s for iv in res.gpu_intervals}
+    # weights over PCIe first: ~29.5 GB at 25 GB/s
+    assert starts[0] == 0.0 and starts[1] > 1.0

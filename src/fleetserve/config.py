@@ -354,6 +354,9 @@ class KunConfigSection:
             ``azure-burst``/``gamma``).
         kv_tokens: KV memory provisioned per instance, in tokens (None: all
             HBM the weights leave at ``cluster.mem_util``).
+        spare_instances: instances beyond ``cluster.gpus // cluster.tp``
+            that start off; KunServe's fallback activates one (weights from
+            host memory) when dropping layers cannot free enough.
         network_gbps: per-GPU network bandwidth (None: the GPU's).
         gpus_per_node: GPUs per server (None: the GPU's); KunServe's testbed
             has one GPU per server.
@@ -373,6 +376,7 @@ class KunConfigSection:
     burst_factor: float = 14.0
     cv: float = 3.0
     kv_tokens: int | None = None
+    spare_instances: int = 0
     network_gbps: float | None = None
     gpus_per_node: int | None = None
     exchange: str | None = None
@@ -396,6 +400,8 @@ class KunConfigSection:
                 f"kunserve.generator must be one of {', '.join(KUN_GENERATORS)}, "
                 f"got {self.generator!r}"
             )
+        if self.spare_instances < 0:
+            raise ConfigError(f"kunserve.spare_instances must be >= 0, got {self.spare_instances}")
         if self.burst_start_s < 0:
             raise ConfigError(f"kunserve.burst_start_s must be >= 0, got {self.burst_start_s}")
 

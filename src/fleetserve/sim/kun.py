@@ -341,6 +341,9 @@ class KunSimulator:
         model, gpu: catalog names.
         instances: instances (replicas) in the cluster.
         tp: GPUs per instance (tensor parallel).
+        spare_instances: instances that are off at the start; KunServe's
+            fallback activates one (weights loaded from host memory over
+            PCIe) when dropping layers cannot free what is needed.
         settings: the stack's behaviour (:class:`KunSettings`).
         stack: the stack's name (for results).
         mem_util: share of each GPU's HBM the engine may use.
@@ -371,6 +374,7 @@ class KunSimulator:
         gpu: str,
         instances: int,
         tp: int = 1,
+        spare_instances: int = 0,
         settings: KunSettings | None = None,
         stack: str = "custom",
         mem_util: float = 0.9,
@@ -403,6 +407,10 @@ class KunSimulator:
             raise ConfigError(f"instances must be an integer >= 1, got {instances!r}")
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+        if isinstance(spare_instances, bool) or not isinstance(spare_instances, int):
+            raise ConfigError(f"spare_instances must be an integer >= 0, got {spare_instances!r}")
+        if spare_instances < 0:
+            raise ConfigError(f"spare_instances must be an integer >= 0, got {spare_instances!r}")
         if st.static_stages > instances:
             raise ConfigError(
                 f"static pipeline of {st.static_stages} stages needs at least that many "
@@ -423,7 +431,10 @@ class KunSimulator:
                     f"request {r.id} is for model {r.model!r}; this deployment serves {spec.name}"
                 )
         self.tp = tp
-        self.n = instances
+        self.n = instances + spare_instances  # every instance, active or not
+        self.active = [m < instances for m in range(self.n)]
+        self.active_since: dict[int, float] = dict.fromkeys(range(instances), 0.0)
+        self.activating: set[int] = set()
         self.L = spec.num_layers
         self.kvpl = spec.kv_bytes_per_token_per_layer
         self.kv_tok_bytes = spec.kv_bytes_per_token
@@ -447,12 +458,14 @@ class KunSimulator:
                     f"({cap / 1e9:.1f} GB)"
                 )
             cap = want
-        self.cap_b = [cap] * instances
-        self.weights = [spec.weight_bytes] * instances
-        self.held: list[tuple[int, int]] = [(0, self.L)] * instances
-        self.reloading = [0] * instances  # bytes of a reload in flight
-        self.corr = [0] * instances
-        self.pend_in = [0] * instances  # token-layers committed to pieces not reserved yet
+        n = self.n
+        self.replica_tokens = (cap - spec.weight_bytes) // spec.kv_bytes_per_token
+        self.cap_b = [cap] * n
+        self.weights = [spec.weight_bytes] * n
+        self.held: list[tuple[int, int]] = [(0, self.L)] * n
+        self.reloading = [0] * n  # bytes of a reload in flight
+        self.corr = [0] * n
+        self.pend_in = [0] * n  # token-layers committed to pieces not reserved yet
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.watermark = watermark
@@ -466,16 +479,16 @@ class KunSimulator:
         self.rng = np.random.default_rng(seed)
         self.cost = (cost or CostModel()).bind(spec, self.gpu, tp)
         per_node = gpus_per_node or self.gpu.gpus_per_node
-        self.node_of = [(i * tp) // per_node for i in range(instances)]
+        self.node_of = [(i * tp) // per_node for i in range(n)]
         bw = (network_gbps * 1e9 / 8) if network_gbps is not None else self.gpu.network_bw
         if not bw > 0:
             raise ConfigError(f"network_gbps must be > 0, got {network_gbps!r}")
         self.net_link = Link(bw, NETWORK_LATENCY_S)
         self.nvlink = intra_node_link(self.gpu)
         self.pcie = host_link(self.gpu)
-        self.net = [Channel(f"net{i}", self.net_link) for i in range(instances)]
-        self.host = [Channel(f"host{i}", self.pcie) for i in range(instances)]
-        self.nvl = [Channel(f"nvlink{i}", self.nvlink) for i in range(instances)]
+        self.net = [Channel(f"net{i}", self.net_link) for i in range(n)]
+        self.host = [Channel(f"host{i}", self.pcie) for i in range(n)]
+        self.nvl = [Channel(f"nvlink{i}", self.nvlink) for i in range(n)]
         mean_ctx = (
             float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in self.requests]))
             if self.requests
@@ -490,11 +503,11 @@ class KunSimulator:
             for r in self.requests
         ]
         self.seqs: list[KSeq | None] = [None] * len(self.requests)
-        self.exe_of: list[Executor | None] = [None] * instances
+        self.exe_of: list[Executor | None] = [None] * n
         self.execs: dict[int, Executor] = {}
         self._next_eid = 0
         self.state = ClusterState(
-            gpus_limit=instances * tp,
+            gpus_limit=n * tp,
             elastic=False,
             model_tp={spec.name: tp},
             gpus_per_node=per_node,
@@ -697,7 +710,7 @@ class KunSimulator:
     # ------------------------------------------------------------- arrivals
     def _on_arrival(self, req: Request, now: float) -> None:
         rec = self.records[req.id]
-        limit = int(min(self.cap_tl(m) for m in range(self.n)) // self.L * (1 - self.watermark))
+        limit = int(self.replica_tokens * (1 - self.watermark))
         if req.max_kv_tokens > limit:
             rec.status = "rejected"
             rec.reason = (
@@ -1144,7 +1157,9 @@ class KunSimulator:
             need += max(mon.required_bytes(e.id, h), float(queued))
         groups = [e.members for e in self.execs.values()]
         current = freed_bytes(groups, self.param_bytes)
-        kv_region = sum(self.cap_b) - self.n * self.model.weight_bytes
+        kv_region = sum(
+            self.cap_b[m] - self.model.weight_bytes for m in range(self.n) if self.active[m]
+        )
         plan = plan_drop(
             self.settings.strategy,
             groups,
@@ -1153,6 +1168,8 @@ class KunSimulator:
             int(kv_region),
             max_group_size=self.L,
         )
+        if not plan.met:
+            self._scale_out(now)
         for g in plan.merges_from(groups):
             uniq: list[Executor] = []
             for m in g:
@@ -1170,6 +1187,28 @@ class KunSimulator:
             self.merging.append(_Merge(uniq, stages))
         if self.merging:
             self._try_merges(now)
+
+    def _scale_out(self, now: float) -> None:
+        """KunServe's fallback when dropping cannot free enough: activate a
+        spare instance (its weights come from host memory over PCIe)."""
+        spare = [m for m in range(self.n) if not self.active[m] and m not in self.activating]
+        if not spare or self.activating:
+            return
+        m = spare[0]
+        self.activating.add(m)
+        self.mem_events.append({"t": now, "event": "scale-out-start", "group": [m]})
+
+        def on_done(t: float) -> list[Any]:
+            self.activating.discard(m)
+            self.active[m] = True
+            self.active_since[m] = t
+            exe = self._new_executor((m,), t)
+            self.mem_events.append({"t": t, "event": "scale-out", "group": [m]})
+            self._schedule(exe, t)
+            return []
+
+        nbytes = float(self.model.weight_bytes) / self.tp
+        self._enqueue_transfer(self.host[m], Transfer("weights", nbytes, on_done), now)
 
     def _try_merges(self, now: float) -> None:
         for mg in list(self.merging):
@@ -1505,9 +1544,12 @@ class KunSimulator:
 
     def _sample(self, now: float) -> None:
         used = cap = queued = running = waiting_tok = 0
+        active = 0
         for m in range(self.n):
-            used += self.used_tl(m)
-            cap += self.cap_tl(m)
+            if self.active[m]:
+                used += self.used_tl(m)
+                cap += self.cap_tl(m)
+                active += 1
         for e in self.execs.values():
             queued += len(e.waiting) + len(e.swapped)
             running += e.num_running
@@ -1515,7 +1557,7 @@ class KunSimulator:
         b = self.kvpl
         self.timeseries.append(
             now,
-            self.n * self.tp,
+            active * self.tp,
             used * b,
             cap * b,
             used * b + waiting_tok * self.kv_tok_bytes,
@@ -1584,7 +1626,11 @@ class KunSimulator:
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,
-            gpu_intervals=[GpuInterval(g, 0.0, end_s) for g in range(self.n * self.tp)],
+            gpu_intervals=[
+                GpuInterval(g, t0, end_s)
+                for m, t0 in sorted(self.active_since.items())
+                for g in range(m * self.tp, (m + 1) * self.tp)
+            ],
             migrations=self.migrations,
             end_s=end_s,
             kv_bytes_per_gpu=kv_per_gpu,
@@ -1666,10 +1712,13 @@ class KunSimulator:
         for s3 in self.seqs[:arrived]:
             if s3 is not None and s3.state == "transit" and s3.id not in seen:
                 place(s3, "in transit")
-        assert members_seen == set(range(self.n))
+        assert members_seen == {m for m in range(self.n) if self.active[m]}
         assert corr == self.corr, (corr, self.corr)
         assert pend == self.pend_in, (pend, self.pend_in)
         for m in range(self.n):
+            if not self.active[m]:
+                assert self.exe_of[m] is None and self.corr[m] == 0 and self.pend_in[m] == 0
+                continue
             lo, hi = self.held[m]
             assert self.weights[m] == self.base_w + (hi - lo) * self.layer_b + self.reloading[m]
             used = self.used_tl(m)

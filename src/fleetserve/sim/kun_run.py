@@ -58,6 +58,7 @@ def _simulator(
         gpu=get_gpu(cfg.cluster.gpu).name,
         instances=_instances(cfg),
         tp=cfg.cluster.tp,
+        spare_instances=kc.spare_instances,
         settings=kun_settings(cfg),
         stack=cfg.policy.stack,
         mem_util=cfg.cluster.mem_util,
