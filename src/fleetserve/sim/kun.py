@@ -58,9 +58,14 @@ KunServe (``pressure="kunserve"``), every ``monitor_interval_s``:
    decoding, with attention for layers not yet moved run on the source
    (remote attention: per such layer, the query and new K/V go out and the
    attention output comes back, on the critical path of the iteration),
-   and KV chunks yield the link to activations: the copy runs at
-   ``bandwidth x (1 - activation duty)``. ``blocking``: victims stall until all
-   their pieces have arrived, and the copy runs at full bandwidth;
+   and KV chunks yield the link to activations. The chunk size is what fits
+   the gap between two activation transfers (``bandwidth x gap``, from the
+   cost model's round time: the profiled gap of the paper), so the chunks
+   fill every gap and the copy runs at ``bandwidth x (1 - activation
+   duty)``, re-timed at every iteration; the mean chunk size is reported.
+   ``blocking``: victims stall until all their pieces have arrived, and the
+   copy runs at full bandwidth (the pipeline's own activations are not
+   delayed by it: a simplification in blocking's favour);
 4. while any group exists the dispatcher caps each executor's batch at its
    maximum batch (the largest batch whose decode iteration is at most
    ``max_batch_slowdown`` x the batch-1 one) and moves queued requests beyond
@@ -518,6 +523,8 @@ class KunSimulator:
         self.monitor = DemandMonitor(window_s=st.window_s, horizon_s=st.horizon_s)
         self.merging: list[_Merge] = []
         self._wd_since = 0.0
+        self._chunk_sum = 0.0
+        self._chunk_n = 0
         self._wd_done = 0
         self.n_events = 0
         self.n_done = 0
@@ -865,6 +872,9 @@ class KunSimulator:
         if exe.live_pieces:
             hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
             share = 1.0 - min(0.95, (hop + extra) / t)
+            # KV chunk = what fits the gap between activation transfers
+            self._chunk_sum += share * t * self.net_link.bandwidth_Bps
+            self._chunk_n += 1
             for ch in {self._chan(p.src, p.dst) for p in exe.live_pieces}:
                 self._push_xfer(ch, ch.set_share(share, now))
         exe.phase = DECODE
@@ -1594,6 +1604,7 @@ class KunSimulator:
             "mean_max_gap_s": float(np.mean(gaps)) if gaps else 0.0,
             "mean_decode_time_s": float(np.mean(mean_gaps)) if mean_gaps else 0.0,
             "restore_moves": len(self.victim_records) - len(exch),
+            "kv_chunk_bytes_mean": self._chunk_sum / self._chunk_n if self._chunk_n else None,
         }
         kv_per_gpu = (self.cap_b[0] - self.model.weight_bytes) // self.tp
         extra = {
