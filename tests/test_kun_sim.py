@@ -57,7 +57,7 @@ def _burst(n_long: int = 6, n_burst: int = 30, prompt: int = 300, out: int = 200
     """Long decoders first, then a burst that throttles memory."""
     spec = [(0.01 * i, prompt, out) for i in range(n_long)]
     spec += [(2.0 + 0.01 * i, prompt, 40) for i in range(n_burst)]
-    spec += [(12.0 + 0.5 * i, 50, 20) for i in range(20)]  # light traffic after it
+    spec += [(12.0 + 0.5 * i, 50, 20) for i in range(60)]  # light traffic after it
     return _reqs(spec)
 
 

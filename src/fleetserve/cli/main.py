@@ -316,6 +316,56 @@ def _reproduce_multi(
     return _report_failures(failed)
 
 
+# --- reproduce kunserve (begin) ---------------------------------------------------------
+def _reproduce_kunserve(
+    args: argparse.Namespace,
+    console: Console,
+    jobs: int,
+    stacks: list[str] | None,
+    out: Path,
+) -> int:
+    """``fleetserve reproduce kunserve``."""
+    from fleetserve.experiments.kunserve import Mode, plan, provision
+    from fleetserve.experiments.kunserve_report import write_report
+
+    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
+    wall: float | None = None
+    failed: list[Any] = []
+    if args.report_only:
+        if not (out / "runs").is_dir():
+            raise FleetserveError(
+                f"{out}: no runs/ folder to report on (run without --report-only)"
+            )
+        provisions = provision(out, mode, probe=False)
+    else:
+        t0 = time.perf_counter()
+        specs, provisions = plan(out, mode, stacks)
+        probe_s = time.perf_counter() - t0
+        sizes = mode.sizes()
+        kv = ", ".join(f"{p.profile} {p.kv_tokens:,}" for p in provisions.values())
+        console.print(
+            f"kunserve ({mode.name}): KV tokens per instance (provisioned in {probe_s:.1f} s): "
+            f"{kv}; {len(specs)} runs, {sizes.duration_s:g} s of arrivals each, {jobs} jobs",
+            highlight=False,
+        )
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+        wall += probe_s
+    files, report = write_report(out, mode, provisions, wall_s=wall, jobs=jobs)
+    console.print(_rows_table(report["table"]))
+    console.print(_claims_table(report))
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    took = f" in {wall:.1f} s" if wall is not None else ""
+    console.print(
+        f"kunserve {report['mode']['name']} run{took}; results in [bold]{out}[/] "
+        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
+    )
+    return _report_failures(failed)
+
+
+# --- reproduce kunserve (end) -----------------------------------------------------------
+
+
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from fleetserve.experiments import check_experiment
 
@@ -329,6 +379,8 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     if args.stacks is not None:
         stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
     out = Path(args.out)
+    if args.experiment == "kunserve":
+        return _reproduce_kunserve(args, console, jobs, stacks, out)
     if args.experiment != "mell":
         return _reproduce_multi(args, console, jobs, stacks, out)
 
@@ -519,12 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("reproduce", help="re-run a paper's headline experiment")
-    rep.add_argument("experiment", help="experiment name: mell, seallm or muxserve")
+    rep.add_argument("experiment", help="experiment name: mell, seallm, muxserve or kunserve")
     rep.add_argument(
         "--quick",
         action="store_true",
-        help="reduced run (mell: 10-minute windows; seallm/muxserve: fewer points and "
-        "shorter runs; each under 2 minutes on 2 cores)",
+        help="reduced run (mell: 10-minute windows; seallm/muxserve/kunserve: fewer points "
+        "and shorter runs; each under 2 minutes on 2 cores)",
     )
     rep.add_argument("--out", required=True, help="output folder")
     rep.add_argument("--jobs", type=int, help="parallel simulations (default: CPU count)")
@@ -533,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated subset, e.g. bf,wf (default: every stack of the experiment; "
         "mell: bf,wf,llumnix,mell,mell-nobatch; seallm: vllm,alpaserve,muxserve,seallm,"
         "seallm-fcfs,seallm-mlfq,seallm-noplace,seallm-norepl; muxserve: vllm,alpaserve,"
-        "muxserve,muxserve-rr,muxserve-fcfs)",
+        "muxserve,muxserve-rr,muxserve-fcfs; kunserve: vllm,kv-drop,kv-swap,llumnix,pipeline,"
+        "kunserve,kunserve-blocking,kunserve-norestore,kunserve-memgreedy)",
     )
     rep.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
     rep.add_argument(

@@ -14,6 +14,8 @@ name          what
 ``seallm``    SeaLLM §6, Figs. 6-8 and 10 (:mod:`fleetserve.experiments.multi_llm`)
 ``muxserve``  MuxServe §5, Fig. 5 and the ADBS ablation
               (:mod:`fleetserve.experiments.multi_llm`)
+``kunserve``  KunServe §5, Figs. 10, 11 and 14-16
+              (:mod:`fleetserve.experiments.kunserve`)
 ============  ==========================================================
 """
 
@@ -27,6 +29,8 @@ EXPERIMENTS: dict[str, str] = {
     "and SeaLLM's ablations over the request rate",
     "muxserve": "MuxServe §5: aggregated throughput and SLO attainment of spatial, temporal "
     "and MuxServe over the popularity skew; ADBS vs round-robin vs FCFS",
+    "kunserve": "KunServe §5: P99 TTFT, TBT and SLO violations of memory-throttling "
+    "strategies under bursts; live exchange, live restore and planner ablations",
 }
 """Experiment name → one-line description."""
 

@@ -66,14 +66,18 @@ KunServe (``pressure="kunserve"``), every ``monitor_interval_s``:
    ``blocking``: victims stall until all their pieces have arrived, and the
    copy runs at full bandwidth (the pipeline's own activations are not
    delayed by it: a simplification in blocking's favour);
-4. while any group exists the dispatcher caps each executor's batch at its
+4. the dispatcher sends a request to the replica with the most available
+   memory that has room for its prompt, else to the executor (group or
+   replica) with the most available memory (Worst-Fit, Llumnix's load
+   balancing). While any group exists it caps each executor's batch at its
    maximum batch (the largest batch whose decode iteration is at most
    ``max_batch_slowdown`` x the batch-1 one) and moves queued requests beyond
    that cap to executors with spare slots and memory;
-5. a group at least ``restore_min_s`` old whose demand falls to
-   ``restore_threshold`` of the KV capacity its members would have as
-   replicas stops taking requests (the dispatcher sends them elsewhere, or
-   to its queue when every executor is restoring) and reloads the dropped
+5. a group whose demand has stayed at most ``restore_threshold`` of the KV
+   capacity its members would have as replicas for ``restore_min_s`` (and
+   is not predicted to throttle) stops taking requests (the dispatcher sends
+   them elsewhere, or to its queue when every executor is restoring) and
+   reloads the dropped
    layers (host PCIe or a peer's link; each instance once it has the room).
    Once reloaded it admits nothing new. Then, with live restore, it splits
    into replicas at its next boundary: its running requests are spread over
@@ -196,6 +200,7 @@ class Executor:
         self.tracked: dict[int, KSeq] = {}
         self.mig_ready: list[KSeq] = []
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
+        self.low_since: float | None = None  # demand below the restore threshold since
         self.max_batch = sim.max_num_seqs
         self.last_end = now
 
@@ -602,7 +607,17 @@ class KunSimulator:
         exe.max_batch = self._batch_cap(exe)
         self.execs[exe.id] = exe
         self.state.add(exe)
+        self._observe(exe, now)
         return exe
+
+    def _observe(self, e: Executor, now: float) -> None:
+        """One monitor sample of ``e``: KV in use plus the head-of-line queued
+        request's prompt (Llumnix's count), and the KV capacity, in bytes."""
+        head = e.waiting[0].need_tokens() if e.waiting else 0
+        kvb = self.kv_tok_bytes
+        self.monitor.observe(
+            e.id, now, float((e.T() + head) * kvb), float(e.capacity_tokens() * kvb)
+        )
 
     def _retire(self, exe: Executor, now: float) -> None:
         self.state.remove(exe.id)
@@ -738,11 +753,19 @@ class KunSimulator:
 
     def _choose_executor(self, req: Request, now: float) -> Executor | None:
         """Worst-Fit (most available memory; Llumnix's dispatch, which KunServe
-        inherits) among accepting executors; while groups exist (KunServe),
-        among those below their maximum batch first."""
+        inherits) among accepting executors, replicas with room for the prompt
+        first: pipelined groups are for what replicas cannot hold (KunServe
+        reverts to full replicas as soon as queuing is relieved; a group
+        that drew every request for its larger memory would never drain and
+        restore). While groups exist (KunServe), executors below their maximum
+        batch come first."""
         cands = [e for e in self.execs.values() if e.accepting]
         if not cands:
             cands = list(self.execs.values())
+        need = -(-req.prompt_tokens // VIEW_BLOCK)
+        replicas = [e for e in cands if e.k == 1 and e.available_blocks >= need]
+        if replicas and len(replicas) < len(cands):
+            cands = replicas
         if self.grouped and self.settings.pressure == "kunserve":
             under = [e for e in cands if e.num_running + e.num_waiting < e.max_batch]
             cands = under or cands
@@ -1119,11 +1142,8 @@ class KunSimulator:
     # --------------------------------------------------------------- monitor
     def _on_monitor(self, now: float, arrivals_left: bool) -> None:
         st = self.settings
-        mon = self.monitor
-        kvb = self.kv_tok_bytes
         for e in self.execs.values():
-            head = e.waiting[0].need_tokens() if e.waiting else 0
-            mon.observe(e.id, now, float((e.T() + head) * kvb), float(e.capacity_tokens() * kvb))
+            self._observe(e, now)
         if st.pressure == "kunserve":
             self._maybe_drop(now)
             self._maybe_restore(now)
@@ -1292,18 +1312,19 @@ class KunSimulator:
                 if e.phase == IDLE:
                     self._try_split(e, now)
                 continue
-            if (
-                e.k == 1
-                or not e.stable
-                or now - e.created_s < st.restore_min_s
-                or self.monitor.throttled(e.id, h)
-            ):
+            if e.k == 1 or not e.stable:
                 continue
             demand = e.T() + e.waiting_tokens()
             restored = sum(
                 (self.cap_b[m] - self.model.weight_bytes) // self.kv_tok_bytes for m in e.members
             )
-            if should_restore(float(demand), float(restored), st.restore_threshold):
+            low = should_restore(float(demand), float(restored), st.restore_threshold)
+            if not low or self.monitor.throttled(e.id, h):
+                e.low_since = None
+                continue
+            if e.low_since is None:
+                e.low_since = now
+            if now - e.low_since >= st.restore_min_s:
                 self._begin_restore(e, now)
 
     def _begin_restore(self, e: Executor, now: float) -> None:

@@ -59,9 +59,10 @@ class KunSettings:
         monitor_interval_s: how often the monitor samples and decides.
         restore_threshold: restore a group when its KV demand is at most this
             share of the KV capacity its members have as full replicas.
-        restore_min_s: a group restores no earlier than this long after it
-            formed (hysteresis: a drop answers a predicted shortage, so the
-            demand right after it may still be low).
+        restore_min_s: a group restores once its demand has stayed below the
+            threshold this long (hysteresis: a drop answers a predicted
+            shortage, so the demand right after it may still be low, and a
+            dip in a burst should not undo it).
         restore_from: ``host`` (PCIe from the host copy) or ``peer`` (network).
         max_batch_slowdown: the dispatcher's maximum batch per instance is the
             largest batch whose decode iteration is at most this many times
@@ -79,7 +80,7 @@ class KunSettings:
     window_s: float = 1.0
     monitor_interval_s: float = 0.1
     restore_threshold: float = 0.5
-    restore_min_s: float = 5.0
+    restore_min_s: float = 20.0
     restore_from: str = "host"
     max_batch_slowdown: float = 2.0
     swap_max_out: int = 1
