@@ -304,16 +304,28 @@ def _reproduce_multi(
         )
         wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
     files, report = write_report(out, exp, mode, wall_s=wall, jobs=jobs)
+    _print_grid_report(console, exp.name, report, files, wall, out)
+    return _report_failures(failed)
+
+
+def _print_grid_report(
+    console: Console,
+    name: str,
+    report: dict[str, Any],
+    files: Sequence[Path],
+    wall: float | None,
+    out: Path,
+) -> None:
+    """The per-run table, the claims check, notes and where the files are."""
     console.print(_rows_table(report["table"]))
     console.print(_claims_table(report))
     for note in report["notes"]:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     took = f" in {wall:.1f} s" if wall is not None else ""
     console.print(
-        f"{exp.name} {report['mode']['name']} run{took}; results in [bold]{out}[/] "
+        f"{name} {report['mode']['name']} run{took}; results in [bold]{out}[/] "
         f"({', '.join(p.name for p in files)}; runs/ holds every run)"
     )
-    return _report_failures(failed)
 
 
 # --- reproduce kunserve (begin) ---------------------------------------------------------
@@ -351,15 +363,7 @@ def _reproduce_kunserve(
         wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
         wall += probe_s
     files, report = write_report(out, mode, provisions, wall_s=wall, jobs=jobs)
-    console.print(_rows_table(report["table"]))
-    console.print(_claims_table(report))
-    for note in report["notes"]:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    took = f" in {wall:.1f} s" if wall is not None else ""
-    console.print(
-        f"kunserve {report['mode']['name']} run{took}; results in [bold]{out}[/] "
-        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
-    )
+    _print_grid_report(console, "kunserve", report, files, wall, out)
     return _report_failures(failed)
 
 

@@ -576,19 +576,11 @@ def check_stacks(mode: Mode, stacks: Sequence[StackSpec]) -> None:
     Raises:
         FleetserveError: the first problem, as one line.
     """
-    from fleetserve.sim.simulator import preflight
+    from fleetserve.experiments.report_common import check_stack_config
 
     for st in stacks:
         run = Run("main", ABLATION_PROFILE, mode.mults[0], st.label)
-        try:
-            preflight(config_from_dict(run_config(run, mode, 1000)))
-        except UnknownNameError as e:
-            if "stack" not in e.kind:
-                raise
-            raise FleetserveError(
-                f"experiment stack {st.label!r} cannot run in this build: {e} "
-                "(choose others with --stacks)"
-            ) from None
+        check_stack_config(st.label, run_config(run, mode, 1000))
 
 
 def check_data() -> None:

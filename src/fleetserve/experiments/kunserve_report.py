@@ -40,7 +40,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
@@ -72,7 +71,7 @@ from fleetserve.experiments.kunserve import (
     run_config,
     time_average,
 )
-from fleetserve.experiments.report_common import config_mismatch, md_table
+from fleetserve.experiments.report_common import config_mismatch, md_table, write_json
 from fleetserve.metrics.plots import save_png
 
 logger = logging.getLogger(__name__)
@@ -1151,11 +1150,7 @@ def write_report(
         "claims": claimed,
         "notes": notes,
     }
-    json_path = out / "results.json"
-    json_path.write_text(
-        json.dumps(report, indent=2, allow_nan=False, default=_json_default) + "\n",
-        encoding="utf-8",
-    )
+    json_path = write_json(out / "results.json", report)
     md_path = out / "table.md"
     header = {"runs": len(rows), "wall_s": wall_s, "jobs": jobs}
     md_path.write_text(
@@ -1164,12 +1159,6 @@ def write_report(
     )
     logger.info("wrote the kunserve report (%d runs) to %s", len(rows), out)
     return [md_path, csv_path, json_path, *figures], report
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON-able: {type(x).__name__}")
 
 
 __all__ = [

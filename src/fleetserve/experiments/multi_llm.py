@@ -40,11 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetserve.config import config_from_dict
 from fleetserve.errors import FleetserveError, UnknownNameError
 from fleetserve.experiments.data import find_data_dir
+from fleetserve.experiments.report_common import check_stack_config
 from fleetserve.experiments.runner import RunSpec
-from fleetserve.sim.simulator import preflight
 
 logger = logging.getLogger(__name__)
 
@@ -345,15 +344,7 @@ def check_stacks(exp: Experiment, stacks: Sequence[StackSpec], mode: Mode) -> No
         FleetserveError: the first problem, as one line.
     """
     for st in stacks:
-        try:
-            preflight(config_from_dict(run_config(exp, mode.points(exp)[0], st, mode)))
-        except UnknownNameError as e:
-            if "stack" not in e.kind:
-                raise
-            raise FleetserveError(
-                f"experiment stack {st.label!r} cannot run in this build: {e} "
-                "(choose others with --stacks)"
-            ) from None
+        check_stack_config(st.label, run_config(exp, mode.points(exp)[0], st, mode))
 
 
 def _weight(exp: Experiment, value: float, st: StackSpec, mode: Mode) -> float:

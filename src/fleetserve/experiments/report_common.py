@@ -3,9 +3,13 @@ markdown tables."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 __all__ = ["config_leaves", "config_mismatch", "md_table"]
 
@@ -50,3 +54,40 @@ def md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return [*lines, ""]
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON-able: {type(x).__name__}")
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON (numpy scalars as numbers; NaN refused)."""
+    path.write_text(
+        json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def check_stack_config(label: str, config: dict[str, Any]) -> None:
+    """Preflight one experiment stack's config; an unknown stack name becomes
+    one line telling the user to choose others with ``--stacks``.
+
+    Raises:
+        FleetserveError: the first problem, as one line.
+    """
+    from fleetserve.config import config_from_dict
+    from fleetserve.errors import FleetserveError, UnknownNameError
+    from fleetserve.sim.simulator import preflight
+
+    try:
+        preflight(config_from_dict(config))
+    except UnknownNameError as e:
+        if "stack" not in e.kind:
+            raise
+        raise FleetserveError(
+            f"experiment stack {label!r} cannot run in this build: {e} "
+            "(choose others with --stacks)"
+        ) from None

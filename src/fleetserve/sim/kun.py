@@ -139,7 +139,7 @@ from fleetserve.policy.llumnix import Llumnix
 from fleetserve.sim.events import P_ARRIVAL, P_EPOCH, P_ITER_END, P_SAMPLE, P_TRANSFER, EventQueue
 from fleetserve.sim.kun_parts import Channel, KSeq, KunSettings, Piece, Transfer
 from fleetserve.spec import get_gpu, get_model
-from fleetserve.workload.request import Request
+from fleetserve.workload.request import Request, check_run_order
 
 logger = logging.getLogger(__name__)
 
@@ -431,11 +431,8 @@ class KunSimulator:
         if not 0 < mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {mem_util!r}")
         self.requests = list(requests)
-        for i, r in enumerate(self.requests):
-            if r.id != i:
-                raise ConfigError(f"request ids must be 0..n-1 in order; position {i} has {r.id}")
-            if i and r.arrival_s < self.requests[i - 1].arrival_s:
-                raise ConfigError(f"requests must be sorted by arrival; request {i} is not")
+        check_run_order(self.requests)
+        for r in self.requests:
             if r.model != spec.name:
                 raise ConfigError(
                     f"request {r.id} is for model {r.model!r}; this deployment serves {spec.name}"
@@ -928,8 +925,8 @@ class KunSimulator:
             )
         return total
 
-    def _preempt(self, exe: Executor, s: KSeq, now: float) -> None:
-        """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
+    def _evict(self, exe: Executor, s: KSeq, now: float) -> None:
+        """Free running ``s``'s KV (it will be recomputed); the caller queues it."""
         self._cancel_pieces(s)
         self._cancel_migration(s)
         exe.unrun(s)
@@ -937,6 +934,10 @@ class KunSimulator:
         s.state = "waiting"
         s.record.preemptions += 1
         self._untrack(exe, s, now)
+
+    def _preempt(self, exe: Executor, s: KSeq, now: float) -> None:
+        """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
+        self._evict(exe, s, now)
         exe.waiting.appendleft(s)
 
     def _drop_for_head(self, exe: Executor, now: float) -> None:
@@ -953,13 +954,7 @@ class KunSimulator:
                 break
             s = max(cands, key=lambda s: (s.req.arrival_s, s.id))
             s.dropped = True
-            self._cancel_pieces(s)
-            self._cancel_migration(s)
-            exe.unrun(s)
-            s.tokens = 0
-            s.state = "waiting"
-            s.record.preemptions += 1
-            self._untrack(exe, s, now)
+            self._evict(exe, s, now)
             dropped.append(s)
         exe.waiting.extend(reversed(dropped))
 

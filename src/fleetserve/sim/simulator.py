@@ -77,7 +77,7 @@ from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
 from fleetserve.spec import ModelSpec, get_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
-from fleetserve.workload.request import Request
+from fleetserve.workload.request import Request, check_run_order
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +167,7 @@ class Simulator:
     ) -> None:
         self.cfg = config
         self.requests = list(requests)
-        for i, r in enumerate(self.requests):
-            if r.id != i:
-                raise ConfigError(f"request ids must be 0..n-1 in order; position {i} has {r.id}")
-            if i and r.arrival_s < self.requests[i - 1].arrival_s:
-                raise ConfigError(f"requests must be sorted by arrival; request {i} is not")
+        check_run_order(self.requests)
         self.notes = list(notes)
         self.progress = progress
         self.progress_every = progress_every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fleetserve.errors import ConfigError
@@ -48,3 +49,18 @@ class Request:
     def max_kv_tokens(self) -> int:
         """Tokens held in the KV cache at the last decode step (the last token is never cached)."""
         return self.prompt_tokens + self.output_tokens - 1
+
+
+def check_run_order(requests: Sequence[Request]) -> None:
+    """Check what every simulator assumes: ids ``0..n-1`` in order, sorted by arrival.
+
+    Raises:
+        ConfigError: the first request out of place.
+    """
+    prev = None
+    for i, r in enumerate(requests):
+        if r.id != i:
+            raise ConfigError(f"request ids must be 0..n-1 in order; position {i} has {r.id}")
+        if prev is not None and r.arrival_s < prev:
+            raise ConfigError(f"requests must be sorted by arrival; request {i} is not")
+        prev = r.arrival_s
