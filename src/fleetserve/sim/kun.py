@@ -548,6 +548,8 @@ class KunSimulator:
         for lo in range(0, instances, k):
             self._new_executor(tuple(range(lo, min(lo + k, instances))), 0.0)
         self.bytes_freed = 0  # a static pipeline never held those layers: not a drop
+        for e in self.execs.values():
+            self._observe(e, 0.0)
         self._update_pipe_clock(0.0)
 
     # ------------------------------------------------------------- memory
@@ -604,12 +606,16 @@ class KunSimulator:
         exe.max_batch = self._batch_cap(exe)
         self.execs[exe.id] = exe
         self.state.add(exe)
-        self._observe(exe, now)
         return exe
 
     def _observe(self, e: Executor, now: float) -> None:
         """One monitor sample of ``e``: KV in use plus the head-of-line queued
-        request's prompt (Llumnix's count), and the KV capacity, in bytes."""
+        request's prompt (Llumnix's count), and the KV capacity, in bytes.
+
+        A new executor (start, merge, split, scale-out) gets its first sample
+        once its requests are placed on it: a sample of the empty executor
+        would make the next one look like sudden growth and predict a throttle
+        that is not coming."""
         head = e.waiting[0].need_tokens() if e.waiting else 0
         kvb = self.kv_tok_bytes
         self.monitor.observe(
@@ -1228,6 +1234,7 @@ class KunSimulator:
             self.active[m] = True
             self.active_since[m] = t
             exe = self._new_executor((m,), t)
+            self._observe(exe, t)
             self.mem_events.append({"t": t, "event": "scale-out", "group": [m]})
             self._schedule(exe, t)
             return []
@@ -1295,6 +1302,7 @@ class KunSimulator:
             {"t": now, "event": "drop", "group": list(mg.members), "victims": len(victims)}
         )
         self._update_pipe_clock(now)
+        self._observe(new, now)
         self._schedule(new, now)
 
     # --------------------------------------------------------------- restore
@@ -1401,6 +1409,7 @@ class KunSimulator:
             assert exe is not None
             self._enqueue(s, exe, now)
         for new in news.values():
+            self._observe(new, now)
             self._schedule(new, now)
 
     # ------------------------------------------------------------- rebalance
