@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli import assert_one_line_error, run_cli
 
 from fleetserve.cli.main import main
 from fleetserve.config import config_from_dict
@@ -86,22 +87,6 @@ def _stub_run_plots(mp: pytest.MonkeyPatch) -> None:
 
     mp.setattr(mio, "plot_timeseries", stub)
     mp.setattr(mio, "plot_latency_cdf", stub)
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
-    assert "Traceback" not in out + err, out + err
-    assert rc == 2, f"exit code {rc}; stderr: {err!r}"
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_cli import assert_one_line_error, run_cli
 
 from fleetserve.cli.main import main
 from fleetserve.config import config_from_dict
@@ -77,22 +78,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             p, d = int(rng.integers(20, 200)), int(rng.integers(5, 60))
             w.writerow([p, d, p + d, p / d])
     return folder
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
-    assert "Traceback" not in out + err, out + err
-    assert rc == 2, f"exit code {rc}; stderr: {err!r}"
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
 
 
 @pytest.fixture(scope="module")

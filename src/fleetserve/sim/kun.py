@@ -333,14 +333,13 @@ class _Merge:
 class _Migration:
     """A Llumnix live migration: pre-copy of ``tokens`` while running at the source."""
 
-    __slots__ = ("dst", "ready", "src", "started_s", "tokens")
+    __slots__ = ("dst", "ready", "src", "tokens")
 
-    def __init__(self, src: Executor, dst: Executor, tokens: int, now: float) -> None:
+    def __init__(self, src: Executor, dst: Executor, tokens: int) -> None:
         self.src = src
         self.dst = dst
         self.tokens = tokens
         self.ready = False
-        self.started_s = now
 
 
 class KunSimulator:
@@ -1074,9 +1073,9 @@ class KunSimulator:
                 self.corr[p.dst] += p.token_layers
                 self.pend_in[p.dst] -= p.token_layers
 
-        def on_done(now: float) -> list[Any]:
+        def on_done(now: float) -> None:
             if p.cancelled:
-                return []
+                return
             self.corr[p.src] -= p.token_layers
             s = p.seq
             s.pieces.remove(p)
@@ -1087,7 +1086,6 @@ class KunSimulator:
                 exe.pending_attach.append(s)
                 if exe.phase == IDLE:
                     self._schedule(exe, now)
-            return []
 
         nbytes = float(p.token_layers * self.kvpl) / self.tp
         tr = Transfer("kv-piece", nbytes, on_done, ready=ready, on_start=on_start, live=p.live)
@@ -1229,7 +1227,7 @@ class KunSimulator:
         self.activating.add(m)
         self.mem_events.append({"t": now, "event": "scale-out-start", "group": [m]})
 
-        def on_done(t: float) -> list[Any]:
+        def on_done(t: float) -> None:
             self.activating.discard(m)
             self.active[m] = True
             self.active_since[m] = t
@@ -1237,7 +1235,6 @@ class KunSimulator:
             self._observe(exe, t)
             self.mem_events.append({"t": t, "event": "scale-out", "group": [m]})
             self._schedule(exe, t)
-            return []
 
         nbytes = float(self.model.weight_bytes) / self.tp
         self._enqueue_transfer(self.host[m], Transfer("weights", nbytes, on_done), now)
@@ -1348,7 +1345,7 @@ class KunSimulator:
             self.weights[m] += need
             self.reloading[m] += need
 
-        def on_done(now: float) -> list[Any]:
+        def on_done(now: float) -> None:
             self.reloading[m] -= need
             self.held[m] = (0, self.L)
             e.reload_left.discard(m)
@@ -1359,7 +1356,6 @@ class KunSimulator:
                         self._try_split(e, now)
                 elif e.phase == IDLE:
                     self._try_split(e, now)
-            return []
 
         return Transfer("reload", float(need) / self.tp, on_done, ready=ready, on_start=on_start)
 
@@ -1456,7 +1452,7 @@ class KunSimulator:
         exe.swap_out_busy = True
         s.record.preemptions += 1
 
-        def on_done(t: float) -> list[Any]:
+        def on_done(t: float) -> None:
             exe.stalled.pop(s.id)
             exe.static -= kv
             s.state = "host"
@@ -1464,7 +1460,6 @@ class KunSimulator:
             exe.swap_out_busy = False
             if exe.phase == IDLE:
                 self._schedule(exe, t)
-            return []
 
         nbytes = kv * self.kv_tok_bytes / self.tp
         self._enqueue_transfer(
@@ -1486,12 +1481,11 @@ class KunSimulator:
         s.state = "transit"
         exe.swap_in_busy = True
 
-        def on_done(t: float) -> list[Any]:
+        def on_done(t: float) -> None:
             exe.swap_in_busy = False
             exe.pending_attach.append(s)
             if exe.phase == IDLE:
                 self._schedule(exe, t)
-            return []
 
         nbytes = kv * self.kv_tok_bytes / self.tp
         self._enqueue_transfer(self.host[exe.members[0]], Transfer("swap-in", nbytes, on_done), now)
@@ -1515,18 +1509,18 @@ class KunSimulator:
                 self.aborted += 1
                 continue
             dst.static += kv
-            mig = _Migration(src, dst, kv, now)
+            mig = _Migration(src, dst, kv)
             s.mig = mig
 
-            def on_done(t: float, s: KSeq = s, mig: _Migration = mig) -> list[Any]:
+            def on_done(t: float, s: KSeq = s, mig: _Migration = mig) -> None:
                 if s.mig is not mig:
-                    return []
+                    return
                 mig.ready = True
                 mig.src.mig_ready.append(s)
                 if mig.src.phase == IDLE:
                     self._migrations_at_boundary(mig.src, t)
                     self._schedule(mig.src, t)
-                return []
+                return
 
             nbytes = kv * self.kv_tok_bytes / self.tp
             self._enqueue_transfer(

@@ -331,7 +331,7 @@ class Transfer:
 
     kind: str
     nbytes: float
-    on_done: Callable[[float], list[Any]]
+    on_done: Callable[[float], None]
     ready: Callable[[], bool] = field(default=lambda: True)
     on_start: Callable[[float], None] = field(default=lambda now: None)
     live: bool = False

@@ -27,11 +27,7 @@ __all__ = ["build_kun_requests", "kun_preflight", "kun_settings", "run_kun"]
 
 def kun_settings(cfg: SimConfig) -> KunSettings:
     """The stack's settings with the config's ``kunserve`` overrides (validated)."""
-    stack = get_kun_stack(cfg.policy.stack)
-    try:
-        return stack.settings.with_overrides(**cfg.kunserve.overrides())
-    except TypeError as e:  # pragma: no cover - overrides() only names real fields
-        raise ConfigError(f"kunserve: {e}") from None
+    return get_kun_stack(cfg.policy.stack).settings.with_overrides(**cfg.kunserve.overrides())
 
 
 def _instances(cfg: SimConfig) -> int:
