@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 _SECTION = {
     "MultiConfigSection": "multi.",
     "KunConfigSection": "kunserve.",
+    "ServeConfigSection": "serve.",
     "WorkloadConfig": "workload.",
     "ClusterConfig": "cluster.",
     "EngineConfig": "engine.",
@@ -424,6 +426,69 @@ class KunConfigSection:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
+SERVE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ServeConfigSection:
+    """The runtime cluster ``fleetserve serve`` starts (and ``fidelity`` simulates).
+
+    One Ray actor per (emulated) GPU owns an engine whose arena — weights plus
+    KV — is that GPU's memory budget. Which models each worker hosts comes from
+    the ``placement`` policy (default ``dedicated``: workers are split over the
+    models in proportion to their request rates, at least one each).
+
+    Attributes:
+        workers: GPUs (worker actors) to start.
+        gpu_memory_mb: each worker's memory budget in MiB (its arena).
+        models: engine models to serve: built-in names (``tiny-llama-a``,
+            ``tiny-llama-b``) or checkpoint folders (``config.json`` +
+            safetensors); None: the top-level ``model``.
+        device: ``cpu`` (emulated GPUs) or ``cuda`` / ``cuda:N``.
+        dtype: weights and KV element type.
+        threads_per_worker: torch CPU threads of each worker.
+        max_queue: the admission queue: most requests waiting for their first
+            token, cluster-wide; one more gets 429 with ``Retry-After``.
+        max_running: batch limit of each worker's engine.
+        max_batch_tokens: tokens per engine iteration.
+        tick_s: how often the controller observes the cluster and runs the
+            periodic policies (migration epochs run every
+            ``migration.epoch_s``).
+        max_body_bytes: request bodies larger than this get 413.
+        max_tokens_default: ``max_tokens`` when a request does not say.
+    """
+
+    workers: int = 2
+    gpu_memory_mb: float = 64.0
+    models: tuple[str, ...] | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads_per_worker: int = 1
+    max_queue: int = 64
+    max_running: int = 64
+    max_batch_tokens: int = 4096
+    tick_s: float = 0.02
+    max_body_bytes: int = 1_000_000
+    max_tokens_default: int = 16
+
+    def __post_init__(self) -> None:
+        _positive(self, "workers", "gpu_memory_mb", "threads_per_worker", "max_queue")
+        _positive(self, "max_running", "max_batch_tokens", "tick_s", "max_body_bytes")
+        _positive(self, "max_tokens_default")
+        if self.dtype not in SERVE_DTYPES:
+            raise ConfigError(
+                f"serve.dtype must be one of {', '.join(SERVE_DTYPES)}, got {self.dtype!r}"
+            )
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"serve.device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.models is not None and not self.models:
+            raise ConfigError("serve.models: give at least one model (or leave it out)")
+
+    def model_names(self, default: str) -> tuple[str, ...]:
+        """The engine models served (``default``: the config's top-level ``model``)."""
+        return self.models if self.models is not None else (default,)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything a simulation needs; ``summary.json`` stores it resolved.
@@ -450,6 +515,7 @@ class SimConfig:
     services: tuple[ServiceConfig, ...] | None = None
     multi: MultiConfigSection = field(default_factory=MultiConfigSection)
     kunserve: KunConfigSection = field(default_factory=KunConfigSection)
+    serve: ServeConfigSection = field(default_factory=ServeConfigSection)
     seed: int = 0
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
