@@ -643,6 +643,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", required=True, help="profile CSV to write")
     prof.set_defaults(func=cmd_profile_engine)
 
+    from fleetserve.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
+
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)
     insp = tsub.add_parser("inspect", help="rows, span, rate, inter-arrival CV, lengths")

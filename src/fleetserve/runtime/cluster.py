@@ -1,0 +1,176 @@
+"""Start the runtime: Ray, one worker actor per (emulated) GPU, the controller.
+
+``launch`` starts a local Ray instance when none is running and no address
+is given, or joins the cluster at ``address`` (``ray://...`` or
+``HOST:PORT``, as ``ray.init`` takes it) — that is how a deployment grows
+past one machine: start Ray on each node (``ray start --head`` on one,
+``ray start --address HEAD:6379`` on the others) and give ``serve`` the
+head's address. Workers then ask Ray for ``serve.threads_per_worker`` CPUs
+(or one GPU each on ``cuda``), so Ray spreads them over the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from fleetserve.config import SimConfig
+from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.runtime.controller import Controller, ModelInfo, plan_workers
+from fleetserve.runtime.worker import Worker, WorkerSnap, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def model_info(name: str) -> ModelInfo:
+    """Name, context window, vocabulary and tokenizer of a served model
+    (built-in name or checkpoint folder); the served name is the config's."""
+    from fleetserve.runtime.engine.tokenizer import load_tokenizer
+    from fleetserve.runtime.engine.weights import load_weight_source
+
+    src = load_weight_source(name)
+    cfg = src.cfg
+    folder = name if Path(name).is_dir() else None
+    return ModelInfo(
+        name=cfg.name,
+        max_context=cfg.spec.max_context,
+        vocab_size=cfg.spec.vocab_size,
+        tokenizer=load_tokenizer(folder, cfg),
+    )
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join ``address``, or start a local Ray instance (no dashboard)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if address is None:
+        kw["num_cpus"] = num_cpus
+        try:
+            ray.init(**kw)
+        except Exception as e:  # pragma: no cover - environment problems
+            raise FleetserveError(f"could not start a local Ray instance: {e}") from None
+    else:
+        try:
+            ray.init(address=address, **kw)
+        except Exception as e:
+            raise FleetserveError(f"could not join the Ray cluster at {address!r}: {e}") from None
+
+
+def worker_specs(config: SimConfig) -> list[WorkerSpec]:
+    """One spec per worker: its models (placement policy), memory budget, limits."""
+    sv = config.serve
+    names = sv.model_names(config.model)
+    served = [model_info(m) for m in names]
+    by_name = {str(n): i.name for n, i in zip(names, served, strict=True)}
+    dup = sorted({i.name for i in served if sum(j.name == i.name for j in served) > 1})
+    if dup:
+        raise ConfigError(f"serve.models: {dup} named twice")
+    from fleetserve.sim.simulator import resolve_policies
+
+    batching = resolve_policies(config)["batching"]
+    specs = []
+    for wid, hosted in enumerate(plan_workers(config, [by_name[str(n)] for n in names])):
+        src_of = {by_name[str(n)]: str(n) for n in names}
+        specs.append(
+            WorkerSpec(
+                worker_id=wid,
+                models=tuple(src_of[m] for m in hosted),
+                arena_bytes=int(sv.gpu_memory_mb * 2**20),
+                device=sv.device,
+                dtype=sv.dtype,
+                threads=sv.threads_per_worker,
+                max_running=sv.max_running,
+                max_batch_tokens=sv.max_batch_tokens,
+                batching=batching,
+                block_size=config.cluster.block_size,
+            )
+        )
+    return specs
+
+
+async def launch(config: SimConfig, address: str | None = None) -> Controller:
+    """Start the workers and the controller (call from the server's event loop)."""
+    import ray
+
+    sv = config.serve
+    specs = worker_specs(config)
+    init_ray(address, num_cpus=max(os.cpu_count() or 1, len(specs) * sv.threads_per_worker + 1))
+    opts: dict[str, Any] = {"max_restarts": 0}
+    if sv.device.startswith("cuda"):
+        opts["num_gpus"] = 1
+        opts["num_cpus"] = 0
+    else:
+        opts["num_cpus"] = 0 if address is None else sv.threads_per_worker
+    actor_cls: Any = ray.remote(Worker)
+    handles = [actor_cls.options(**opts).remote(s) for s in specs]
+    snaps: list[WorkerSnap] = []
+    for s, h in zip(specs, handles, strict=True):
+        try:
+            snaps.append(await h.start.remote())
+        except Exception as e:
+            for x in handles:
+                ray.kill(x)
+            cause = getattr(e, "cause", None) or e
+            raise ConfigError(
+                f"worker {s.worker_id} ({', '.join(s.models)}, "
+                f"{sv.gpu_memory_mb:g} MiB) failed to start: {_first_line(cause)}"
+            ) from None
+    infos = {}
+    for s in specs:
+        for m in s.models:
+            info = model_info(m)
+            infos[info.name] = info
+    # worker specs name models by source (a folder); the controller by served name
+    named = [
+        (
+            WorkerSpec(
+                s.worker_id,
+                tuple(model_info(m).name for m in s.models),
+                s.arena_bytes,
+                s.device,
+                s.dtype,
+                s.threads,
+                s.max_running,
+                s.max_batch_tokens,
+                s.batching,
+                s.block_size,
+            ),
+            h,
+        )
+        for s, h in zip(specs, handles, strict=True)
+    ]
+    ctl = Controller(
+        config,
+        {s.worker_id: (s, h) for s, h in named},
+        {s.worker_id: sn for (s, _h), sn in zip(named, snaps, strict=True)},
+        infos,
+    )
+    await ctl.start()
+    return ctl
+
+
+async def shutdown(ctl: Controller) -> None:
+    """Stop the controller and kill its workers (Ray itself keeps running)."""
+    import ray
+
+    await ctl.stop()
+    for w in ctl.workers.values():
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(w.handle)
+    await asyncio.sleep(0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    for line in reversed(text):
+        if "Error" in line or "error" in line:
+            return line.strip()
+    return text[-1].strip() if text else type(e).__name__

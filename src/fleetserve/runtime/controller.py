@@ -1,0 +1,844 @@
+"""The controller: the same policies as the simulator, applied to live workers.
+
+Every request passes through here. On arrival the ``dispatch`` policy picks
+an instance from a :class:`~fleetserve.cluster.state.ClusterState` built from
+the workers' latest snapshots (:mod:`.views`); every ``migration.epoch_s`` the
+``migration`` policy (Llumnix, Mell) plans moves and the configured migration
+*mechanism* (``kv``, ``token``, Mell's ``adaptive``) decides how each one
+travels; ``placement`` decides which models the workers host at start;
+per-worker batching is the engine's ``batching`` policy. The controller only
+applies the returned actions: it makes no placement, dispatch or migration
+decision of its own.
+
+Each worker is long-polled by its own task (:meth:`Controller._poll_loop`):
+tokens stream from the poll results into each request's event queue, which
+the HTTP handler reads. The controller keeps, per request, the prompt and
+every token it has passed on — the record fault tolerance resumes from: when
+a worker dies, each of its requests is dispatched again (same policy) and
+re-prefills prompt + the tokens already streamed, so a streaming client sees
+every token exactly once.
+
+A migration is stop-and-copy through the Ray object store: the source pauses
+the request and exports its state and KV (one chunk of all its layers); the
+destination reserves pages and imports it, or refuses when full (the request
+then continues on the source). A token migration sends no KV: the
+destination re-prefills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fleetserve.cluster.state import ClusterState
+from fleetserve.config import SimConfig
+from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.policy.actions import (
+    ActivateGpu,
+    Defer,
+    Dispatch,
+    Migrate,
+    Reject,
+    ReleaseGpu,
+)
+from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION, PLACEMENT
+from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
+from fleetserve.runtime.engine.sampling import SamplingParams
+from fleetserve.runtime.metrics import RuntimeMetrics
+from fleetserve.runtime.views import LiveInstance, Pending
+from fleetserve.runtime.worker import Report, WorkerSnap, WorkerSpec
+from fleetserve.sim.simulator import resolve_policies
+from fleetserve.workload.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Nominal Ray object-store bandwidth between workers on one machine, for the
+# migration mechanism's per-epoch link budget (Mell §V). Measured on this
+# project's 2-core CPU machine a KV chunk of a few MB moves at 0.5-2 GB/s.
+OBJECT_STORE_BW = 1e9
+# Re-prefill tokens per second of one CPU worker, for the mechanism's compute
+# budget (tiny models prefill several thousand tokens/s on one core).
+REPREFILL_TOKENS_S = 5000.0
+
+
+class ServeError(FleetserveError):
+    """An error with its HTTP status and OpenAI error type (the server renders it).
+
+    Attributes:
+        status: HTTP status code.
+        type: OpenAI error ``type`` (``invalid_request_error``, ...).
+        code: OpenAI error ``code`` or None.
+        param: the request field at fault, or None.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the server needs to know of a served model."""
+
+    name: str
+    max_context: int
+    vocab_size: int
+    tokenizer: Any
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One request at the controller (its record and its event queue).
+
+    ``events`` carries ``("token", text_piece, token_id)``, then one
+    ``("done", finish_reason)`` or ``("error", status, message)``.
+    """
+
+    id: int
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    events: asyncio.Queue[tuple[Any, ...]]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    instance: int | None = None
+    deferred: bool = False
+    moving: str | None = None  # None, "export" or "import"
+    done: bool = False
+    finish_reason: str | None = None
+    t_first: float | None = None
+    t_done: float | None = None
+    resumes: int = 0
+    migrations: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return max(1, self.params.max_tokens - len(self.output_ids))
+
+
+@dataclass(slots=True)
+class _Worker:
+    spec: WorkerSpec
+    handle: Any
+    snap: WorkerSnap
+    alive: bool = True
+    instances: dict[str, int] = field(default_factory=dict)  # model -> instance id
+    pending: dict[int, Pending] = field(default_factory=dict)
+
+
+class Controller:
+    """Runs the policies on live workers (see the module docstring).
+
+    Args:
+        config: the resolved config (``policy``, ``migration``, ``serve``).
+        workers: per worker id, its spec and Ray actor handle (started).
+        snaps: each worker's first snapshot.
+        models: the served models.
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        workers: dict[int, tuple[WorkerSpec, Any]],
+        snaps: dict[int, WorkerSnap],
+        models: dict[str, ModelInfo],
+    ) -> None:
+        self.cfg = config
+        self.serve = config.serve
+        self.models = models
+        self.metrics = RuntimeMetrics()
+        self.rng = np.random.default_rng(config.seed)
+        self.t0 = time.monotonic()
+        names = self.policy_names = resolve_policies(config)
+        self.dispatcher = DISPATCH.get(names["dispatch"]).from_config(config)
+        self.migration = MIGRATION.get(names["migration"]).from_config(config)
+        self.memory = MEMORY.get(names["memory"]).from_config(config)
+        self.mechanism = MECHANISM.get(names["mechanism"])()
+        self.migration.attach(self.dispatcher)
+        self.elastic = config.cluster.elastic
+        self.workers: dict[int, _Worker] = {}
+        self.inst_of: dict[int, tuple[int, str]] = {}  # instance id -> (worker, model)
+        self.active: set[int] = set()
+        ids = itertools.count()
+        for wid, (spec, handle) in sorted(workers.items()):
+            w = _Worker(spec, handle, snaps[wid])
+            for m in spec.models:
+                iid = next(ids)
+                w.instances[m] = iid
+                self.inst_of[iid] = (wid, m)
+                if not self.elastic:
+                    self.active.add(iid)
+            self.workers[wid] = w
+        self.requests: dict[int, Tracked] = {}
+        self._ids = itertools.count()
+        self._moves: list[tuple[int, int, str | None]] = []  # (rid, dst iid, mode) pending
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._move_tasks: set[asyncio.Task[Any]] = set()
+        self._refs: dict[int, int] = {}
+        self._stopping = False
+        self.migration_log: list[dict[str, Any]] = []
+        for w in self.workers.values():
+            self._update_worker_gauges(w)
+        self.metrics.workers_alive.set(len(self.workers))
+
+    # --------------------------------------------------------------- clock
+    def now(self) -> float:
+        """Seconds since the controller started (the policies' ``now``)."""
+        return time.monotonic() - self.t0
+
+    # ----------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for wid in self.workers:
+            self._tasks.append(loop.create_task(self._poll_loop(wid)))
+        self._tasks.append(loop.create_task(self._tick_loop()))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in [*self._tasks, *self._move_tasks]:
+            t.cancel()
+        for t in [*self._tasks, *self._move_tasks]:
+            with contextlib.suppress(BaseException):
+                await t
+        for req in list(self.requests.values()):
+            if not req.done:
+                self._fail(req, 503, "the server is shutting down")
+
+    # --------------------------------------------------------------- state
+    def state(self) -> ClusterState:
+        """The ``ClusterState`` the policies observe now."""
+        st = ClusterState(
+            gpus_limit=len(self.workers),
+            elastic=self.elastic,
+            model_tp=dict.fromkeys(self.models, 1),
+            gpus_per_node=len(self.workers) or 1,
+            block_size=self.cfg.cluster.block_size,
+        )
+        moving = frozenset(t.id for t in self.requests.values() if t.moving)
+        for iid in sorted(self.active):
+            wid, model = self.inst_of[iid]
+            w = self.workers[wid]
+            if not w.alive:
+                continue
+            view = LiveInstance(
+                iid,
+                wid,
+                model,
+                w.snap,
+                [p for p in w.pending.values() if p.model == model],
+                moving,
+            )
+            st.add(view)  # type: ignore[arg-type]  # seqs() lists SeqView-shaped objects
+        for m in self.models:
+            caps = [v.total_blocks for v in st.instances_of(m)]
+            if not caps:
+                caps = [
+                    LiveInstance(iid, wid, m, self.workers[wid].snap).total_blocks
+                    for iid, (wid, mm) in self.inst_of.items()
+                    if mm == m and self.workers[wid].alive
+                ]
+            st.request_blocks[m] = max(caps, default=0)
+        return st
+
+    def queue_length(self) -> int:
+        """Admitted requests still waiting for their first token."""
+        return sum(1 for t in self.requests.values() if not t.done and t.t_first is None)
+
+    # ------------------------------------------------------------- arrival
+    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams) -> Tracked:
+        """Admit a request and dispatch it (raises :class:`ServeError`)."""
+        info = self.models.get(model)
+        if info is None:
+            raise ServeError(
+                404,
+                f"The model `{model}` does not exist. Served models: {', '.join(self.models)}",
+                code="model_not_found",
+                param="model",
+            )
+        if not prompt_ids:
+            raise ServeError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) + params.max_tokens > info.max_context:
+            raise ServeError(
+                400,
+                f"This model's maximum context length is {info.max_context} tokens. However, "
+                f"you requested {len(prompt_ids) + params.max_tokens} tokens "
+                f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
+            raise ServeError(
+                400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt"
+            )
+        if not any(self.workers[self.inst_of[i][0]].alive for i in self._instances_of(model)):
+            self.metrics.requests.labels(model, "rejected").inc()
+            raise ServeError(
+                503, f"no live worker serves {model}", type="service_unavailable", code="no_worker"
+            )
+        if self.queue_length() >= self.serve.max_queue:
+            self.metrics.requests.labels(model, "rejected").inc()
+            raise ServeError(
+                429,
+                f"the server is overloaded: {self.serve.max_queue} requests are already waiting "
+                "for their first token; retry later",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": str(self._retry_after())},
+            )
+        rid = next(self._ids)
+        t = Tracked(rid, model, list(prompt_ids), params, self.now(), asyncio.Queue())
+        self.requests[rid] = t
+        self.metrics.prompt_tokens.labels(model).inc(len(prompt_ids))
+        self._dispatch(t)
+        self._update_queue_gauges()
+        return t
+
+    def _instances_of(self, model: str) -> list[int]:
+        return [i for i, (_w, m) in self.inst_of.items() if m == model]
+
+    def _retry_after(self) -> int:
+        """Seconds a client should wait: the queue over the recent finish rate, 1..60."""
+        now = self.now()
+        recent = sum(
+            1 for t in self.requests.values() if t.t_done is not None and t.t_done > now - 10
+        )
+        rate = recent / 10
+        return int(min(60, max(1, math.ceil(self.queue_length() / rate)) if rate > 0 else 1))
+
+    def _request_of(self, t: Tracked) -> Request:
+        return Request(
+            id=t.id,
+            model=t.model,
+            arrival_s=max(0.0, t.arrival),
+            prompt_tokens=len(t.prompt_ids) + len(t.output_ids),
+            output_tokens=t.remaining,
+        )
+
+    def _dispatch(self, t: Tracked) -> None:
+        action = self.dispatcher.dispatch(self.state(), self._request_of(t), self.now(), self.rng)
+        self._apply_dispatch(t, action)
+
+    def _apply_dispatch(self, t: Tracked, action: Any) -> None:
+        if isinstance(action, Dispatch):
+            self._send(t, action.instance_id)
+        elif isinstance(action, Reject):
+            self._fail(t, 503, f"rejected by the dispatch policy: {action.reason}")
+        elif isinstance(action, Defer):
+            t.deferred = True
+        elif isinstance(action, ActivateGpu):
+            iid = self._activate(action.model)
+            if iid is None:
+                self._fail(t, 503, f"no idle worker left to activate for {action.model}")
+            else:
+                if action.ref is not None:
+                    self._refs[action.ref] = iid
+                    self.migration.bind(action.ref, iid)
+                self._send(t, iid)
+        else:
+            raise RuntimeError(f"unexpected dispatch action {action!r}")
+
+    def _activate(self, model: str) -> int | None:
+        for iid, (wid, m) in sorted(self.inst_of.items()):
+            if m == model and iid not in self.active and self.workers[wid].alive:
+                self.active.add(iid)
+                return iid
+        return None
+
+    def _send(self, t: Tracked, iid: int) -> None:
+        wid, model = self.inst_of[iid]
+        w = self.workers[wid]
+        if not w.alive:
+            self._fail(t, 503, f"worker {wid} is down")
+            return
+        t.instance = iid
+        t.deferred = False
+        w.pending[t.id] = Pending(
+            t.id, model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
+        )
+        if t.output_ids:
+            ref = w.handle.resume.remote(
+                t.id, model, t.prompt_ids, t.output_ids, t.text, t.params, t.arrival
+            )
+        else:
+            ref = w.handle.submit.remote(t.id, model, t.prompt_ids, t.params, t.arrival)
+        self._watch(ref, wid, t)
+
+    def _watch(self, ref: Any, wid: int, t: Tracked) -> None:
+        """Surface a failed submit (the worker refused the request) to its client."""
+
+        async def check() -> None:
+            try:
+                await ref
+            except Exception as e:
+                if self._is_actor_death(e):
+                    return  # the poll loop handles the dead worker
+                self.workers[wid].pending.pop(t.id, None)
+                self._fail(t, 400, f"worker {wid} refused the request: {e}")
+
+        self._spawn(check())
+
+    # -------------------------------------------------------------- cancel
+    def abort(self, rid: int) -> None:
+        """The client went away: free the request's KV now."""
+        t = self.requests.get(rid)
+        if t is None or t.done:
+            return
+        t.done = True
+        t.finish_reason = "abort"
+        t.t_done = self.now()
+        self.metrics.requests.labels(t.model, "aborted").inc()
+        if t.instance is not None:
+            wid, _m = self.inst_of[t.instance]
+            w = self.workers[wid]
+            w.pending.pop(rid, None)
+            if w.alive:
+                self._spawn(self._call_quietly(w.handle.abort.remote(rid)))
+        self._finished(t)
+
+    async def _call_quietly(self, ref: Any) -> None:
+        with contextlib.suppress(Exception):
+            await ref
+
+    # ------------------------------------------------------------ polling
+    async def _poll_loop(self, wid: int) -> None:
+        w = self.workers[wid]
+        while not self._stopping and w.alive:
+            try:
+                rep: Report = await w.handle.poll.remote(0.25)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self._stopping:
+                    return
+                logger.warning("worker %d is dead: %s", wid, type(e).__name__)
+                self._on_worker_dead(wid)
+                return
+            self._apply_report(w, rep)
+
+    def _apply_report(self, w: _Worker, rep: Report) -> None:
+        now = self.now()
+        if rep.snap is not None:
+            w.snap = rep.snap
+            seen = {s.id for s in rep.snap.seqs}
+            for rid in list(w.pending):
+                if rid in seen or rid in rep.finished or rid in rep.tokens:
+                    del w.pending[rid]
+            self._update_worker_gauges(w)
+        for rid, toks in rep.tokens.items():
+            t = self.requests.get(rid)
+            if (
+                t is None
+                or t.done
+                or t.instance is None
+                or self.inst_of[t.instance][0] != w.spec.worker_id
+            ):
+                continue
+            for idx, tok, piece in toks:
+                self._token(t, idx, tok, piece, now)
+        for rid, reason in rep.finished.items():
+            t = self.requests.get(rid)
+            if t is None or t.done or t.instance is None:
+                continue
+            if self.inst_of[t.instance][0] != w.spec.worker_id or reason == "migrated":
+                continue
+            if reason == "capacity":
+                self._fail(t, 503, "the request's KV cache outgrew the worker's memory")
+            elif reason == "abort":
+                continue
+            else:
+                self._finish(t, reason, now)
+        self._update_queue_gauges()
+
+    def _token(self, t: Tracked, idx: int, tok: int, piece: str, now: float) -> None:
+        have = len(t.output_ids)
+        if idx <= have:
+            return  # already passed on (a migration's state and a poll both had it)
+        if idx > have + 1:
+            logger.warning("request %d: token %d arrived after %d; gap", t.id, idx, have)
+        t.output_ids.append(tok)
+        t.text += piece
+        if t.t_first is None:
+            t.t_first = now
+        t.events.put_nowait(("token", piece, tok))
+        self.metrics.tokens.labels(t.model).inc()
+
+    def _finish(self, t: Tracked, reason: str, now: float) -> None:
+        t.done = True
+        t.finish_reason = reason
+        t.t_done = now
+        m = self.metrics
+        m.requests.labels(t.model, "finished").inc()
+        if t.t_first is not None:
+            m.ttft.labels(t.model).observe(t.t_first - t.arrival)
+            if len(t.output_ids) > 1:
+                m.tpot.labels(t.model).observe((now - t.t_first) / (len(t.output_ids) - 1))
+        m.e2e.labels(t.model).observe(now - t.arrival)
+        t.events.put_nowait(("done", reason))
+        self._finished(t)
+
+    def _fail(self, t: Tracked, status: int, message: str) -> None:
+        if t.done:
+            return
+        t.done = True
+        t.finish_reason = "error"
+        t.t_done = self.now()
+        self.metrics.requests.labels(
+            t.model, "rejected" if status in (429, 503) else "failed"
+        ).inc()
+        t.events.put_nowait(("error", status, message))
+        self._finished(t)
+
+    def _finished(self, t: Tracked) -> None:
+        if t.instance is not None:
+            self.migration.on_finish(t.id, t.instance, self.now())
+            wid, _m = self.inst_of[t.instance]
+            self.workers[wid].pending.pop(t.id, None)
+        self._update_queue_gauges()
+
+    def forget(self, rid: int) -> None:
+        """The HTTP handler has read the request's last event."""
+        t = self.requests.get(rid)
+        if t is not None and t.done:
+            del self.requests[rid]
+
+    # ----------------------------------------------------------- failures
+    @staticmethod
+    def _is_actor_death(e: BaseException) -> bool:
+        import ray.exceptions
+
+        return isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError)
+
+    def _on_worker_dead(self, wid: int) -> None:
+        w = self.workers[wid]
+        if not w.alive:
+            return
+        w.alive = False
+        w.pending.clear()
+        self.metrics.worker_failures.inc()
+        self.metrics.workers_alive.set(sum(x.alive for x in self.workers.values()))
+        for iid in w.instances.values():
+            self.active.discard(iid)
+            self.migration.on_release(iid, self.now())
+        for t in list(self.requests.values()):
+            if t.done or t.instance is None or self.inst_of[t.instance][0] != wid:
+                continue
+            if t.moving == "import":
+                continue  # the move holds its state and resumes it (see _move)
+            self._resume(t)
+
+    def _resume(self, t: Tracked) -> None:
+        """Dispatch ``t`` again from the controller's record (re-prefill)."""
+        t.instance = None
+        t.moving = None
+        t.resumes += 1
+        self.metrics.resumed.inc()
+        if t.remaining <= 0 or len(t.output_ids) >= t.params.max_tokens:
+            self._finish(t, "length", self.now())
+            return
+        self._dispatch(t)
+
+    # -------------------------------------------------------------- ticks
+    async def _tick_loop(self) -> None:
+        interval = self.migration.interval_s
+        next_epoch = interval if interval is not None else math.inf
+        while not self._stopping:
+            await asyncio.sleep(self.serve.tick_s)
+            now = self.now()
+            if now >= next_epoch:
+                try:
+                    self._epoch(now)
+                except Exception:
+                    logger.exception("migration epoch failed")
+                assert interval is not None
+                next_epoch = now + interval
+            self._release_idle(now)
+
+    def _release_idle(self, now: float) -> None:
+        if not self.elastic:
+            return
+        st = self.state()
+        for iid in list(self.active):
+            v = st.instances.get(iid)
+            if v is not None and v.idle:
+                for act in self.memory.on_idle(st, v, now):
+                    self._release(act)
+
+    def _release(self, act: ReleaseGpu) -> None:
+        iid = self._refs.get(act.instance_id, act.instance_id)
+        if iid in self.active:
+            self.active.discard(iid)
+            self.migration.on_release(iid, self.now())
+
+    def _epoch(self, now: float) -> None:
+        st = self.state()
+        self._refs = {}
+        for action in self.migration.plan(st, now, self.rng):
+            if isinstance(action, ActivateGpu):
+                iid = self._activate(action.model)
+                if iid is None:
+                    logger.warning("plan activates %s but no idle worker is left", action.model)
+                    continue
+                if action.ref is not None:
+                    self._refs[action.ref] = iid
+                    self.migration.bind(action.ref, iid)
+                if action.request_id is not None:
+                    t = self.requests.get(action.request_id)
+                    if t is not None and not t.done:
+                        self._send(t, iid)
+            elif isinstance(action, Dispatch):
+                t = self.requests.get(action.request_id)
+                if t is not None and not t.done:
+                    self._send(t, self._refs.get(action.instance_id, action.instance_id))
+            elif isinstance(action, Reject):
+                t = self.requests.get(action.request_id)
+                if t is not None:
+                    self._fail(t, 503, action.reason)
+            elif isinstance(action, Migrate):
+                self._moves.append(
+                    (action.request_id, self._refs.get(action.dst, action.dst), action.mode)
+                )
+            elif isinstance(action, ReleaseGpu):
+                self._release(action)
+            else:
+                raise RuntimeError(f"unexpected action in a migration plan: {action!r}")
+        self._start_moves()
+
+    def _start_moves(self) -> None:
+        """Hand the pending moves to the mechanism; start the ones it picks."""
+        if not self._moves:
+            return
+        st = self.state()
+        cands: list[PendingMove] = []
+        keep: list[tuple[int, int, str | None]] = []
+        for rid, dst, mode in self._moves:
+            t = self.requests.get(rid)
+            if t is None or t.done or t.moving or t.instance is None or t.instance == dst:
+                self.migration.on_move_aborted(rid)
+                continue
+            if dst not in st.instances:
+                self.migration.on_move_aborted(rid)
+                continue
+            src_w = self.inst_of[t.instance][0]
+            snap = self.workers[src_w].snap
+            kv_tokens = next((s.kv_tokens for s in snap.seqs if s.id == rid), 0)
+            ppb = snap.pages_per_block.get(t.model, 1)
+            kv_bytes = -(-kv_tokens // snap.block_size) * ppb * snap.page_bytes
+            cands.append(
+                PendingMove(
+                    rid,
+                    t.instance,
+                    dst,
+                    (src_w,),
+                    (self.inst_of[dst][0],),
+                    kv_bytes,
+                    len(t.prompt_ids) + len(t.output_ids),
+                    mode,
+                )
+            )
+            keep.append((rid, dst, mode))
+        mc = self.cfg.migration
+        ctx = MechanismContext(
+            gpus_per_node=len(self.workers) or 1,
+            intra_node_bytes=int(mc.link_share * mc.epoch_s * OBJECT_STORE_BW),
+            inter_node_bytes=int(mc.link_share * mc.epoch_s * OBJECT_STORE_BW),
+            default_compute_tokens=int(mc.compute_share * mc.epoch_s * REPREFILL_TOKENS_S),
+        )
+        chosen = self.mechanism.assign(cands, ctx) if cands else []
+        started = {m.request_id for m, _mode in chosen}
+        self._moves = [x for x in keep if x[0] not in started]
+        for move, how in chosen:
+            t = self.requests[move.request_id]
+            t.moving = "export"
+            task = self._spawn(self._move(t, move.src, move.dst, how))
+            self._move_tasks.add(task)
+            task.add_done_callback(self._move_tasks.discard)
+
+    async def _move(self, t: Tracked, src_iid: int, dst_iid: int, mode: str) -> None:
+        src = self.workers[self.inst_of[src_iid][0]]
+        dst = self.workers[self.inst_of[dst_iid][0]]
+        t0 = time.perf_counter()
+        try:
+            got = await src.handle.export.remote(t.id, mode == "kv")
+        except Exception as e:
+            t.moving = None
+            if not self._is_actor_death(e):
+                logger.warning("request %d: export failed: %s", t.id, e)
+            self.migration.on_move_aborted(t.id)
+            self.metrics.migrations.labels(mode, "aborted").inc()
+            return
+        if got is None or t.done:
+            t.moving = None
+            self.migration.on_move_aborted(t.id)
+            self.metrics.migrations.labels(mode, "aborted").inc()
+            if got is not None and t.done:
+                await self._call_quietly(src.handle.abort.remote(t.id))
+            return
+        state, chunk = got
+        t.moving = "import"
+        # tokens the source made after its last poll are in the exported state
+        for i, tok in enumerate(state.output_ids[len(t.output_ids) :], len(t.output_ids) + 1):
+            piece = state.text[len(t.text) :] if i == len(state.output_ids) else ""
+            self._token(t, i, tok, piece, self.now())
+        ok = False
+        try:
+            ok = bool(await dst.handle.import_request.remote(state, chunk)) and dst.alive
+        except Exception as e:
+            logger.warning(
+                "request %d: import on worker %d failed: %s", t.id, dst.spec.worker_id, e
+            )
+        t.moving = None
+        if ok:
+            if t.done:  # the client left while it moved
+                await self._call_quietly(dst.handle.abort.remote(t.id))
+            t.instance = dst_iid
+            dst.pending[t.id] = Pending(
+                t.id, t.model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
+            )
+            t.migrations += 1
+            nbytes = chunk.nbytes if chunk is not None else 8 * len(state.tokens)
+            self.metrics.migrations.labels("kv" if chunk is not None else "token", "done").inc()
+            self.metrics.migration_bytes.inc(nbytes if chunk is not None else 0)
+            self.migration_log.append(
+                {
+                    "request": t.id,
+                    "src": src_iid,
+                    "dst": dst_iid,
+                    "mode": "kv" if chunk is not None else "token",
+                    "bytes": nbytes,
+                    "seconds": time.perf_counter() - t0,
+                    "t": self.now(),
+                }
+            )
+            if src.alive:
+                await self._call_quietly(src.handle.release.remote(t.id))
+            return
+        self.migration.on_move_aborted(t.id)
+        self.metrics.migrations.labels(mode, "aborted").inc()
+        if src.alive and not t.done:
+            try:
+                await src.handle.unpause.remote(t.id)
+                return
+            except Exception as e:
+                if not self._is_actor_death(e):
+                    raise
+        if not t.done:
+            self._resume(t)
+
+    # ------------------------------------------------------------ helpers
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda x: self._tasks.remove(x) if x in self._tasks else None)
+        return task
+
+    def _update_worker_gauges(self, w: _Worker) -> None:
+        s = w.snap
+        k = str(s.worker_id)
+        m = self.metrics
+        m.kv_util.labels(k).set(s.used_blocks / s.total_blocks if s.total_blocks else 0.0)
+        m.kv_bytes.labels(k).set(s.kv_bytes_used)
+        m.arena_bytes.labels(k).set(s.arena_bytes)
+        m.weight_bytes.labels(k).set(s.weight_bytes)
+        m.worker_running.labels(k).set(s.num_running)
+        m.worker_waiting.labels(k).set(s.num_waiting)
+
+    def _update_queue_gauges(self) -> None:
+        self.metrics.queue.set(self.queue_length())
+        self.metrics.in_flight.set(sum(1 for t in self.requests.values() if not t.done))
+
+    # ------------------------------------------------------------- report
+    def cluster_json(self) -> dict[str, Any]:
+        """Placement and memory state (``GET /v1/cluster``)."""
+        workers = []
+        for wid, w in sorted(self.workers.items()):
+            s = w.snap
+            workers.append(
+                {
+                    "worker": wid,
+                    "alive": w.alive,
+                    "models": list(s.models),
+                    "instances": {m: i for m, i in w.instances.items()},
+                    "active": [m for m, i in w.instances.items() if i in self.active],
+                    "memory": {
+                        "budget_bytes": s.arena_bytes,
+                        "weight_bytes": s.weight_bytes,
+                        "kv_bytes_used": s.kv_bytes_used,
+                        "kv_pages_total": s.total_blocks,
+                        "kv_pages_used": s.used_blocks,
+                        "kv_pages_free": s.free_blocks,
+                        "within_budget": s.weight_bytes + s.kv_bytes_used <= s.arena_bytes,
+                    },
+                    "running": s.num_running,
+                    "waiting": s.num_waiting + len(w.pending),
+                    "decode_steps": s.decode_steps,
+                }
+            )
+        return {
+            "policies": dict(self.policy_names),
+            "elastic": self.elastic,
+            "queue_length": self.queue_length(),
+            "max_queue": self.serve.max_queue,
+            "requests_in_flight": sum(1 for t in self.requests.values() if not t.done),
+            "workers": workers,
+            "migrations": self.migration_log[-50:],
+        }
+
+
+def plan_workers(config: SimConfig, models: Sequence[str]) -> list[tuple[str, ...]]:
+    """The models each worker hosts, from the ``placement`` policy.
+
+    A fixed pool (``cluster.elastic: false``, the default for ``serve``) asks
+    the placement policy for one instance per worker, with the models' rates
+    from ``workload.model_weights`` (equal when unset). An elastic pool
+    (Mell) loads its single model on every worker; workers become active
+    when a policy activates them.
+    """
+    n = config.serve.workers
+    if config.cluster.elastic:
+        if len(models) != 1:
+            raise ConfigError(
+                "an elastic runtime pool (cluster.elastic: true) serves one model; "
+                f"serve.models has {len(models)}"
+            )
+        return [tuple(models)] * n
+    wl = config.workload
+    rates = dict.fromkeys(models, 1.0)
+    if wl.models is not None and wl.model_weights is not None:
+        for m, wgt in zip(wl.models, wl.model_weights, strict=True):
+            if m in rates:
+                rates[m] = float(wgt)
+    names = resolve_policies(config)
+    placed = (
+        PLACEMENT.get(names["placement"])
+        .from_config(config)
+        .place(rates, n, dict.fromkeys(models, 1))
+    )
+    if len(placed) > n:
+        raise ConfigError(f"placement gave {len(placed)} instances for {n} workers")
+    return [(m,) for m in placed]

@@ -1,0 +1,126 @@
+"""Prometheus metrics of the runtime (``GET /metrics``).
+
+One registry per controller (two servers in one process do not share
+counters). Names follow Prometheus conventions (``_total`` counters, base
+units: seconds, bytes).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# TTFT and TPOT buckets: tiny CPU models decode in milliseconds, real ones
+# take tens of ms per token and seconds to the first token under load.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RuntimeMetrics:
+    """The counters, gauges and histograms the controller and server update."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "fleetserve_requests_total",
+            "Requests by final outcome: finished, aborted (client went away), "
+            "rejected (429/503 at admission), failed (no worker could serve it)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.http = Counter(
+            "fleetserve_http_responses_total",
+            "HTTP responses by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "fleetserve_generated_tokens_total", "Tokens streamed to clients", ["model"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "fleetserve_prompt_tokens_total", "Prompt tokens admitted", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "fleetserve_ttft_seconds",
+            "Time to first token (arrival at the server to the first token at the controller)",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "fleetserve_tpot_seconds",
+            "Time per output token after the first (a request's mean)",
+            ["model"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "fleetserve_e2e_seconds",
+            "End-to-end latency of finished requests",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue = Gauge(
+            "fleetserve_queue_length",
+            "Admitted requests still waiting for their first token (the admission queue)",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "fleetserve_requests_in_flight", "Admitted requests not yet finished", registry=r
+        )
+        self.kv_util = Gauge(
+            "fleetserve_kv_utilization",
+            "KV pages in use / pages the weights leave for KV, per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_bytes = Gauge(
+            "fleetserve_kv_bytes_used", "KV bytes in use per worker", ["worker"], registry=r
+        )
+        self.arena_bytes = Gauge(
+            "fleetserve_arena_bytes",
+            "Each worker's memory budget (weights + KV arena)",
+            ["worker"],
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "fleetserve_weight_bytes", "Weight bytes held per worker", ["worker"], registry=r
+        )
+        self.worker_running = Gauge(
+            "fleetserve_worker_running", "Requests in the batch per worker", ["worker"], registry=r
+        )
+        self.worker_waiting = Gauge(
+            "fleetserve_worker_waiting", "Requests queued per worker", ["worker"], registry=r
+        )
+        self.workers_alive = Gauge("fleetserve_workers_alive", "Live worker actors", registry=r)
+        self.migrations = Counter(
+            "fleetserve_migrations_total",
+            "Request migrations between workers by mode (kv, token) and outcome",
+            ["mode", "outcome"],
+            registry=r,
+        )
+        self.migration_bytes = Counter(
+            "fleetserve_migration_bytes_total", "KV bytes moved by migrations", registry=r
+        )
+        self.drops = Counter(
+            "fleetserve_layer_drops_total",
+            "KunServe: layers dropped from replicas to free memory for KV",
+            registry=r,
+        )
+        self.restores = Counter(
+            "fleetserve_layer_restores_total",
+            "KunServe: layers restored to dropped replicas",
+            registry=r,
+        )
+        self.worker_failures = Counter(
+            "fleetserve_worker_failures_total", "Worker actors found dead", registry=r
+        )
+        self.resumed = Counter(
+            "fleetserve_resumed_requests_total",
+            "Requests re-prefilled on another worker after their worker failed",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
