@@ -201,6 +201,7 @@ class Controller:
         self._move_tasks: set[asyncio.Task[Any]] = set()
         self._refs: dict[int, int] = {}
         self._stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.migration_log: list[dict[str, Any]] = []
         for w in self.workers.values():
             self._update_worker_gauges(w)
@@ -213,7 +214,7 @@ class Controller:
 
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         for wid in self.workers:
             self._tasks.append(loop.create_task(self._poll_loop(wid)))
         self._tasks.append(loop.create_task(self._tick_loop()))
@@ -413,6 +414,7 @@ class Controller:
         t.finish_reason = "abort"
         t.t_done = self.now()
         self.metrics.requests.labels(t.model, "aborted").inc()
+        t.events.put_nowait(("error", 503, "the request was aborted"))
         if t.instance is not None:
             wid, _m = self.inst_of[t.instance]
             w = self.workers[wid]
