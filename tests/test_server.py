@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from serve_util import Running, metric_value, running_server
 
 from fleetserve.runtime.engine.engine import Engine
 from fleetserve.runtime.engine.sampling import SamplingParams
-from serve_util import Running, metric_value, running_server
 
 A, B = "tiny-llama-a", "tiny-llama-b"
 KEY = "test-key-123"
