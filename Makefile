@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-engine venv clean
+.PHONY: run test lint bench bench-engine serve-overload venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench: $(STAMP)
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py
+
+# The server at 2x its measured capacity for 60 s (issue 7 acceptance).
+serve-overload: $(STAMP)
+	$(BIN)/python benchmarks/serve_overload.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache
