@@ -643,9 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", required=True, help="profile CSV to write")
     prof.set_defaults(func=cmd_profile_engine)
 
+    from fleetserve.cli.bench import add_bench_serve_parser
     from fleetserve.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
+    add_bench_serve_parser(sub)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)
