@@ -10,7 +10,9 @@ request is in exactly one place or in exactly one terminal state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -21,7 +23,13 @@ from fleetserve.costmodel.pipeline import PipelineCost
 from fleetserve.costmodel.transfer import Link
 from fleetserve.errors import ConfigError, UnknownNameError
 from fleetserve.metrics.summary import summarize
-from fleetserve.policy.kunserve import split_layers, stages_within
+from fleetserve.policy.actions import DropLayers, Restore
+from fleetserve.policy.kunserve import (
+    KunExecutorView,
+    KunServePolicy,
+    split_layers,
+    stages_within,
+)
 from fleetserve.sim.kun import KunSimulator
 from fleetserve.sim.kun_parts import KUN_STACKS, KunSettings, get_kun_stack
 from fleetserve.spec import get_gpu, get_model
@@ -451,3 +459,50 @@ def test_fallback_activates_a_spare_instance_when_drops_cannot_free_enough() -> 
     starts = {iv.gpu: iv.start_s for iv in res.gpu_intervals}
     # weights over PCIe first: ~29.5 GB at 25 GB/s
     assert starts[0] == 0.0 and starts[1] > 1.0
+
+
+# ------------------------------------------------------------- the policy
+
+
+def test_simulator_applies_the_policys_drop_and_restore_actions() -> None:
+    """Every drop and restore the simulator makes is a DropLayers / Restore
+    the policy returned, applied as planned (members, stages, reloads)."""
+    sim = _sim(_burst(), "kunserve", instances=3, max_time_s=None)
+    assert isinstance(sim.policy, KunServePolicy)
+    planned: list[DropLayers] = []
+    restores: list[Restore] = []
+    plan_drops, decide_restore = sim.policy.plan_drops, sim.policy.decide_restore
+
+    def spy_drops(now: float, executors: Iterable[KunExecutorView]) -> list[Any]:
+        out = plan_drops(now, executors)
+        planned.extend(a for a in out if isinstance(a, DropLayers))
+        return out
+
+    def spy_restore(now: float, executor: KunExecutorView) -> Restore | None:
+        out = decide_restore(now, executor)
+        if out is not None:
+            restores.append(out)
+        return out
+
+    sim.policy.plan_drops = spy_drops  # type: ignore[method-assign]
+    sim.policy.decide_restore = spy_restore  # type: ignore[method-assign]
+    res = sim.run()
+    events = res.extra["memory"]["events"]
+    drops = [e["group"] for e in events if e["event"] == "drop"]
+    assert drops and drops == [list(a.members) for a in planned]
+    for a in planned:  # one complete copy per group
+        cuts = [0, *(hi for _, hi in a.keep)]
+        assert [lo for lo, _ in a.keep] == cuts[:-1] and cuts[-1] == sim.L
+    starts = [e["group"] for e in events if e["event"] == "restore-start"]
+    assert starts and starts == [list(a.members) for a in restores]
+    assert all(a.source == "host" for a in restores)
+
+
+def test_settings_build_the_policy() -> None:
+    spec = get_model(MODEL)
+    pol = KunSettings(strategy="memory", horizon_s=2.0, restore_min_s=3.0).policy(spec)
+    assert (pol.strategy, pol.horizon_s, pol.restore_min_s) == ("memory", 2.0, 3.0)
+    assert pol.param_bytes == spec.num_layers * spec.weight_bytes_per_layer
+    assert pol.kv_bytes_per_token == spec.kv_bytes_per_token
+    with pytest.raises(ConfigError, match="restore_min_s"):
+        KunSettings(restore_min_s=-1.0)

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.errors import ConfigError
+from fleetserve.policy.actions import ActivateSpare, DropLayers, Restore
 from fleetserve.policy.kunserve import (
     BuddyPlan,
     DemandMonitor,
     ExecutorLoad,
+    ExecutorSnapshot,
+    KunServePolicy,
     check_one_copy,
     freed_bytes,
     layers_held,
@@ -564,3 +569,294 @@ def test_rebalance_properties(loads: list[ExecutorLoad]) -> None:
         if rid not in moved:
             assert all(slots_left[k] <= 0 or tokens_left[k] < tok for k in slots_left)
     assert set(by_key) == {load.key for load in loads}
+
+
+# ---------------------------------------------------------------- policy object
+
+LAYERS = 48
+KVB = 196_608  # KV bytes of one token in every layer (Qwen-2.5-14B, bf16)
+REPLICA_KV = 2_000 * KVB  # each instance's KV region as a replica: 2,000 tokens
+
+
+def _policy(**kw: object) -> KunServePolicy:
+    args: dict[str, object] = {
+        "model": "m",
+        "num_layers": LAYERS,
+        "param_bytes": P,
+        "kv_bytes_per_token": KVB,
+        "restore_min_s": 5.0,
+    }
+    args.update(kw)
+    return KunServePolicy(**args)  # type: ignore[arg-type]
+
+
+def _view(
+    key: int,
+    members: tuple[int, ...],
+    used: int,
+    *,
+    cap: int | None = None,
+    queued: int = 0,
+    held: tuple[tuple[int, int], ...] | None = None,
+    accepting: bool = True,
+    stable: bool = True,
+) -> ExecutorSnapshot:
+    """An executor of ``members`` holding ``used`` KV tokens (default layout:
+    an even split, capacity growing by the dropped layers)."""
+    held = held if held is not None else tuple(split_layers(LAYERS, len(members)))
+    if cap is None:
+        cap = 2_000 * LAYERS // max(hi - lo for lo, hi in held)
+    return ExecutorSnapshot(
+        key=key,
+        members=members,
+        held_layers=held,
+        replica_kv_bytes=(REPLICA_KV,) * len(members),
+        kv_used_tokens=used,
+        kv_head_tokens=min(queued, 300),
+        kv_queued_tokens=queued,
+        kv_capacity_tokens=cap,
+        accepting=accepting,
+        stable=stable,
+    )
+
+
+def _check_drop(action: DropLayers, by_key: dict[int, ExecutorSnapshot]) -> None:
+    """A DropLayers keeps one complete copy: its stages tile the layers, each
+    member keeps a non-empty part of what it holds and drops the rest."""
+    assert action.num_layers == LAYERS and action.model == "m"
+    members = sorted(m for k in action.sources for m in by_key[k].members)
+    assert sorted(action.members) == members
+    assert len(action.members) == len(action.keep) == len(action.drop) >= 2
+    held = {m: r for k in action.sources for m, r in zip(*_pairs(by_key[k]), strict=True)}
+    count = [0] * LAYERS
+    for m, (lo, hi), dropped in zip(action.members, action.keep, action.drop, strict=True):
+        assert held[m][0] <= lo < hi <= held[m][1]
+        for layer in range(lo, hi):
+            count[layer] += 1
+        kept = set(range(lo, hi))
+        gone = {layer for a, b in dropped for layer in range(a, b)}
+        assert kept.isdisjoint(gone)
+        assert kept | gone == set(range(*held[m]))
+    assert count == [1] * LAYERS
+    assert all(by_key[k].stable for k in action.sources)
+
+
+def _pairs(v: ExecutorSnapshot) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    return v.members, v.held_layers
+
+
+def _grow(
+    pol: KunServePolicy, views: list[ExecutorSnapshot], t0: float, rates: dict[int, float]
+) -> list[ExecutorSnapshot]:
+    """Observe ``views`` at ``t0 - 1``, ``t0 - 0.5`` and ``t0``, each key's
+    KV in use growing at ``rates[key]`` tokens/s to its value at ``t0`` (from 0 at least)."""
+    for dt in (1.0, 0.5, 0.0):
+        now = t0 - dt
+        pol.observe(
+            now,
+            [
+                dataclasses.replace(
+                    v, kv_used_tokens=max(0, round(v.kv_used_tokens - rates[v.key] * dt))
+                )
+                for v in views
+            ],
+        )
+    return views
+
+
+def test_policy_drops_when_growth_will_exceed_capacity_within_the_horizon() -> None:
+    views = [_view(0, (0,), 1_700), _view(1, (1,), 400)]
+    # 1,700 tokens growing 400/s: 2,100 > 2,000 one second ahead
+    pol = _policy()
+    _grow(pol, views, 10.0, {0: 400.0, 1: 0.0})
+    (drop,) = pol.plan(10.0, views)
+    assert isinstance(drop, DropLayers)
+    assert drop.sources == (0, 1) and drop.members == (0, 1)
+    assert drop.keep == ((0, 24), (24, 48)) and drop.drop == (((24, 48),), ((0, 24),))
+    _check_drop(drop, {v.key: v for v in views})
+    # growing 200/s: 1,900 <= 2,000 one second ahead; no drop ...
+    pol = _policy()
+    _grow(pol, views, 10.0, {0: 200.0, 1: 0.0})
+    assert pol.plan(10.0, views) == []
+    # ... but a 2-second look-ahead sees 2,100
+    pol = _policy(horizon_s=2.0)
+    _grow(pol, views, 10.0, {0: 200.0, 1: 0.0})
+    assert [type(a) for a in pol.plan(10.0, views)] == [DropLayers]
+
+
+def test_policy_requirement_covers_the_queue_and_merges_further() -> None:
+    # a flat but deep queue: 5,000 tokens beyond capacity on each of 0..3 needs
+    # more than one merge per pair; Algorithm 1 merges the smallest groups
+    views = [_view(k, (k,), 1_900, queued=5_000) for k in range(4)]
+    pol = _policy(param_bytes=4_000 * KVB)
+    _grow(pol, views, 1.0, dict.fromkeys(range(4), 0.0))
+    actions = pol.plan(1.0, views)
+    assert [a.members for a in actions if isinstance(a, DropLayers)] == [(0, 1, 2, 3)]
+    # a second throttle on two existing pairs keeps sub-ranges of what they hold
+    pairs = [_view(0, (0, 1), 3_900, queued=2_000), _view(2, (2, 3), 3_900, queued=2_000)]
+    pol = _policy()
+    _grow(pol, pairs, 1.0, {0: 0.0, 2: 0.0})
+    (drop,) = pol.plan(1.0, pairs)
+    assert isinstance(drop, DropLayers)
+    assert drop.members == (0, 2, 1, 3)
+    assert drop.keep == ((0, 12), (12, 24), (24, 36), (36, 48))
+    _check_drop(drop, {v.key: v for v in pairs})
+
+
+def test_policy_falls_back_to_a_spare_and_skips_busy_executors() -> None:
+    alone = [_view(0, (0,), 1_900, queued=3_000)]
+    pol = _policy()
+    _grow(pol, alone, 1.0, {0: 0.0})
+    (spare,) = pol.plan(1.0, alone)
+    assert spare == ActivateSpare("m", 2_900 * KVB)
+    # an unstable executor (KV still crossing) is not merged; not-accepting is not flagged
+    views = [_view(0, (0,), 1_900, queued=3_000), _view(1, (1,), 100, stable=False)]
+    pol = _policy()
+    _grow(pol, views, 1.0, {0: 0.0, 1: 0.0})
+    assert pol.plan(1.0, views) == []
+    views = [_view(0, (0,), 1_900, queued=3_000, accepting=False), _view(1, (1,), 100)]
+    pol = _policy()
+    _grow(pol, views, 1.0, {0: 0.0, 1: 0.0})
+    assert pol.plan(1.0, views) == []
+    with pytest.raises(ConfigError, match="observe"):
+        _policy().plan(1.0, views)
+
+
+def test_policy_restores_only_after_the_low_demand_time() -> None:
+    pol = _policy(restore_min_s=5.0)
+    low = _view(7, (3, 4), 200)  # 200 <= 0.5 x 4,000 tokens as replicas
+    high = dataclasses.replace(low, kv_used_tokens=2_500)
+    got: dict[float, list[Restore]] = {}
+    for tick in range(0, 121):
+        now = tick / 10
+        view = high if 3.0 <= now < 3.5 else low
+        pol.observe(now, [view])
+        # (the jump also flags the lone group: ActivateSpare, not looked at here)
+        got[now] = [a for a in pol.plan(now, [view]) if isinstance(a, Restore)]
+    restores = [t for t, acts in got.items() if acts]
+    # low from 0 s, broken at 3-3.4 s, low again from 3.5 s: restored at 8.5 s
+    assert restores[0] == pytest.approx(8.5)
+    (first,) = got[restores[0]]
+    assert first == Restore(
+        executor=7, model="m", members=(3, 4), reload=(((24, 48),), ((0, 24),)), source="host"
+    )
+    # an unstable group keeps its timer; a replica is never restored
+    pol = _policy(restore_min_s=1.0, restore_from="peer")
+    pol.observe(0.0, [low])
+    assert pol.plan(0.0, [low]) == [] and pol.low_since(7) == 0.0
+    busy = dataclasses.replace(low, stable=False)
+    pol.observe(0.5, [busy])
+    assert pol.plan(0.5, [busy]) == [] and pol.low_since(7) == 0.0
+    pol.observe(1.0, [low])
+    (restore,) = pol.plan(1.0, [low])
+    assert isinstance(restore, Restore) and restore.source == "peer"
+    replica = _view(8, (5,), 0)
+    pol.observe(30.0, [replica])
+    assert pol.plan(30.0, [replica]) == [] and pol.low_since(8) is None
+    pol.forget(7)
+    assert pol.low_since(7) is None
+
+
+def test_policy_never_drops_and_restores_one_executor() -> None:
+    # the memory-greedy planner merges the small replicas into the biggest
+    # group, which has been low long enough to be restored
+    group = _view(0, (0, 1), 100)
+    views = [group, _view(2, (2,), 1_990, queued=1_000), _view(3, (3,), 1_990)]
+    pol = _policy(strategy="memory", restore_min_s=0.0)
+    _grow(pol, views, 1.0, dict.fromkeys((0, 2, 3), 0.0))
+    assert pol.decide_restore(1.0, group) is not None  # on its own, it would restore
+    actions = pol.plan(1.0, views)
+    (drop,) = [a for a in actions if isinstance(a, DropLayers)]
+    assert 0 in drop.sources
+    assert not any(isinstance(a, Restore) for a in actions)
+
+
+@st.composite
+def executor_views(draw: st.DrawFn) -> list[ExecutorSnapshot]:
+    """Executors of earlier drops: groups holding an even split, some stable."""
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=8))
+    views = []
+    nxt = 0
+    for key, k in enumerate(sizes):
+        members = tuple(range(nxt, nxt + k))
+        nxt += k
+        views.append(
+            _view(
+                key,
+                members,
+                draw(st.integers(0, 6_000)),
+                queued=draw(st.sampled_from([0, 0, 500, 4_000])),
+                accepting=draw(st.booleans()) or k == 1,
+                stable=draw(st.integers(0, 4)) > 0,
+            )
+        )
+    return views
+
+
+@FAST
+@given(
+    executor_views(),
+    st.sampled_from(["throughput", "memory"]),
+    st.lists(st.floats(-3_000, 3_000), min_size=8, max_size=8),
+    st.integers(0, 2**32 - 1),
+)
+def test_policy_actions_keep_one_copy_and_never_overlap(
+    views: list[ExecutorSnapshot], strategy: str, rates: list[float], seed: int
+) -> None:
+    by_key = {v.key: v for v in views}
+    ticks = [0.0, 0.2, 0.4]
+
+    def run(seed: int) -> list[object]:
+        pol = _policy(strategy=strategy, restore_min_s=0.2)
+        out = []
+        for now in ticks:
+            pol.observe(now, views)
+            out.append(pol.plan(now, views, np.random.default_rng(seed)))
+        _grow(pol, views, 1.5, {v.key: rates[v.key] for v in views})
+        out.append(pol.plan(1.5, views, np.random.default_rng(seed)))
+        return out
+
+    runs = run(seed)
+    assert runs == run(seed)  # deterministic for a seed ...
+    assert runs == run(seed + 1)  # ... and no decision draws from it
+    kinds = {type(a).__name__ for actions in runs for a in actions}
+    event(f"actions: {', '.join(sorted(kinds)) or 'none'}")
+    for actions in runs:
+        assert isinstance(actions, list)
+        seen: set[int] = set()
+        spares = 0
+        for a in actions:
+            if isinstance(a, DropLayers):
+                _check_drop(a, by_key)
+                assert seen.isdisjoint(a.sources)
+                seen.update(a.sources)
+            elif isinstance(a, Restore):
+                v = by_key[a.executor]
+                assert len(v.members) > 1 and v.stable
+                assert a.executor not in seen
+                seen.add(a.executor)
+                for (lo, hi), reload in zip(v.held_layers, a.reload, strict=True):
+                    back = {layer for x, y in reload for layer in range(x, y)}
+                    assert back == set(range(LAYERS)) - set(range(lo, hi))
+            else:
+                assert isinstance(a, ActivateSpare) and a.shortfall_bytes > 0
+                assert actions.index(a) == 0
+                spares += 1
+        assert spares <= 1
+
+
+def test_policy_rejects_bad_parameters() -> None:
+    with pytest.raises(ConfigError, match="strategy"):
+        _policy(strategy="fast")
+    with pytest.raises(ConfigError, match="restore_threshold"):
+        _policy(restore_threshold=0.0)
+    with pytest.raises(ConfigError, match="restore_min_s"):
+        _policy(restore_min_s=-1.0)
+    with pytest.raises(ConfigError, match="restore_from"):
+        _policy(restore_from="disk")
+    with pytest.raises(ConfigError, match="num_layers"):
+        _policy(num_layers=0)
+    with pytest.raises(ConfigError, match="window_s"):
+        _policy(window_s=0.0)
+    with pytest.raises(ConfigError, match="members"):
+        ExecutorSnapshot(0, (0, 1), ((0, 48),), (1,), 0, 0, 0, 0)

@@ -4,6 +4,8 @@ Policies never mutate state: they read a :class:`~fleetserve.cluster.state.Clust
 and return these frozen records. Later families add their own action types here
 (``Migrate``, ``DropLayers``, ``Restore``, ...) together with the backend code
 that applies them.
+
+Layer ranges are half-open ``(lo, hi)`` pairs of layer indices ``lo..hi-1``.
 """
 
 from __future__ import annotations
@@ -79,5 +81,75 @@ class Migrate:
     mode: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DropLayers:
+    """Merge executors ``sources`` into one buddy group of ``model`` (KunServe §4.1).
+
+    The group runs as a ``len(members)``-stage pipeline; ``members`` lists its
+    instance ids in stage order and ``keep[i]`` is the half-open layer range
+    member ``i`` keeps (the ranges tile ``0..num_layers``: one complete copy
+    of the parameters per group). ``drop[i]`` lists the ranges member ``i``
+    frees now (what it held outside ``keep[i]``; empty when it keeps all it
+    held). A backend applies the plan once every source executor has reached
+    an iteration boundary, moving the running requests' KV cache to the
+    stages that now own their layers (§4.2, live KV exchange)::
+
+        members  a           b           c
+        keep     [0, 16)     [16, 32)    [32, 48)      48 layers, 3 stages
+        drop     [16, 48)    [0, 16),    [0, 32)
+                             [32, 48)
+    """
+
+    model: str
+    num_layers: int
+    sources: tuple[int, ...]
+    members: tuple[int, ...]
+    keep: tuple[tuple[int, int], ...]
+    drop: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Dissolve buddy group ``executor`` back into full replicas (KunServe §4.2).
+
+    Each member ``members[i]`` reloads the layer ranges ``reload[i]`` (what
+    it dropped) from ``source``: ``"host"`` (its host-memory copy over PCIe)
+    or ``"peer"`` (another instance over the network). The group stops
+    taking new requests while it reloads; a backend with live restore then
+    splits it and moves its running requests' KV to the new replicas.
+    """
+
+    executor: int
+    model: str
+    members: tuple[int, ...]
+    reload: tuple[tuple[tuple[int, int], ...], ...]
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class ActivateSpare:
+    """Start one more replica of ``model`` (KunServe's §4.3 autoscaling fallback).
+
+    Returned when dropping parameters cannot free the ``shortfall_bytes`` the
+    monitor asks for. The backend starts a spare instance (weights loaded from
+    host memory) if it has one idle and none is already starting; otherwise
+    it ignores the action (the policy asks again while the shortage lasts).
+    """
+
+    model: str
+    shortfall_bytes: int
+
+
 DispatchAction = Dispatch | Reject | ActivateGpu | Defer
-Action = Dispatch | Reject | ActivateGpu | ReleaseGpu | Defer | Migrate
+KunAction = DropLayers | Restore | ActivateSpare
+Action = (
+    Dispatch
+    | Reject
+    | ActivateGpu
+    | ReleaseGpu
+    | Defer
+    | Migrate
+    | DropLayers
+    | Restore
+    | ActivateSpare
+)

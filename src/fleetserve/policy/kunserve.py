@@ -17,6 +17,13 @@ bytes of one replica's layer parameters. This module is the pure decision code:
 * :class:`DemandMonitor` (§4.3 "Online monitor and drop trigger") and
   :func:`should_restore` (when to undo a drop).
 * :func:`max_batch` and :func:`rebalance` (§4.3 "Online dispatcher").
+* :class:`KunServePolicy`: the decisions a backend asks for once per monitor
+  interval — sample the monitor, flag executors, size the requirement,
+  plan the buddy groups (:class:`~fleetserve.policy.actions.DropLayers`),
+  fall back to a spare instance
+  (:class:`~fleetserve.policy.actions.ActivateSpare`), time the restores
+  (:class:`~fleetserve.policy.actions.Restore`) — over executors the backend
+  shows through :class:`KunExecutorView`.
 
 No torch, no clocks (callers pass ``now``), no global state.
 
@@ -58,12 +65,14 @@ import math
 import operator
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from fleetserve.errors import ConfigError
+from fleetserve.policy.actions import ActivateSpare, DropLayers, KunAction, Restore
 
 __all__ = [
     "DEFAULT_RESTORE_THRESHOLD",
@@ -71,6 +80,10 @@ __all__ = [
     "BuddyPlan",
     "DemandMonitor",
     "ExecutorLoad",
+    "ExecutorSnapshot",
+    "KunAction",
+    "KunExecutorView",
+    "KunServePolicy",
     "check_one_copy",
     "freed_bytes",
     "layers_held",
@@ -854,3 +867,359 @@ def rebalance(loads: Sequence[ExecutorLoad]) -> list[tuple[int, int, int]]:
         spare[best][1] -= tokens
         moves.append((rid, source, best))
     return moves
+
+
+# ---------------------------------------------------------------- policy object
+
+
+class KunExecutorView(Protocol):
+    """One executor — a replica or a buddy group — as :class:`KunServePolicy` reads it.
+
+    A backend implements this read-only view over what it owns (the
+    simulator's executors; the runtime's worker reports), as
+    :class:`~fleetserve.cluster.state.InstanceView` does for the other
+    policies. The view answers "as of now"; the policy keeps nothing of it
+    but the monitor samples and restore timers, keyed by :attr:`key`.
+
+    KV amounts are in *tokens of all layers* (one token's K and V in every
+    layer, ``kv_bytes_per_token`` bytes); a token of a pipelined group counts
+    once, however its layers are spread over the stages::
+
+        members       (a, b)            stage order
+        held_layers   ((0, 24), (24, 48))
+        replica_kv_bytes  (Ka, Kb)      each member's KV region as a replica
+    """
+
+    @property
+    def key(self) -> int:
+        """Executor id; never reused for another executor."""
+        ...
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Instance ids in stage order (one id: a replica)."""
+        ...
+
+    @property
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        """The half-open layer range each member holds now, in :attr:`members` order."""
+        ...
+
+    @property
+    def replica_kv_bytes(self) -> tuple[int, ...]:
+        """KV bytes each member has as a full replica (before any drop), same order."""
+        ...
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """KV tokens its requests hold (running, prefilling, stalled, reserved)."""
+        ...
+
+    @property
+    def kv_head_tokens(self) -> int:
+        """KV tokens the head-of-line queued request needs (0: empty queue)."""
+        ...
+
+    @property
+    def kv_queued_tokens(self) -> int:
+        """KV tokens every queued request needs together."""
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens it holds when full, with the layers its members hold now."""
+        ...
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the dispatcher still sends it requests (False while restoring)."""
+        ...
+
+    @property
+    def stable(self) -> bool:
+        """No merge, restore, KV transfer, swap or migration in progress: it may
+        be merged into a buddy group or restored."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorSnapshot:
+    """A plain :class:`KunExecutorView` (tests; backends that copy their state)."""
+
+    key: int
+    members: tuple[int, ...]
+    held_layers: tuple[tuple[int, int], ...]
+    replica_kv_bytes: tuple[int, ...]
+    kv_used_tokens: int
+    kv_head_tokens: int
+    kv_queued_tokens: int
+    kv_capacity_tokens: int
+    accepting: bool = True
+    stable: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("members", "held_layers", "replica_kv_bytes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "held_layers", tuple(tuple(r) for r in self.held_layers))
+        if not self.members:
+            raise ConfigError(f"executor {self.key} has no members")
+        if not len(self.members) == len(self.held_layers) == len(self.replica_kv_bytes):
+            raise ConfigError(
+                f"executor {self.key}: {len(self.members)} members but "
+                f"{len(self.held_layers)} held_layers and "
+                f"{len(self.replica_kv_bytes)} replica_kv_bytes"
+            )
+
+
+class KunServePolicy:
+    """KunServe's memory decisions: when and how to drop parameters, when to restore.
+
+    The pure decision core behind the simulator (:mod:`fleetserve.sim.kun`)
+    and the runtime's controller. It owns the §4.3 demand monitor (one
+    :class:`DemandMonitor` over every executor) and the restore timers; the
+    backend owns the mechanism (memory accounting, KV exchange, weight
+    transfers, timing) and applies the returned actions. No clock, no
+    torch, no randomness: ``now`` is passed in and ties are broken by
+    instance id, so a run is deterministic whatever the seed.
+
+    A backend, once per monitor interval:
+
+    1. :meth:`observe` every executor (and each new one once its requests
+       are placed on it — a sample of an empty executor would look like
+       sudden growth to the next one);
+    2. :meth:`plan` (or :meth:`plan_drops`, apply, then
+       :meth:`decide_restore` per executor: the simulator applies a merge at
+       once when its executors are idle, and the restore rule then sees the
+       new group), and apply the actions in order;
+    3. :meth:`forget` an executor when it is retired (merged, split).
+
+    **Drop** (§4.3 "Online monitor and drop trigger", §4.1 Algorithm 1). An
+    accepting executor is *flagged* when the monitor predicts its demand
+    (KV in use + the head-of-line request, Llumnix's count) exceeds its
+    capacity within ``horizon_s``. The memory requirement ``R`` is, summed
+    over the flagged executors, the larger of the predicted shortfall and
+    the shortfall of serving its whole queue now (a burst queues far more
+    than one horizon of growth). The planner (``strategy``: throughput- or
+    memory-greedy) merges the current groups, never splitting one, until
+    the parameters freed cover ``R`` on top of what the current groups
+    already free; the memory-greedy variant's KV region is the replicas'
+    KV regions summed over every executor. Each new group becomes a
+    :class:`~fleetserve.policy.actions.DropLayers` whose stages keep
+    sub-ranges of what the members hold (:func:`stages_within`), so no
+    member reloads a layer to merge; a group whose executors are not
+    :attr:`~KunExecutorView.stable` (a merge, restore or KV transfer under
+    way) or whose holdings admit no tiling is left for a later call. When
+    the plan cannot meet ``R`` (too few groups, or ``num_layers`` stages
+    already) an :class:`~fleetserve.policy.actions.ActivateSpare` comes
+    first: §4.1 "we will scale a new instance for fallback".
+
+    **Restore** (§4.2 "Live KVCache restore": the paper restores "when the
+    memory demand decreases" without a rule). A stable group is *low* when
+    its demand (KV in use + its whole queue) is at most
+    ``restore_threshold`` of the KV capacity its members would have as
+    replicas (:func:`should_restore`) and the monitor does not predict a
+    throttle. It is restored once it has been low for ``restore_min_s``
+    without a break (hysteresis: right after a drop the demand may still be
+    low, and a dip inside a burst should not undo it). The timer restarts
+    whenever the group is not low; while it is not stable (exchanging KV)
+    the timer is left as it is.
+
+    Args:
+        model: the model's name (carried in the actions).
+        num_layers: ``L``, layers of the model (every layer holds KV).
+        param_bytes: ``P``, the droppable parameter bytes of one replica.
+        kv_bytes_per_token: KV bytes of one token in every layer.
+        strategy: ``"throughput"`` (Algorithm 1) or ``"memory"``.
+        horizon_s: the trigger's look-ahead (the paper: one second).
+        window_s: the monitor's sliding window.
+        restore_threshold: see :func:`should_restore`, in ``(0, 1]``.
+        restore_min_s: how long a group stays low before it is restored.
+        restore_from: where dropped layers are reloaded from, ``"host"``
+            or ``"peer"`` (carried in :class:`~fleetserve.policy.actions.Restore`).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        num_layers: int,
+        param_bytes: int,
+        kv_bytes_per_token: int,
+        strategy: str = "throughput",
+        horizon_s: float = 1.0,
+        window_s: float = 1.0,
+        restore_threshold: float = DEFAULT_RESTORE_THRESHOLD,
+        restore_min_s: float = 20.0,
+        restore_from: str = "host",
+    ) -> None:
+        self.model = model
+        self.num_layers = _as_int("num_layers", num_layers, 1)
+        self.param_bytes = _as_bytes("param_bytes", param_bytes)
+        self.kv_bytes_per_token = _as_int("kv_bytes_per_token", kv_bytes_per_token, 1)
+        if not isinstance(strategy, str) or strategy.strip().lower() not in STRATEGIES:
+            raise ConfigError(
+                f"unknown KunServe drop strategy {strategy!r}; expected 'throughput' or 'memory'"
+            )
+        self.strategy = strategy
+        self.horizon_s = _as_real("horizon_s", horizon_s)
+        self.restore_threshold = _as_real("restore_threshold", restore_threshold)
+        if not 0.0 < self.restore_threshold <= 1.0:
+            raise ConfigError(f"restore_threshold must be in (0, 1], got {self.restore_threshold}")
+        self.restore_min_s = _as_real("restore_min_s", restore_min_s)
+        if restore_from not in ("host", "peer"):
+            raise ConfigError(f"restore_from must be 'host' or 'peer', got {restore_from!r}")
+        self.restore_from = restore_from
+        self.monitor = DemandMonitor(window_s=window_s, horizon_s=self.horizon_s)
+        self._low_since: dict[int, float] = {}
+
+    # ------------------------------------------------------------ samples
+    def observe(self, now: float, executors: Iterable[KunExecutorView]) -> None:
+        """One monitor sample of each executor: demand = KV in use + the
+        head-of-line request, capacity = its KV capacity, in bytes."""
+        kvb = self.kv_bytes_per_token
+        for e in executors:
+            demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
+            self.monitor.observe(e.key, now, float(demand), float(e.kv_capacity_tokens * kvb))
+
+    def forget(self, key: int) -> None:
+        """Executor ``key`` is gone: drop its samples and restore timer."""
+        self.monitor.forget(key)
+        self._low_since.pop(key, None)
+
+    def low_since(self, key: int) -> float | None:
+        """Since when group ``key`` has been low (None: it is not, or never checked)."""
+        return self._low_since.get(key)
+
+    # -------------------------------------------------------------- plans
+    def plan(
+        self,
+        now: float,
+        executors: Iterable[KunExecutorView],
+        rng: np.random.Generator | None = None,
+    ) -> list[KunAction]:
+        """Drop and restore decisions on one view of the executors.
+
+        :meth:`plan_drops`, then :meth:`decide_restore` for every executor
+        that no returned :class:`~fleetserve.policy.actions.DropLayers`
+        merges (an executor is never both dropped and restored in one call).
+        ``rng`` is accepted for the policy interface; no decision is random.
+        """
+        del rng  # deterministic: ties are broken by instance id
+        views = list(executors)
+        actions: list[KunAction] = list(self.plan_drops(now, views))
+        merging = {k for a in actions if isinstance(a, DropLayers) for k in a.sources}
+        for e in views:
+            if e.key in merging:
+                continue
+            restore = self.decide_restore(now, e)
+            if restore is not None:
+                actions.append(restore)
+        return actions
+
+    def plan_drops(
+        self, now: float, executors: Iterable[KunExecutorView]
+    ) -> list[DropLayers | ActivateSpare]:
+        """The drop decision (see the class docstring): an
+        :class:`~fleetserve.policy.actions.ActivateSpare` first when the plan
+        falls short, then one :class:`~fleetserve.policy.actions.DropLayers`
+        per new buddy group, in the plan's group order. Empty when no
+        accepting executor is flagged.
+
+        Every executor must have been observed (``now`` is that of the
+        latest samples; the monitor's samples carry their own times).
+
+        Raises:
+            ConfigError: an executor without samples.
+        """
+        views = list(executors)
+        mon, horizon, kvb = self.monitor, self.horizon_s, self.kv_bytes_per_token
+        flagged = [e for e in views if e.accepting and mon.throttled(e.key, horizon)]
+        if not flagged:
+            return []
+        need = 0.0
+        for e in flagged:
+            queued = (e.kv_used_tokens + e.kv_queued_tokens - e.kv_capacity_tokens) * kvb
+            need += max(mon.required_bytes(e.key, horizon), float(queued))
+        groups = [e.members for e in views]
+        current = freed_bytes(groups, self.param_bytes)
+        kv_region = sum(b for e in views for b in e.replica_kv_bytes)
+        plan = plan_drop(
+            self.strategy,
+            groups,
+            self.param_bytes,
+            int(current + need),
+            int(kv_region),
+            max_group_size=self.num_layers,
+        )
+        actions: list[DropLayers | ActivateSpare] = []
+        if not plan.met:
+            actions.append(ActivateSpare(self.model, plan.required_bytes - plan.freed_bytes))
+        owner = {m: e for e in views for m in e.members}
+        held = {m: r for e in views for m, r in zip(e.members, e.held_layers, strict=True)}
+        for group in plan.merges_from(groups):
+            sources: list[KunExecutorView] = []
+            for m in group:
+                e = owner[m]
+                if all(s.key != e.key for s in sources):
+                    sources.append(e)
+            if not all(e.stable for e in sources):
+                continue
+            stages = stages_within({m: held[m] for m in group}, self.num_layers)
+            if stages is None:
+                continue
+            actions.append(
+                DropLayers(
+                    model=self.model,
+                    num_layers=self.num_layers,
+                    sources=tuple(e.key for e in sources),
+                    members=tuple(m for m, _ in stages),
+                    keep=tuple(r for _, r in stages),
+                    drop=tuple(_outside(held[m], r) for m, r in stages),
+                )
+            )
+        return actions
+
+    def decide_restore(self, now: float, executor: KunExecutorView) -> Restore | None:
+        """The restore rule for one executor (see the class docstring).
+
+        Replicas and executors that are not stable return None and leave
+        the timer as it is; otherwise the timer starts (or restarts) and a
+        :class:`~fleetserve.policy.actions.Restore` comes once the group has
+        been low for ``restore_min_s``.
+        """
+        e = executor
+        if len(e.members) == 1 or not e.stable:
+            return None
+        kvb = self.kv_bytes_per_token
+        demand = e.kv_used_tokens + e.kv_queued_tokens
+        restored = sum(b // kvb for b in e.replica_kv_bytes)
+        low = should_restore(float(demand), float(restored), self.restore_threshold)
+        if not low or self.monitor.throttled(e.key, self.horizon_s):
+            self._low_since.pop(e.key, None)
+            return None
+        since = self._low_since.setdefault(e.key, now)
+        if now - since < self.restore_min_s:
+            return None
+        del self._low_since[e.key]
+        return Restore(
+            executor=e.key,
+            model=self.model,
+            members=e.members,
+            reload=tuple(_complement(r, self.num_layers) for r in e.held_layers),
+            source=self.restore_from,
+        )
+
+
+def _outside(held: tuple[int, int], keep: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """The parts of ``held`` outside ``keep`` (``keep`` lies within ``held``)."""
+    parts = []
+    if held[0] < keep[0]:
+        parts.append((held[0], keep[0]))
+    if keep[1] < held[1]:
+        parts.append((keep[1], held[1]))
+    return tuple(parts)
+
+
+def _complement(held: tuple[int, int], num_layers: int) -> tuple[tuple[int, int], ...]:
+    """The layers of ``0..num_layers`` outside ``held``."""
+    return _outside((0, num_layers), held)

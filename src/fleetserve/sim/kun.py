@@ -39,19 +39,28 @@ the destination reserves it when the copy starts). Nothing is ever
 over-committed: admission and decode growth check every stage, a copy
 starts only when its destination has room, and a drop only frees memory.
 
-KunServe (``pressure="kunserve"``), every ``monitor_interval_s``:
+KunServe (``pressure="kunserve"``), every ``monitor_interval_s``. The
+*decisions* (steps 1, 2 and when to start 5) are
+:class:`~fleetserve.policy.kunserve.KunServePolicy`'s, the pure policy the
+runtime's controller calls too; the simulator shows it its executors
+(:class:`Executor` implements
+:class:`~fleetserve.policy.kunserve.KunExecutorView`) and applies the
+:class:`~fleetserve.policy.actions.DropLayers`,
+:class:`~fleetserve.policy.actions.ActivateSpare` and
+:class:`~fleetserve.policy.actions.Restore` actions it returns:
 
-1. the monitor (:class:`~fleetserve.policy.kunserve.DemandMonitor`) samples
-   each executor's demand (KV in use + the head-of-line queued request's
-   prompt, as Llumnix counts it) and capacity, and flags those predicted to
-   run out within ``horizon_s``;
+1. the policy's monitor samples each executor's demand (KV in use + the
+   head-of-line queued request's prompt, as Llumnix counts it) and
+   capacity, and flags those predicted to run out within ``horizon_s``;
 2. if any is flagged, the planner (Algorithm 1, or the memory-greedy
    variant) merges groups until the parameter memory freed covers what the
    flagged executors need (the predicted shortfall, or everything their
-   queues ask for, whichever is larger); executors to merge stop starting
-   iterations, and once all are at an iteration boundary they become one
-   pipeline: each instance keeps its stage's layers and drops the rest (the
-   bytes join its KV pool at once), the queues are merged in arrival order;
+   queues ask for, whichever is larger); if it cannot, a spare instance is
+   started (weights from host memory). The simulator applies each new
+   group: executors to merge stop starting iterations, and once all are at
+   an iteration boundary they become one pipeline: each instance keeps its
+   stage's layers and drops the rest (the bytes join its KV pool at once),
+   the queues are merged in arrival order;
 3. *victims* (requests that were decoding) have KV for layers now owned by
    another stage; each missing piece crosses its source's link (one piece
    at a time per link, victims in arrival order). ``live``: victims keep
@@ -122,19 +131,17 @@ from fleetserve.metrics.records import (
     RunResult,
     TimeSeries,
 )
-from fleetserve.policy.actions import Dispatch, Migrate, Reject
-from fleetserve.policy.dispatch import WorstFit
-from fleetserve.policy.kunserve import (
-    DemandMonitor,
-    ExecutorLoad,
-    freed_bytes,
-    max_batch,
-    plan_drop,
-    rebalance,
-    should_restore,
-    split_layers,
-    stages_within,
+from fleetserve.policy.actions import (
+    ActivateSpare,
+    Dispatch,
+    DropLayers,
+    KunAction,
+    Migrate,
+    Reject,
+    Restore,
 )
+from fleetserve.policy.dispatch import WorstFit
+from fleetserve.policy.kunserve import ExecutorLoad, max_batch, rebalance, split_layers
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.sim.events import P_ARRIVAL, P_EPOCH, P_ITER_END, P_SAMPLE, P_TRANSFER, EventQueue
 from fleetserve.sim.kun_parts import Channel, KSeq, KunSettings, Piece, Transfer
@@ -151,7 +158,8 @@ ProgressFn = Callable[[float, int, int], None]
 
 
 class Executor:
-    """A replica or a pipelined buddy group (implements ``InstanceView``).
+    """A replica or a pipelined buddy group (implements ``InstanceView`` and
+    :class:`~fleetserve.policy.kunserve.KunExecutorView`).
 
     Args:
         eid: executor id (never reused).
@@ -200,7 +208,6 @@ class Executor:
         self.tracked: dict[int, KSeq] = {}
         self.mig_ready: list[KSeq] = []
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
-        self.low_since: float | None = None  # demand below the restore threshold since
         self.max_batch = sim.max_num_seqs
         self.last_end = now
 
@@ -297,6 +304,37 @@ class Executor:
 
     def seqs(self) -> list[SeqView]:
         return [*self.running.values(), *self.prefill, *self.waiting]
+
+    # ---------------------------------------------------- KunExecutorView
+    @property
+    def key(self) -> int:
+        return self.id
+
+    @property
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        held = self.sim.held
+        return tuple(held[m] for m in self.members)
+
+    @property
+    def replica_kv_bytes(self) -> tuple[int, ...]:
+        sim = self.sim
+        return tuple(sim.cap_b[m] - sim.model.weight_bytes for m in self.members)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.T()
+
+    @property
+    def kv_head_tokens(self) -> int:
+        return self.waiting[0].need_tokens() if self.waiting else 0
+
+    @property
+    def kv_queued_tokens(self) -> int:
+        return self.waiting_tokens()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.capacity_tokens()
 
     # -------------------------------------------------------------- requests
     def run(self, s: KSeq, kv: int) -> None:
@@ -446,7 +484,6 @@ class KunSimulator:
         self.kv_tok_bytes = spec.kv_bytes_per_token
         self.layer_b = spec.weight_bytes_per_layer
         self.base_w = spec.weight_bytes - self.L * self.layer_b
-        self.param_bytes = self.L * self.layer_b  # P: droppable bytes of one replica
         cap = int(self.gpu.hbm_bytes * mem_util) * tp
         if spec.weight_bytes >= cap:
             raise ConfigError(
@@ -521,7 +558,7 @@ class KunSimulator:
         )
         self.dispatcher = WorstFit()
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
-        self.monitor = DemandMonitor(window_s=st.window_s, horizon_s=st.horizon_s)
+        self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
         self._wd_since = 0.0
         self._chunk_sum = 0.0
@@ -608,23 +645,18 @@ class KunSimulator:
         return exe
 
     def _observe(self, e: Executor, now: float) -> None:
-        """One monitor sample of ``e``: KV in use plus the head-of-line queued
-        request's prompt (Llumnix's count), and the KV capacity, in bytes.
+        """One monitor sample of ``e`` (:meth:`KunServePolicy.observe`).
 
         A new executor (start, merge, split, scale-out) gets its first sample
         once its requests are placed on it: a sample of the empty executor
         would make the next one look like sudden growth and predict a throttle
         that is not coming."""
-        head = e.waiting[0].need_tokens() if e.waiting else 0
-        kvb = self.kv_tok_bytes
-        self.monitor.observe(
-            e.id, now, float((e.T() + head) * kvb), float(e.capacity_tokens() * kvb)
-        )
+        self.policy.observe(now, (e,))
 
     def _retire(self, exe: Executor, now: float) -> None:
         self.state.remove(exe.id)
         del self.execs[exe.id]
-        self.monitor.forget(exe.id)
+        self.policy.forget(exe.id)
         if exe.k > 1:
             self.group_seconds += now - exe.created_s
 
@@ -1141,10 +1173,9 @@ class KunSimulator:
     # --------------------------------------------------------------- monitor
     def _on_monitor(self, now: float, arrivals_left: bool) -> None:
         st = self.settings
-        for e in self.execs.values():
-            self._observe(e, now)
+        self.policy.observe(now, self.execs.values())
         if st.pressure == "kunserve":
-            self._maybe_drop(now)
+            self._apply(self.policy.plan_drops(now, self.execs.values()), now)
             self._maybe_restore(now)
             if self.grouped:
                 self._rebalance(now)
@@ -1173,53 +1204,35 @@ class KunSimulator:
             }
             raise RuntimeError(f"simulation stalled at t={now:.1f}s: executors {state}")
 
-    def _maybe_drop(self, now: float) -> None:
-        mon = self.monitor
-        h = self.settings.horizon_s
-        kvb = self.kv_tok_bytes
-        flagged = [e for e in self.execs.values() if e.accepting and mon.throttled(e.id, h)]
-        if not flagged:
-            return
-        need = 0.0
-        for e in flagged:
-            queued = (e.T() + e.waiting_tokens() - e.capacity_tokens()) * kvb
-            need += max(mon.required_bytes(e.id, h), float(queued))
-        groups = [e.members for e in self.execs.values()]
-        current = freed_bytes(groups, self.param_bytes)
-        kv_region = sum(
-            self.cap_b[m] - self.model.weight_bytes for m in range(self.n) if self.active[m]
-        )
-        plan = plan_drop(
-            self.settings.strategy,
-            groups,
-            self.param_bytes,
-            int(current + need),
-            int(kv_region),
-            max_group_size=self.L,
-        )
-        if not plan.met:
-            self._scale_out(now)
-        for g in plan.merges_from(groups):
-            uniq: list[Executor] = []
-            for m in g:
-                owner = self.exe_of[m]
-                assert owner is not None
-                if owner not in uniq:
-                    uniq.append(owner)
-            if not all(e.stable for e in uniq):
-                continue
-            stages = stages_within({m: self.held[m] for m in g}, self.L)
-            if stages is None:
-                continue
-            for e in uniq:
-                e.frozen = True
-            self.merging.append(_Merge(uniq, stages))
+    def _apply(self, actions: Sequence[KunAction], now: float) -> None:
+        """Apply the policy's actions in order; then merge the groups whose
+        executors are all at an iteration boundary (the others merge when
+        their last executor gets there, see :meth:`_schedule`)."""
+        for action in actions:
+            if isinstance(action, DropLayers):
+                self._apply_drop(action)
+            elif isinstance(action, Restore):
+                self._apply_restore(action, now)
+            elif isinstance(action, ActivateSpare):
+                self._scale_out(now)
+            else:
+                raise RuntimeError(f"unexpected KunServe action {action!r}")
         if self.merging:
             self._try_merges(now)
 
+    def _apply_drop(self, action: DropLayers) -> None:
+        """Freeze the executors ``action`` merges (they start no iteration);
+        :meth:`_merge` forms the group once all are idle."""
+        olds = [self.execs[key] for key in action.sources]
+        for e in olds:
+            e.frozen = True
+        self.merging.append(_Merge(olds, list(zip(action.members, action.keep, strict=True))))
+
     def _scale_out(self, now: float) -> None:
-        """KunServe's fallback when dropping cannot free enough: activate a
-        spare instance (its weights come from host memory over PCIe)."""
+        """KunServe's fallback when dropping cannot free enough (the policy's
+        :class:`~fleetserve.policy.actions.ActivateSpare`): activate a spare
+        instance (its weights come from host memory over PCIe), unless there
+        is none or one is already starting."""
         spare = [m for m in range(self.n) if not self.active[m] and m not in self.activating]
         if not spare or self.activating:
             return
@@ -1304,37 +1317,33 @@ class KunSimulator:
 
     # --------------------------------------------------------------- restore
     def _maybe_restore(self, now: float) -> None:
-        st = self.settings
-        h = st.horizon_s
+        """Restore decisions, executor by executor: a restored group whose
+        split found no room is retried (mechanism); any other executor is
+        the policy's to judge (:meth:`KunServePolicy.decide_restore`). One
+        pass in executor order, so a split retried here is seen by the
+        executors after it."""
+        live = self.settings.live_restore
         for e in list(self.execs.values()):
-            if e.restoring and not e.reload_left and st.live_restore and not e.frozen:
+            if e.restoring and not e.reload_left and live and not e.frozen:
                 e.frozen = True  # a split that found no room earlier: try again
                 if e.phase == IDLE:
                     self._try_split(e, now)
                 continue
-            if e.k == 1 or not e.stable:
-                continue
-            demand = e.T() + e.waiting_tokens()
-            restored = sum(
-                (self.cap_b[m] - self.model.weight_bytes) // self.kv_tok_bytes for m in e.members
-            )
-            low = should_restore(float(demand), float(restored), st.restore_threshold)
-            if not low or self.monitor.throttled(e.id, h):
-                e.low_since = None
-                continue
-            if e.low_since is None:
-                e.low_since = now
-            if now - e.low_since >= st.restore_min_s:
-                self._begin_restore(e, now)
+            action = self.policy.decide_restore(now, e)
+            if action is not None:
+                self._apply_restore(action, now)
 
-    def _begin_restore(self, e: Executor, now: float) -> None:
+    def _apply_restore(self, action: Restore, now: float) -> None:
+        """Start reloading ``action``'s dropped layers; the group takes no new
+        requests from now on and splits once every member has them back."""
+        e = self.execs[action.executor]
         e.restoring = True
         e.accepting = False
         e.reload_left = set(e.members)
         self.mem_events.append({"t": now, "event": "restore-start", "group": list(e.members)})
-        for m in e.members:
-            need = (self.L - (self.held[m][1] - self.held[m][0])) * self.layer_b
-            ch = self.host[m] if self.settings.restore_from == "host" else self.net[m]
+        for m, ranges in zip(action.members, action.reload, strict=True):
+            need = sum(hi - lo for lo, hi in ranges) * self.layer_b
+            ch = self.host[m] if action.source == "host" else self.net[m]
             self._enqueue_transfer(ch, self._reload_transfer(e, m, need), now)
 
     def _reload_transfer(self, e: Executor, m: int, need: int) -> Transfer:

@@ -2,7 +2,9 @@
 
 * :class:`KunSettings` / :data:`KUN_STACKS`: what a stack does under memory
   pressure, and the KunServe knobs (exchange mode, live restore, strategy,
-  trigger horizon, ...).
+  trigger horizon, ...); :meth:`KunSettings.policy` builds the pure
+  :class:`~fleetserve.policy.kunserve.KunServePolicy` that makes KunServe's
+  drop/restore decisions from them.
 * :class:`KSeq`: one request's state.
 * :class:`Channel`: one link direction of one instance (its network NIC or its
   PCIe link to host memory) carrying transfers one at a time, FIFO, at a rate
@@ -25,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from fleetserve.costmodel.transfer import Link
 from fleetserve.errors import ConfigError, UnknownNameError
+from fleetserve.policy.kunserve import KunServePolicy
 
 if TYPE_CHECKING:
     from fleetserve.metrics.records import RequestRecord
     from fleetserve.sim.kun import Executor
+    from fleetserve.spec import ModelSpec
     from fleetserve.workload.request import Request
 
 PRESSURES = ("queue", "kv-drop", "kv-swap", "llumnix", "kunserve")
@@ -114,10 +118,35 @@ class KunSettings:
             raise ConfigError(
                 f"kunserve.restore_threshold must be in (0, 1], got {self.restore_threshold!r}"
             )
+        v = self.restore_min_s
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+            raise ConfigError(f"kunserve.restore_min_s must be a number >= 0, got {v!r}")
 
     def with_overrides(self, **kw: Any) -> KunSettings:
         """A copy with some fields replaced (validated)."""
         return replace(self, **kw)
+
+    def policy(self, model: ModelSpec) -> KunServePolicy:
+        """KunServe's decision policy for replicas of ``model`` under these settings.
+
+        The policy's knobs are ``strategy``, ``horizon_s``, ``window_s``,
+        ``restore_threshold``, ``restore_min_s`` and ``restore_from``; the rest
+        (exchange mode, live restore, batch limits, the baselines' pressure)
+        is mechanism the simulator applies. ``P`` is every layer's weights
+        (the non-layer weights are never dropped).
+        """
+        return KunServePolicy(
+            model=model.name,
+            num_layers=model.num_layers,
+            param_bytes=model.num_layers * model.weight_bytes_per_layer,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            strategy=self.strategy,
+            horizon_s=self.horizon_s,
+            window_s=self.window_s,
+            restore_threshold=self.restore_threshold,
+            restore_min_s=self.restore_min_s,
+            restore_from=self.restore_from,
+        )
 
 
 @dataclass(frozen=True, slots=True)
