@@ -20,7 +20,8 @@ from typing import Any
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
-from fleetserve.runtime.controller import Controller, ModelInfo, plan_workers
+from fleetserve.runtime.controller import Controller, ModelInfo
+from fleetserve.runtime.plan import plan_workers
 from fleetserve.runtime.worker import Worker, WorkerSnap, WorkerSpec
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,6 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +40,7 @@ import numpy as np
 
 from fleetserve.cluster.state import ClusterState
 from fleetserve.config import SimConfig
-from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.errors import FleetserveError
 from fleetserve.policy.actions import (
     ActivateGpu,
     Defer,
@@ -50,7 +49,7 @@ from fleetserve.policy.actions import (
     Reject,
     ReleaseGpu,
 )
-from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION, PLACEMENT
+from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
 from fleetserve.runtime.engine.sampling import SamplingParams
 from fleetserve.runtime.metrics import RuntimeMetrics
@@ -810,37 +809,3 @@ class Controller:
             "workers": workers,
             "migrations": self.migration_log[-50:],
         }
-
-
-def plan_workers(config: SimConfig, models: Sequence[str]) -> list[tuple[str, ...]]:
-    """The models each worker hosts, from the ``placement`` policy.
-
-    A fixed pool (``cluster.elastic: false``, the default for ``serve``) asks
-    the placement policy for one instance per worker, with the models' rates
-    from ``workload.model_weights`` (equal when unset). An elastic pool
-    (Mell) loads its single model on every worker; workers become active
-    when a policy activates them.
-    """
-    n = config.serve.workers
-    if config.cluster.elastic:
-        if len(models) != 1:
-            raise ConfigError(
-                "an elastic runtime pool (cluster.elastic: true) serves one model; "
-                f"serve.models has {len(models)}"
-            )
-        return [tuple(models)] * n
-    wl = config.workload
-    rates = dict.fromkeys(models, 1.0)
-    if wl.models is not None and wl.model_weights is not None:
-        for m, wgt in zip(wl.models, wl.model_weights, strict=True):
-            if m in rates:
-                rates[m] = float(wgt)
-    names = resolve_policies(config)
-    placed = (
-        PLACEMENT.get(names["placement"])
-        .from_config(config)
-        .place(rates, n, dict.fromkeys(models, 1))
-    )
-    if len(placed) > n:
-        raise ConfigError(f"placement gave {len(placed)} instances for {n} workers")
-    return [(m,) for m in placed]
