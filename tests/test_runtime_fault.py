@@ -113,8 +113,9 @@ def test_llumnix_plan_moves_real_kv_between_workers() -> None:
         moved = metric_value(metrics, "fleetserve_migrations_total", mode="kv", outcome="done")
         assert moved >= 1, ctl.migration_log
         assert metric_value(metrics, "fleetserve_migration_bytes_total") > 0
-        log = ctl.migration_log[0]
-        assert (log["src"], log["dst"], log["mode"]) == (0, 1, "kv") and log["bytes"] > 0
+        # a preempted (waiting) request moves by tokens; a running one with its KV
+        kv = [x for x in ctl.migration_log if x["mode"] == "kv"]
+        assert kv and (kv[0]["src"], kv[0]["dst"]) == (0, 1) and kv[0]["bytes"] > 0
         assert metric_value(metrics, "fleetserve_requests_total", outcome="finished") == 4
     # every request's greedy text is what the engine generates without moving
     for i, text in enumerate(texts):

@@ -50,6 +50,14 @@ solution of the true (max) model. Parameters the rows cannot determine (e.g.
 ``allreduce_eff`` at tp = 1, or ``compute_eff`` from decode-only rows) keep the
 ``base`` values; ``allreduce_latency_s`` is never fitted (it is collinear with the
 overhead at a fixed tp).
+
+Decode attention (optional). With ``decode_attention=True`` the attention pairs
+of decode rows get their own unknown, ``u_dattn = 1 / decode_attn_eff``
+(:mod:`fleetserve.costmodel.params`): ``X_attn`` splits into prompt pairs
+(``u_attn``) and decode pairs (``u_dattn``). Engines whose decode attention
+runs another kernel than prompt attention (the runtime's CPU engine: a gather
+of paged K/V and small matmuls, several times slower per pair than SDPA on
+prompts) need it; without it the fit, and its result, is exactly what it was.
 """
 
 from __future__ import annotations
@@ -276,7 +284,8 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _row_work(row: ProfileRow) -> tuple[float, float, float, float]:
-    """(new tokens, logit rows, attention query-key pairs, cached KV tokens read)."""
+    """(new tokens, logit rows, attention query-key pairs, cached KV tokens read);
+    a decode row's pairs are its ``context_tokens``."""
     if row.phase == "decode":
         return (
             float(row.batch_size),
@@ -309,33 +318,50 @@ def relative_errors(cost: InstanceCost, rows: Sequence[ProfileRow]) -> npt.NDArr
 
 # --- fitting ---------------------------------------------------------------------
 
-# unknowns: overhead, u_compute, u_attn, u_mem, u_allreduce  (u = 1 / efficiency)
-_O, _UC, _UA, _UM, _UR = range(5)
-_LOWER = np.array([0.0, 1.0, 1.0, 1.0, 1.0])
-_UPPER = np.array([_OVERHEAD_MAX_S, 1 / _EFF_MIN, 1 / _EFF_MIN, 1 / _EFF_MIN, 1 / _EFF_MIN])
+# unknowns: overhead, u_compute, u_attn, u_mem, u_allreduce, u_dattn  (u = 1 / efficiency)
+_O, _UC, _UA, _UM, _UR, _UD = range(6)
+_LOWER = np.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+_UPPER = np.array(
+    [_OVERHEAD_MAX_S, 1 / _EFF_MIN, 1 / _EFF_MIN, 1 / _EFF_MIN, 1 / _EFF_MIN, 1 / _EFF_MIN]
+)
 # order in which columns are admitted when the rows cannot determine all of them
-_PRIORITY = (_UM, _UC, _O, _UR, _UA)
+_PRIORITY = (_UM, _UC, _O, _UR, _UA, _UD)
 
 
 @dataclass(frozen=True, slots=True)
 class _Features:
     x_c: npt.NDArray[np.float64]
     x_a: npt.NDArray[np.float64]
+    x_d: npt.NDArray[np.float64]  # decode pairs (all zero unless fitted on their own)
     x_m: npt.NDArray[np.float64]
     x_r: npt.NDArray[np.float64]
     y: npt.NDArray[np.float64]  # measured time minus the known collective latency
     t: npt.NDArray[np.float64]  # measured time
 
+    def compute(self, u: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """The compute side of the max (the decode term adds exact zeros when unused)."""
+        out: npt.NDArray[np.float64] = self.x_c * u[_UC] + self.x_a * u[_UA]
+        if self.x_d.any():
+            out = out + self.x_d * u[_UD]
+        return out
+
 
 def _features(
-    rows: Sequence[ProfileRow], raw: RawCoefficients, base: EfficiencyParams
+    rows: Sequence[ProfileRow],
+    raw: RawCoefficients,
+    base: EfficiencyParams,
+    decode_attention: bool = False,
 ) -> _Features:
     work = np.array([_row_work(r) for r in rows], dtype=np.float64)
     tokens, logits, pairs, kv_read = work.T
     t = np.array([r.time_s for r in rows], dtype=np.float64)
+    decode = np.array([r.phase == "decode" for r in rows], dtype=bool)
+    split = decode if decode_attention else np.zeros(len(rows), dtype=bool)
+    x_pairs = pairs * raw.pair_flop_s
     return _Features(
         x_c=tokens * raw.tok_flop_s + logits * raw.logit_flop_s,
-        x_a=pairs * raw.pair_flop_s,
+        x_a=np.where(split, 0.0, x_pairs),
+        x_d=np.where(split, x_pairs, 0.0),
         x_m=raw.weight_mem_s + (kv_read + tokens) * raw.kv_mem_s,
         x_r=tokens * raw.comm_tok_s,
         y=t - raw.n_collectives * base.allreduce_latency_s,
@@ -344,9 +370,7 @@ def _features(
 
 
 def _model(f: _Features, u: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    out: npt.NDArray[np.float64] = (
-        u[_O] + f.x_r * u[_UR] + np.maximum(f.x_c * u[_UC] + f.x_a * u[_UA], f.x_m * u[_UM])
-    )
+    out: npt.NDArray[np.float64] = u[_O] + f.x_r * u[_UR] + np.maximum(f.compute(u), f.x_m * u[_UM])
     return out
 
 
@@ -356,10 +380,11 @@ def _objective(f: _Features, u: npt.NDArray[np.float64]) -> float:
 
 
 def _design(f: _Features, compute_side: npt.NDArray[np.bool_]) -> npt.NDArray[np.float64]:
-    cols = np.zeros((f.t.size, 5))
+    cols = np.zeros((f.t.size, 6))
     cols[:, _O] = 1.0
     cols[:, _UC] = np.where(compute_side, f.x_c, 0.0)
     cols[:, _UA] = np.where(compute_side, f.x_a, 0.0)
+    cols[:, _UD] = np.where(compute_side, f.x_d, 0.0)
     cols[:, _UM] = np.where(compute_side, 0.0, f.x_m)
     cols[:, _UR] = f.x_r
     out: npt.NDArray[np.float64] = cols / f.t[:, None]  # relative residuals
@@ -426,13 +451,13 @@ def _refine(
     b = f.y / f.t
     for _ in range(50):
         if mask is None:
-            mask = f.x_c * u[_UC] + f.x_a * u[_UA] >= f.x_m * u[_UM]
+            mask = f.compute(u) >= f.x_m * u[_UM]
         a = _design(f, mask)
         u = _bounded_lstsq(a, b, _identifiable(a), u_start)
         obj = _objective(f, u)
         if obj < best_obj:
             best_u, best_obj = u.copy(), obj
-        new_mask = f.x_c * u[_UC] + f.x_a * u[_UA] >= f.x_m * u[_UM]
+        new_mask = f.compute(u) >= f.x_m * u[_UM]
         if np.array_equal(new_mask, mask):
             break
         mask = new_mask
@@ -446,6 +471,7 @@ def fit(
     tp: int = 1,
     *,
     base: EfficiencyParams | None = None,
+    decode_attention: bool = False,
 ) -> EfficiencyParams:
     """Fit efficiency parameters of (model, gpu, tp) to its profile rows.
 
@@ -458,6 +484,8 @@ def fit(
         tp: tensor-parallel degree; selects rows.
         base: values for the parameters the rows cannot determine, and the fixed
             ``allreduce_latency_s`` (default :data:`DEFAULT_PARAMS`).
+        decode_attention: fit ``decode_attn_eff`` on its own (module
+            docstring); False leaves it as ``base`` has it.
 
     Returns:
         The fitted parameters (see module docstring for the method and bounds).
@@ -474,7 +502,7 @@ def fit(
             f"the profile has {have}"
         )
     raw = raw_coefficients(model, gpu, tp)
-    f = _features(mine, raw, base)
+    f = _features(mine, raw, base, decode_attention)
     u0 = np.array(
         [
             base.overhead_s,
@@ -482,6 +510,7 @@ def fit(
             1 / base.attn_eff,
             1 / base.mem_eff,
             1 / base.allreduce_eff,
+            1 / base.decode_attention_eff,
         ]
     )
     u0 = np.clip(u0, _LOWER, _UPPER)
@@ -505,6 +534,9 @@ def fit(
         allreduce_eff=float(1 / best[_UR]),
         attn_eff=float(1 / best[_UA]),
         allreduce_latency_s=base.allreduce_latency_s,
+        decode_attn_eff=(
+            float(1 / best[_UD]) if decode_attention and f.x_d.any() else base.decode_attn_eff
+        ),
     )
 
 
@@ -604,6 +636,7 @@ def calibrate(
     resolve_gpu: Callable[[str], GpuSpec],
     *,
     base: EfficiencyParams | None = None,
+    decode_attention: bool = False,
 ) -> Calibration:
     """Fit every (model, gpu, tp) present in ``rows``.
 
@@ -612,6 +645,7 @@ def calibrate(
         resolve_model: name -> spec, e.g. :func:`fleetserve.spec.get_model`.
         resolve_gpu: name -> spec, e.g. :func:`fleetserve.spec.get_gpu`.
         base: see :func:`fit`.
+        decode_attention: see :func:`fit`.
 
     Returns:
         A :class:`Calibration` with one entry per distinct key.
@@ -636,5 +670,7 @@ def calibrate(
             )
             for r in mine
         ]
-        entries[(model.name, gpu.name.lower(), tp)] = fit(mine, model, gpu, tp, base=base)
+        entries[(model.name, gpu.name.lower(), tp)] = fit(
+            mine, model, gpu, tp, base=base, decode_attention=decode_attention
+        )
     return Calibration(entries)

@@ -28,6 +28,13 @@ the cited public measurement, within 30 %):
 * ``allreduce_eff = 0.7`` and ``allreduce_latency_s = 20e-6``: NCCL ring all-reduce
   reaches ~70 % of NVLink bus bandwidth for tens-of-MB messages (nccl-tests
   ``busbw``), and small (decode-sized) all-reduces cost ~10-30 µs each.
+* ``decode_attn_eff = None``: decode attention is priced like any attention
+  (``attn_eff``). It is an extension for engines whose single-query attention
+  runs a different, slower kernel than prompt attention — the runtime's CPU
+  engine gathers each decode's paged K/V and runs small matmuls (~7 GFLOP/s on
+  one core) while prompts use fused SDPA (~40 GFLOP/s). Calibration fits it
+  only when asked (``fit(..., decode_attention=True)``); left None, every
+  result is exactly what it was without the field.
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ class EfficiencyParams:
             products (FlashAttention-style kernels).
         allreduce_latency_s: fixed latency of one all-reduce collective (only
             paid when tp > 1; two per layer).
+        decode_attn_eff: achieved fraction of peak FLOP/s for the attention of
+            decode sequences (one new token over its cached context); None:
+            ``attn_eff`` (the default, and the model's behaviour before the
+            field existed).
     """
 
     compute_eff: float = 0.65
@@ -64,9 +75,13 @@ class EfficiencyParams:
     allreduce_eff: float = 0.7
     attn_eff: float = 0.5
     allreduce_latency_s: float = 20e-6
+    decode_attn_eff: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("compute_eff", "mem_eff", "allreduce_eff", "attn_eff"):
+        names = ["compute_eff", "mem_eff", "allreduce_eff", "attn_eff"]
+        if self.decode_attn_eff is not None:
+            names.append("decode_attn_eff")
+        for name in names:
             value = getattr(self, name)
             if not (math.isfinite(value) and 0.0 < value <= 1.0):
                 raise ConfigError(f"EfficiencyParams.{name} must be in (0, 1], got {value!r}")
@@ -75,9 +90,18 @@ class EfficiencyParams:
             if not (math.isfinite(value) and value >= 0.0):
                 raise ConfigError(f"EfficiencyParams.{name} must be >= 0, got {value!r}")
 
+    @property
+    def decode_attention_eff(self) -> float:
+        """The efficiency decode attention runs at (``decode_attn_eff`` or ``attn_eff``)."""
+        return self.attn_eff if self.decode_attn_eff is None else self.decode_attn_eff
+
     def to_dict(self) -> dict[str, float]:
-        """The parameters as a plain ``{name: value}`` dict (JSON-ready)."""
-        return asdict(self)
+        """The parameters as a plain ``{name: value}`` dict (JSON-ready); an unset
+        ``decode_attn_eff`` is left out (so the dict is what it was before it existed)."""
+        out = asdict(self)
+        if out["decode_attn_eff"] is None:
+            del out["decode_attn_eff"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> EfficiencyParams:
@@ -92,7 +116,7 @@ class EfficiencyParams:
             raise ConfigError(
                 f"unknown EfficiencyParams key(s) {unknown}; expected some of {sorted(known)}"
             )
-        return cls(**{k: float(v) for k, v in data.items()})
+        return cls(**{k: None if v is None else float(v) for k, v in data.items()})
 
 
 DEFAULT_PARAMS = EfficiencyParams()

@@ -57,6 +57,14 @@ which :meth:`InstanceCost.decode_time` evaluates elementwise and
 :meth:`InstanceCost.ideal_times` sums in closed form (splitting the context range
 where the two lines cross).
 
+Decode attention (extension). With ``decode_attn_eff`` set (see
+:mod:`fleetserve.costmodel.params`), the query-key pairs of decode sequences
+(one new token over ``x`` cached ones) cost ``4 H d_h / (tp F decode_attn_eff)``
+per layer instead of the ``attn_eff`` price prompt chunks pay; ``S`` above
+then splits into prompt pairs and decode pairs. Left None (the default) the
+two are one term and every time is exactly what it was before the extension
+(the same floating-point operations in the same order).
+
 The efficiency parameters and their defaults are in
 :mod:`fleetserve.costmodel.params`; calibrated values per (model, GPU, tp) come
 from :mod:`fleetserve.costmodel.calibration`.
@@ -206,6 +214,7 @@ class InstanceCost:
     __slots__ = (
         "_c_logit",
         "_c_pair",
+        "_c_pair_dec",
         "_c_tok",
         "_c_tok1",
         "_comm_tok",
@@ -231,6 +240,11 @@ class InstanceCost:
         self._c_logit = raw.logit_flop_s / p.compute_eff
         self._c_tok1 = self._c_tok + self._c_logit  # per decode token (one logit row each)
         self._c_pair = raw.pair_flop_s / p.attn_eff
+        # decode pairs: the same coefficient (the very same float) unless the
+        # decode-attention extension is set
+        self._c_pair_dec = (
+            self._c_pair if p.decode_attn_eff is None else raw.pair_flop_s / p.decode_attn_eff
+        )
         self._m_w = raw.weight_mem_s / p.mem_eff
         self._m_kv = raw.kv_mem_s / p.mem_eff
         self._comm_tok = raw.comm_tok_s / p.allreduce_eff
@@ -244,18 +258,28 @@ class InstanceCost:
 
     # --- the general iteration --------------------------------------------
     def _iteration(
-        self, new_tokens: float, logits: float, pairs: float, kv_read: float, share: float = 1.0
+        self,
+        new_tokens: float,
+        logits: float,
+        pairs: float,
+        kv_read: float,
+        share: float = 1.0,
+        decode_pairs: float = 0.0,
     ) -> float:
         """Time of an iteration given its aggregate work (see module docstring).
 
         ``share`` is the fraction of the GPUs' compute units the iteration runs
         on (MuxServe's spatial-temporal multiplexing, see
         :meth:`prefill_time`): the compute term is divided by it, the memory,
-        communication and fixed terms are not.
+        communication and fixed terms are not. ``decode_pairs`` are attention
+        pairs priced at the decode-attention coefficient (only with the
+        extension set; otherwise decode pairs are part of ``pairs``).
         """
         if not 0.0 < share <= 1.0:
             raise ValueError(f"compute share must be in (0, 1], got {share}")
         compute = new_tokens * self._c_tok + logits * self._c_logit + pairs * self._c_pair
+        if decode_pairs:
+            compute += decode_pairs * self._c_pair_dec
         memory = self._m_w + (kv_read + new_tokens) * self._m_kv
         return self._fixed + new_tokens * self._comm_tok + max(compute / share, memory)
 
@@ -312,7 +336,7 @@ class InstanceCost:
         a_c = batch * self._c_tok1 + k
         a_m = self._m_w + batch * self._m_kv + k
         x = ctx_total
-        out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair + a_c, x * self._m_kv + a_m)
+        out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
         return out
 
     def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
@@ -324,11 +348,11 @@ class InstanceCost:
         if share != 1.0:
             if not 0.0 < share <= 1.0:
                 raise ValueError(f"compute share must be in (0, 1], got {share}")
-            compute = (batch * self._c_tok1 + x * self._c_pair) / share
+            compute = (batch * self._c_tok1 + x * self._c_pair_dec) / share
             return k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv)
         a_c = batch * self._c_tok1 + k
         a_m = self._m_w + batch * self._m_kv + k
-        return max(x * self._c_pair + a_c, x * self._m_kv + a_m)
+        return max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
 
     def mixed_time(
         self,
@@ -349,8 +373,9 @@ class InstanceCost:
         Returns:
             Seconds; 0.0 when there is nothing to do.
         """
+        split = self.params.decode_attn_eff is not None
         tokens = decode_batch
-        pairs2 = 2 * decode_ctx_total
+        pairs2 = 0 if split else 2 * decode_ctx_total
         kv_read = decode_ctx_total
         for new, cached in chunks:
             n, c = int(new), int(cached)
@@ -360,7 +385,10 @@ class InstanceCost:
         logits = len(chunks) + decode_batch
         if tokens == 0:
             return 0.0
-        return self._iteration(float(tokens), float(logits), pairs2 * 0.5, float(kv_read), share)
+        dec = float(decode_ctx_total) if split else 0.0
+        return self._iteration(
+            float(tokens), float(logits), pairs2 * 0.5, float(kv_read), share, decode_pairs=dec
+        )
 
     # --- whole requests -----------------------------------------------------
     def ideal_times(
@@ -391,7 +419,7 @@ class InstanceCost:
         k = self._fixed + 1 * self._comm_tok
         a_c = 1 * self._c_tok1 + k
         a_m = self._m_w + 1 * self._m_kv + k
-        b_c = self._c_pair
+        b_c = self._c_pair_dec
         b_m = self._m_kv
         n = np.maximum(o - 1.0, 0.0)
         lo = p + 1.0

@@ -11,6 +11,12 @@ Per GPU of a TP group of ``tp`` GPUs::
 KV heads are split over the group; when ``tp`` exceeds ``num_kv_heads`` each KV
 head is replicated ``ceil(tp / num_kv_heads)`` times (as vLLM does), so a token
 costs that many times ``kv_bytes_per_token`` of the group's memory.
+
+Emulated GPUs (``gpu.arena`` set, :mod:`fleetserve.spec.emulated`) are runtime
+workers whose memory is the engine's paged arena: their capacity is counted in
+the engine's pages instead (layer weights rounded up to whole pages, the
+embedding and LM head outside the arena, KV in blocks of ``L * kv_heads``
+pages), so that it equals the engine's exactly. They run ``tp = 1`` only.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import math
 from collections.abc import Sequence
 
 from fleetserve.errors import ConfigError
+from fleetserve.spec.emulated import arena_kv_blocks, arena_kv_pages, arena_pages
 from fleetserve.spec.types import GpuSpec, ModelSpec
 
 _GB = 1e9
@@ -49,6 +56,26 @@ def weight_bytes_per_gpu(model: ModelSpec, tp: int = 1) -> int:
     return -(-model.weight_bytes // tp)
 
 
+def _check_arena_tp(gpu: GpuSpec, tp: int) -> None:
+    if tp != 1:
+        raise ConfigError(
+            f"emulated GPU {gpu.name} runs one engine per worker: tensor parallelism "
+            f"is not emulated (tp must be 1, got {tp})"
+        )
+
+
+def _arena_misfit(model: ModelSpec, gpu: GpuSpec, mem_util: float) -> ConfigError:
+    pages, _, page_bytes = arena_pages(gpu, model.head_dim, mem_util)
+    weights = pages - arena_kv_pages([model], gpu, mem_util)
+    per_block = model.num_layers * model.num_kv_heads
+    return ConfigError(
+        f"model {model.name}: its {model.num_layers} layers take {weights} pages "
+        f"({weights * page_bytes / 2**20:.2f} MiB) of the {pages}-page arena of emulated GPU "
+        f"{gpu.name} at mem_util {mem_util:.2f}, which leaves no KV block ({per_block} pages); "
+        "give the workers more memory (serve.gpu_memory_mb)"
+    )
+
+
 def _budget_per_gpu(gpu: GpuSpec, mem_util: float) -> int:
     return math.floor(gpu.hbm_bytes * mem_util)
 
@@ -76,6 +103,10 @@ def group_kv_bytes(
         ConfigError: invalid ``tp`` or ``mem_util``.
     """
     _validate(tp, mem_util)
+    if gpu.arena is not None:
+        _check_arena_tp(gpu, tp)
+        page_bytes = arena_pages(gpu, max(m.head_dim for m in models), mem_util)[2]
+        return arena_kv_pages(list(models), gpu, mem_util) * page_bytes
     return tp * (_budget_per_gpu(gpu, mem_util) - sum(weight_bytes_per_gpu(m, tp) for m in models))
 
 
@@ -89,12 +120,15 @@ def fits(model: ModelSpec, gpu: GpuSpec, tp: int = 1, mem_util: float = 0.9) -> 
         mem_util: share of each GPU's memory the engine may use, in (0, 1].
 
     Returns:
-        True when more than zero KV bytes remain.
+        True when more than zero KV bytes remain (emulated GPU: at least one KV
+        block, and ``tp == 1``).
 
     Raises:
         ConfigError: invalid ``tp`` or ``mem_util``.
     """
     _validate(tp, mem_util)
+    if gpu.arena is not None:
+        return tp == 1 and arena_kv_blocks(model, gpu, mem_util) >= 1
     return _kv_free_bytes(model, gpu, tp, mem_util) > 0
 
 
@@ -138,13 +172,19 @@ def kv_capacity_bytes(model: ModelSpec, gpu: GpuSpec, tp: int = 1, mem_util: flo
         mem_util: share of each GPU's memory the engine may use, in (0, 1].
 
     Returns:
-        Bytes (> 0) of the whole group.
+        Bytes (> 0) of the whole group; for an emulated GPU, the bytes of the
+        arena pages left for KV.
 
     Raises:
         ConfigError: invalid arguments, or the weights leave no KV memory. The message
             names the model and GPU and suggests the smallest TP degree that fits.
     """
     _validate(tp, mem_util)
+    if gpu.arena is not None:
+        _check_arena_tp(gpu, tp)
+        if arena_kv_blocks(model, gpu, mem_util) < 1:
+            raise _arena_misfit(model, gpu, mem_util)
+        return arena_kv_pages([model], gpu, mem_util) * arena_pages(gpu, model.head_dim)[2]
     free = _kv_free_bytes(model, gpu, tp, mem_util)
     if free > 0:
         return free
@@ -175,11 +215,14 @@ def kv_capacity_tokens(model: ModelSpec, gpu: GpuSpec, tp: int = 1, mem_util: fl
 
     Returns:
         ``floor(kv_capacity_bytes / (kv_bytes_per_token * replication))`` where
-        replication is ``ceil(tp / num_kv_heads)`` when ``tp > num_kv_heads``, else 1.
+        replication is ``ceil(tp / num_kv_heads)`` when ``tp > num_kv_heads``, else 1;
+        for an emulated GPU, its KV blocks times its ``block_size``.
 
     Raises:
         ConfigError: as :func:`kv_capacity_bytes`.
     """
+    if gpu.arena is not None:
+        return _arena_blocks(model, gpu, tp, mem_util) * gpu.arena.block_size
     per_token = model.kv_bytes_per_token * kv_replication(model, tp)
     return kv_capacity_bytes(model, gpu, tp, mem_util) // per_token
 
@@ -201,11 +244,29 @@ def kv_capacity_blocks(
         block_size: tokens per block (>= 1).
 
     Returns:
-        ``kv_capacity_tokens // block_size``.
+        ``kv_capacity_tokens // block_size``; for an emulated GPU, exactly the
+        blocks its engine holds (``block_size`` must be the arena's).
 
     Raises:
         ConfigError: invalid ``block_size``, or as :func:`kv_capacity_bytes`.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if gpu.arena is not None:
+        if block_size != gpu.arena.block_size:
+            raise ConfigError(
+                f"emulated GPU {gpu.name} has {gpu.arena.block_size}-token KV blocks, the run "
+                f"uses {block_size} (cluster.block_size); name the GPU with -bs{block_size}"
+            )
+        return _arena_blocks(model, gpu, tp, mem_util)
     return kv_capacity_tokens(model, gpu, tp, mem_util) // block_size
+
+
+def _arena_blocks(model: ModelSpec, gpu: GpuSpec, tp: int, mem_util: float) -> int:
+    """KV blocks of an emulated GPU (> 0), or the errors of :func:`kv_capacity_bytes`."""
+    _validate(tp, mem_util)
+    _check_arena_tp(gpu, tp)
+    blocks = arena_kv_blocks(model, gpu, mem_util)
+    if blocks < 1:
+        raise _arena_misfit(model, gpu, mem_util)
+    return blocks

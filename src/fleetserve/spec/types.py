@@ -16,6 +16,32 @@ Arch = Literal["llama", "qwen2", "opt"]
 
 
 @dataclass(frozen=True, slots=True)
+class ArenaLayout:
+    """The paged arena of an emulated GPU (the runtime engine's ``KVPool``).
+
+    The arena (the GPU's whole ``hbm_bytes``) is cut into pages of
+    ``2 * block_size * head_dim`` elements of ``elem_bytes`` bytes each: one
+    page is ``block_size`` tokens of one KV head of one layer (keys and
+    values). A model's layer weights take whole pages; the rest is KV.
+
+    Attributes:
+        elem_bytes: bytes per element of the arena (the engine's dtype:
+            4 for float32, 2 for float16 / bfloat16).
+        block_size: tokens per KV block of the engine.
+    """
+
+    elem_bytes: int = 4
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.elem_bytes < 1 or self.block_size < 1:
+            raise ConfigError(
+                f"arena elem_bytes and block_size must be >= 1, got {self.elem_bytes} "
+                f"and {self.block_size}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSpec:
     """One GPU type.
 
@@ -24,20 +50,27 @@ class GpuSpec:
         hbm_bytes: device memory in bytes.
         bf16_flops: dense (no sparsity) bf16/fp16 tensor-core peak, FLOP/s.
         hbm_bw: memory bandwidth, bytes/s.
-        intra_node_link: ``"nvlink"`` or ``"pcie"`` between GPUs of one node.
+        intra_node_link: ``"nvlink"`` or ``"pcie"`` between GPUs of one node;
+            ``"host"`` for emulated GPUs (workers exchanging data through host
+            memory, e.g. the Ray object store).
         intra_node_bw: GPU-to-GPU bandwidth inside a node, bytes/s per direction.
         network_bw: inter-node bandwidth per GPU, bytes/s per direction.
         gpus_per_node: GPUs in a typical node of this type.
+        arena: None for a real GPU (memory math of :mod:`fleetserve.spec.memory`:
+            bytes of weights and KV). An *emulated* GPU — a runtime worker whose
+            memory is the engine's paged arena — sets it: its KV capacity is
+            then counted in the engine's pages (see :mod:`fleetserve.spec.emulated`).
     """
 
     name: str
     hbm_bytes: int
     bf16_flops: float
     hbm_bw: float
-    intra_node_link: Literal["nvlink", "pcie"]
+    intra_node_link: Literal["nvlink", "pcie", "host"]
     intra_node_bw: float
     network_bw: float
     gpus_per_node: int = 8
+    arena: ArenaLayout | None = None
 
     def __post_init__(self) -> None:
         for field in ("hbm_bytes", "bf16_flops", "hbm_bw", "intra_node_bw", "network_bw"):

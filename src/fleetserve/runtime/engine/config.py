@@ -5,7 +5,9 @@ model the engine runs is the same object the cost model prices. The engine
 also needs what the shape leaves out: RoPE base and scaling, the RMSNorm
 epsilon, whether q/k/v carry biases (Qwen2) and the special token ids.
 
-Built-in tiny models (seeded random weights, byte-level tokenizer)::
+Built-in tiny models (seeded random weights, byte-level tokenizer); their
+shapes are :data:`fleetserve.spec.ENGINE_MODELS` (torch-free, so the simulator
+resolves the same specs by name)::
 
     name          layers  hidden  heads  kv heads  head_dim  inter  vocab
     tiny-llama-a       4     256      4         2        64    688    260
@@ -21,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.errors import ConfigError, InputError
+from fleetserve.spec.engine_models import BYTE_VOCAB as BYTE_VOCAB  # re-exported
+from fleetserve.spec.engine_models import ENGINE_MODELS
 from fleetserve.spec.hf import load_hf_config
 from fleetserve.spec.types import ModelSpec
 
 __all__ = ["BUILTIN_MODELS", "EngineModelConfig", "RopeScaling", "builtin_config", "load_config"]
-
-BYTE_VOCAB = 260
-"""Byte-level tokenizer vocabulary: 256 bytes + BOS, EOS, PAD and one spare."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,28 +87,17 @@ class EngineModelConfig:
         return replace(self, spec=replace(self.spec, name=name))
 
 
-def _tiny(
-    name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, seed: int
-) -> EngineModelConfig:
-    spec = ModelSpec(
-        name=name,
-        arch="llama",
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hidden // heads,
-        intermediate_size=inter,
-        vocab_size=BYTE_VOCAB,
-        max_context=4096,
-        dtype_bytes=4,
+def _builtin(name: str, seed: int) -> EngineModelConfig:
+    """A built-in model: the shape from :data:`fleetserve.spec.ENGINE_MODELS`
+    (the same object the simulator resolves), byte-level special tokens."""
+    return EngineModelConfig(
+        spec=ENGINE_MODELS[name], bos_token_id=256, eos_token_ids=(257,), seed=seed
     )
-    return EngineModelConfig(spec=spec, bos_token_id=256, eos_token_ids=(257,), seed=seed)
 
 
 BUILTIN_MODELS: dict[str, EngineModelConfig] = {
-    "tiny-llama-a": _tiny("tiny-llama-a", 4, 256, 4, 2, 688, seed=1),
-    "tiny-llama-b": _tiny("tiny-llama-b", 6, 384, 6, 2, 1024, seed=2),
+    "tiny-llama-a": _builtin("tiny-llama-a", seed=1),
+    "tiny-llama-b": _builtin("tiny-llama-b", seed=2),
 }
 
 
