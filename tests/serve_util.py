@@ -87,3 +87,16 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def reference_text(model: str, prompt: str, n: int, arena_mb: float = 48) -> str:
+    """What the engine itself generates greedily for ``prompt`` (``n`` tokens,
+    EOS ignored), with the same built-in weights the workers load."""
+    from fleetserve.runtime.engine.engine import Engine
+    from fleetserve.runtime.engine.sampling import SamplingParams
+
+    eng = Engine([model], int(arena_mb * 2**20))
+    rid = eng.add_request(model, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    return eng.requests[rid].text

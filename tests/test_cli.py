@@ -684,3 +684,12 @@ def test_simulate_mell_fixed_pool_is_a_one_line_error(
     )
     assert_one_line_error(rc, o, e, "elastic")
     assert_no_results(out)
+
+
+def test_a_missing_extra_is_one_clear_line() -> None:
+    from fleetserve.errors import FleetserveError, require_modules
+
+    require_modules("serve", "runtime", "json")  # present: no error
+    msg = r"serve needs no_such_mod_x, .* pip install 'fleetserve\[runtime\]'"
+    with pytest.raises(FleetserveError, match=msg):
+        require_modules("serve", "runtime", "json", "no_such_mod_x")

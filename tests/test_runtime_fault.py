@@ -13,21 +13,10 @@ import json
 import httpx
 import pytest
 import ray
-from serve_util import metric_value, running_server
-
-from fleetserve.runtime.engine.engine import Engine
-from fleetserve.runtime.engine.sampling import SamplingParams
+from serve_util import metric_value, reference_text, running_server
 
 A = "tiny-llama-a"
 pytestmark = pytest.mark.slow
-
-
-def reference_tokens(prompt: str, n: int) -> str:
-    eng = Engine([A], 32 * 2**20)
-    rid = eng.add_request(A, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    while eng.has_work():
-        eng.step()
-    return eng.requests[rid].text
 
 
 def test_killed_worker_requests_resume_elsewhere_every_token_once() -> None:
@@ -65,7 +54,7 @@ def test_killed_worker_requests_resume_elsewhere_every_token_once() -> None:
         assert finish == "length"
         assert usage is not None and usage["completion_tokens"] == n
         # greedy decoding continues exactly after the re-prefill
-        assert "".join(texts) == reference_tokens(prompt, n)
+        assert "".join(texts) == reference_text(A, prompt, n)
         metrics = httpx.get(srv.url + "/metrics").text
         assert metric_value(metrics, "fleetserve_worker_failures_total") == 1
         assert metric_value(metrics, "fleetserve_resumed_requests_total") == 1
@@ -119,4 +108,4 @@ def test_llumnix_plan_moves_real_kv_between_workers() -> None:
         assert metric_value(metrics, "fleetserve_requests_total", outcome="finished") == 4
     # every request's greedy text is what the engine generates without moving
     for i, text in enumerate(texts):
-        assert text == reference_tokens(f"request {i:02d} " + "w" * 8, n)
+        assert text == reference_text(A, f"request {i:02d} " + "w" * 8, n)

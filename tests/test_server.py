@@ -14,10 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from serve_util import Running, metric_value, running_server
-
-from fleetserve.runtime.engine.engine import Engine
-from fleetserve.runtime.engine.sampling import SamplingParams
+from serve_util import Running, metric_value, reference_text, running_server
 
 A, B = "tiny-llama-a", "tiny-llama-b"
 KEY = "test-key-123"
@@ -38,15 +35,6 @@ def srv() -> Iterator[Running]:
 @pytest.fixture(scope="module")
 def client(srv: Running) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def reference_text(model: str, prompt: str, n: int) -> str:
-    """What the engine itself generates greedily (same built-in weights)."""
-    eng = Engine([model], 48 * 2**20)
-    rid = eng.add_request(model, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    while eng.has_work():
-        eng.step()
-    return eng.requests[rid].text
 
 
 def test_models_lists_both_served_models(client: openai.OpenAI) -> None:

@@ -61,3 +61,21 @@ class UnknownNameError(FleetserveError):
         super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(known_list)}")
         self.kind = kind
         self.name = name
+
+
+def require_modules(command: str, extra: str, *modules: str) -> None:
+    """Raise a one-line error when ``command`` needs a module that is not installed.
+
+    Args:
+        command: the CLI command, for the message.
+        extra: the ``fleetserve[...]`` extra that installs the modules.
+        modules: import names to look for.
+    """
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FleetserveError(
+            f"{command} needs {', '.join(missing)}, which is not installed; "
+            f"install the {extra} extra: pip install 'fleetserve[{extra}]'"
+        )

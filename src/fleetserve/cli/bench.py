@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fleetserve.errors import FleetserveError
+from fleetserve.errors import FleetserveError, require_modules
 
 if TYPE_CHECKING:
     from fleetserve.runtime.bench_serve import BenchConfig, ProgressFn
@@ -260,13 +260,7 @@ def result_table(summary: Mapping[str, Any], title: str) -> Table:
 
 def cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     """Run ``fleetserve bench-serve``; 0 when the replay ran (whatever its outcome)."""
-    import importlib.util
-
-    if importlib.util.find_spec("httpx") is None:
-        raise FleetserveError(
-            "bench-serve needs httpx, which is not installed; "
-            "install the runtime extra: pip install 'fleetserve[runtime]'"
-        )
+    require_modules("bench-serve", "runtime", "httpx")
     from fleetserve.runtime.bench_serve import run_bench, write_bench
 
     cfg = config_from_args(args)

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from fleetserve import __version__
 from fleetserve.config import SimConfig, apply_override, config_from_dict, load_config
-from fleetserve.errors import FleetserveError
+from fleetserve.errors import FleetserveError, require_modules
 from fleetserve.sim.build import Workload, build_workload
 from fleetserve.sim.simulator import preflight
 
@@ -459,13 +459,7 @@ def _points_progress(
 
 
 def cmd_profile_engine(args: argparse.Namespace, console: Console) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise FleetserveError(
-            "profile-engine needs PyTorch, which is not installed; "
-            "install the engine extra: pip install 'fleetserve[engine]'"
-        )
+    require_modules("profile-engine", "engine", "torch")
     from fleetserve.runtime.engine import profiler
 
     device = args.device.strip().lower()

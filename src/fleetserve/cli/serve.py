@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from fleetserve.config import SimConfig, apply_override, config_from_dict, load_config
-from fleetserve.errors import FleetserveError
+from fleetserve.errors import FleetserveError, require_modules
 
 
 def serve_config_dict(data: dict[str, Any]) -> dict[str, Any]:
@@ -39,6 +39,7 @@ def load_serve_config(path: str | None, overrides: list[str]) -> SimConfig:
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    require_modules("serve", "runtime", "torch", "ray", "fastapi", "uvicorn")
     import uvicorn
 
     from fleetserve.runtime import cluster
@@ -48,7 +49,8 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if args.port is not None and not 0 < args.port < 65536:
         raise FleetserveError(f"--port must be in 1..65535, got {args.port}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    cluster.worker_specs(cfg)  # names, placement and memory checked before Ray starts
+    # names and placement checked before Ray starts
+    cluster.worker_specs(cfg, cluster.served_models(cfg))
 
     async def launch() -> Any:
         ctl = await cluster.launch(cfg, args.address)

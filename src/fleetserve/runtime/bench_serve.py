@@ -95,10 +95,8 @@ from fleetserve.workload import (
     Request,
     assign_models,
     load_trace,
-    max_requests,
     scale_lengths,
-    scale_rate,
-    time_window,
+    select_and_scale,
 )
 
 logger = logging.getLogger(__name__)
@@ -345,18 +343,9 @@ def load_bench_workload(cfg: BenchConfig) -> BenchWorkload:
     loaded = load_trace(cfg.trace, cfg.fmt, model=UNNAMED_MODEL, rate=cfg.rate, seed=cfg.seed)
     reqs = list(loaded.requests)
     source = f"{cfg.trace} ({loaded.fmt})"
-    notes: list[str] = []
-    if loaded.skipped:
-        reasons = Counter(s.reason for s in loaded.skipped)
-        detail = "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items()))
-        notes.append(f"skipped {len(loaded.skipped)} trace rows that cannot be requests: {detail}")
-    if cfg.start_s is not None or cfg.end_s is not None:
-        end = cfg.end_s if cfg.end_s is not None else math.inf
-        reqs = time_window(reqs, cfg.start_s or 0.0, end)
-    if cfg.max_requests is not None and reqs:
-        reqs = max_requests(reqs, cfg.max_requests)
-    if cfg.rate_scale != 1.0:
-        reqs = scale_rate(reqs, cfg.rate_scale)
+    skipped = loaded.skipped_note()
+    notes: list[str] = [] if skipped is None else [skipped]
+    reqs = select_and_scale(reqs, cfg.start_s, cfg.end_s, cfg.max_requests, cfg.rate_scale)
     if cfg.length_scale != 1.0:
         reqs, _ = scale_lengths(reqs, cfg.length_scale)
         notes.append(f"lengths scaled x{cfg.length_scale:g}")

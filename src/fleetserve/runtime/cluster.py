@@ -65,36 +65,40 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
             raise FleetserveError(f"could not join the Ray cluster at {address!r}: {e}") from None
 
 
-def worker_specs(config: SimConfig) -> list[WorkerSpec]:
-    """One spec per worker: its models (placement policy), memory budget, limits."""
-    sv = config.serve
-    names = sv.model_names(config.model)
-    served = [model_info(m) for m in names]
-    by_name = {str(n): i.name for n, i in zip(names, served, strict=True)}
-    dup = sorted({i.name for i in served if sum(j.name == i.name for j in served) > 1})
+def served_models(config: SimConfig) -> dict[str, ModelInfo]:
+    """Each entry of ``serve.models`` (built-in name or folder) and its model info."""
+    names = [str(n) for n in config.serve.model_names(config.model)]
+    served = {n: model_info(n) for n in names}
+    seen = [i.name for i in served.values()]
+    dup = sorted({n for n in seen if seen.count(n) > 1})
     if dup:
         raise ConfigError(f"serve.models: {dup} named twice")
+    return served
+
+
+def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[WorkerSpec]:
+    """One spec per worker: its models (placement policy), memory budget, limits."""
     from fleetserve.sim.simulator import resolve_policies
 
+    sv = config.serve
+    source_of = {info.name: src for src, info in served.items()}
     batching = resolve_policies(config)["batching"]
-    specs = []
-    for wid, hosted in enumerate(plan_workers(config, [by_name[str(n)] for n in names])):
-        src_of = {by_name[str(n)]: str(n) for n in names}
-        specs.append(
-            WorkerSpec(
-                worker_id=wid,
-                models=tuple(src_of[m] for m in hosted),
-                arena_bytes=int(sv.gpu_memory_mb * 2**20),
-                device=sv.device,
-                dtype=sv.dtype,
-                threads=sv.threads_per_worker,
-                max_running=sv.max_running,
-                max_batch_tokens=sv.max_batch_tokens,
-                batching=batching,
-                block_size=config.cluster.block_size,
-            )
+    return [
+        WorkerSpec(
+            worker_id=wid,
+            models=tuple(source_of[m] for m in hosted),
+            served=hosted,
+            arena_bytes=int(sv.gpu_memory_mb * 2**20),
+            device=sv.device,
+            dtype=sv.dtype,
+            threads=sv.threads_per_worker,
+            max_running=sv.max_running,
+            max_batch_tokens=sv.max_batch_tokens,
+            batching=batching,
+            block_size=config.cluster.block_size,
         )
-    return specs
+        for wid, hosted in enumerate(plan_workers(config, list(source_of)))
+    ]
 
 
 async def launch(config: SimConfig, address: str | None = None) -> Controller:
@@ -102,7 +106,8 @@ async def launch(config: SimConfig, address: str | None = None) -> Controller:
     import ray
 
     sv = config.serve
-    specs = worker_specs(config)
+    served = served_models(config)
+    specs = worker_specs(config, served)
     init_ray(address, num_cpus=max(os.cpu_count() or 1, len(specs) * sv.threads_per_worker + 1))
     opts: dict[str, Any] = {"max_restarts": 0}
     if sv.device.startswith("cuda"):
@@ -112,10 +117,10 @@ async def launch(config: SimConfig, address: str | None = None) -> Controller:
         opts["num_cpus"] = 0 if address is None else sv.threads_per_worker
     actor_cls: Any = ray.remote(Worker)
     handles = [actor_cls.options(**opts).remote(s) for s in specs]
-    snaps: list[WorkerSnap] = []
+    snaps: dict[int, WorkerSnap] = {}
     for s, h in zip(specs, handles, strict=True):
         try:
-            snaps.append(await h.start.remote())
+            snaps[s.worker_id] = await h.start.remote()
         except Exception as e:
             for x in handles:
                 ray.kill(x)
@@ -124,35 +129,11 @@ async def launch(config: SimConfig, address: str | None = None) -> Controller:
                 f"worker {s.worker_id} ({', '.join(s.models)}, "
                 f"{sv.gpu_memory_mb:g} MiB) failed to start: {_first_line(cause)}"
             ) from None
-    infos = {}
-    for s in specs:
-        for m in s.models:
-            info = model_info(m)
-            infos[info.name] = info
-    # worker specs name models by source (a folder); the controller by served name
-    named = [
-        (
-            WorkerSpec(
-                s.worker_id,
-                tuple(model_info(m).name for m in s.models),
-                s.arena_bytes,
-                s.device,
-                s.dtype,
-                s.threads,
-                s.max_running,
-                s.max_batch_tokens,
-                s.batching,
-                s.block_size,
-            ),
-            h,
-        )
-        for s, h in zip(specs, handles, strict=True)
-    ]
     ctl = Controller(
         config,
-        {s.worker_id: (s, h) for s, h in named},
-        {s.worker_id: sn for (s, _h), sn in zip(named, snaps, strict=True)},
-        infos,
+        {s.worker_id: (s, h) for s, h in zip(specs, handles, strict=True)},
+        snaps,
+        {info.name: info for info in served.values()},
     )
     await ctl.start()
     return ctl

@@ -186,7 +186,7 @@ class Controller:
         ids = itertools.count()
         for wid, (spec, handle) in sorted(workers.items()):
             w = _Worker(spec, handle, snaps[wid])
-            for m in spec.models:
+            for m in spec.served:
                 iid = next(ids)
                 w.instances[m] = iid
                 self.inst_of[iid] = (wid, m)
@@ -270,8 +270,8 @@ class Controller:
         return sum(1 for t in self.requests.values() if not t.done and t.t_first is None)
 
     # ------------------------------------------------------------- arrival
-    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams) -> Tracked:
-        """Admit a request and dispatch it (raises :class:`ServeError`)."""
+    def model_info(self, model: str) -> ModelInfo:
+        """The served model ``model``; a 404 :class:`ServeError` naming the served ones."""
         info = self.models.get(model)
         if info is None:
             raise ServeError(
@@ -280,6 +280,11 @@ class Controller:
                 code="model_not_found",
                 param="model",
             )
+        return info
+
+    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams) -> Tracked:
+        """Admit a request and dispatch it (raises :class:`ServeError`)."""
+        info = self.model_info(model)
         if not prompt_ids:
             raise ServeError(400, "the prompt is empty", param="prompt")
         if len(prompt_ids) + params.max_tokens > info.max_context:
@@ -423,8 +428,13 @@ class Controller:
         self._finished(t)
 
     async def _call_quietly(self, ref: Any) -> None:
-        with contextlib.suppress(Exception):
+        """Await a fire-and-forget worker call (abort, release): a dead worker
+        is the poll loop's business; any other failure is logged, not raised."""
+        try:
             await ref
+        except Exception as e:
+            if not self._is_actor_death(e):
+                logger.warning("a worker call failed: %s", e)
 
     # ------------------------------------------------------------ polling
     async def _poll_loop(self, wid: int) -> None:

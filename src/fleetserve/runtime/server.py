@@ -286,14 +286,7 @@ def create_app(
             raise _bad(str(e)) from None
 
     def tokens_of(c: Controller, model: str, prompt: Any) -> list[int]:
-        info = c.models.get(model)
-        if info is None:
-            raise ServeError(
-                404,
-                f"The model `{model}` does not exist. Served models: {', '.join(c.models)}",
-                code="model_not_found",
-                param="model",
-            )
+        info = c.model_info(model)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise _bad("batched prompts are not supported: send one prompt", "prompt")

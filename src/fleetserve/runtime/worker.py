@@ -23,8 +23,7 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,10 +47,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """How to build one worker (plain data: it crosses to the Ray actor)."""
+    """How to build one worker (plain data: it crosses to the Ray actor).
+
+    ``models`` are what the engine loads (built-in names or checkpoint
+    folders); ``served`` the same models by the names clients use (a
+    checkpoint's config name), in the same order.
+    """
 
     worker_id: int
     models: tuple[str, ...]
+    served: tuple[str, ...]
     arena_bytes: int
     device: str = "cpu"
     dtype: str = "float32"
@@ -344,21 +349,15 @@ class WorkerCore:
 
 
 def _without_callbacks(s: RequestState) -> RequestState:
-    return _replace_state(s, on_token=None, on_finish=None)
+    return replace(s, on_token=None, on_finish=None)
 
 
 def _with_callbacks(s: RequestState, core: WorkerCore) -> RequestState:
-    return _replace_state(s, on_token=core._on_token, on_finish=core._on_finish)
+    return replace(s, on_token=core._on_token, on_finish=core._on_finish)
 
 
 def _as_waiting(s: RequestState) -> RequestState:
-    return _replace_state(s, n_cached=0)
-
-
-def _replace_state(s: RequestState, **kw: Any) -> RequestState:
-    from dataclasses import replace
-
-    return replace(s, **kw)
+    return replace(s, n_cached=0)
 
 
 class Worker:
@@ -459,8 +458,3 @@ class Worker:
     async def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-
-    def pid(self) -> int:
-        import os
-
-        return os.getpid()

@@ -27,10 +27,8 @@ from fleetserve.workload import (
     assign_models,
     default_workload,
     load_trace,
-    max_requests,
     scale_lengths,
-    scale_rate,
-    time_window,
+    select_and_scale,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,24 +102,15 @@ def build_workload(cfg: SimConfig, base_dir: Path | None = None) -> Workload:
         loaded = load_trace(path, wl.format, model=cfg.model, rate=wl.rate, seed=cfg.seed)
         reqs = list(loaded.requests)
         source = f"{path} ({loaded.fmt})"
-        if loaded.skipped:
-            reasons: dict[str, int] = {}
-            for s in loaded.skipped:
-                reasons[s.reason] = reasons.get(s.reason, 0) + 1
-            detail = "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items()))
-            n_skip = len(loaded.skipped)
-            notes.append(f"skipped {n_skip} trace rows that cannot be requests: {detail}")
+        skipped = loaded.skipped_note()
+        if skipped is not None:
+            notes.append(skipped)
     else:
         reqs = default_workload(rng, wl.synthetic_duration_s, model=cfg.model)
         dur = wl.synthetic_duration_s
         source = f"built-in synthetic workload (Azure conv statistics, {dur:g} s)"
         notes.append(f"workload: {source}")
-    if wl.start_s is not None or wl.end_s is not None:
-        reqs = time_window(reqs, wl.start_s or 0.0, wl.end_s if wl.end_s is not None else np.inf)
-    if wl.max_requests is not None:
-        reqs = max_requests(reqs, wl.max_requests)
-    if wl.rate_scale != 1.0:
-        reqs = scale_rate(reqs, wl.rate_scale)
+    reqs = select_and_scale(reqs, wl.start_s, wl.end_s, wl.max_requests, wl.rate_scale)
     if wl.models is not None:
         reqs = assign_models(reqs, list(wl.models), wl.model_weights, rng)
     if wl.length_scale != 1.0:

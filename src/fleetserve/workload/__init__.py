@@ -32,6 +32,7 @@ from fleetserve.workload.transforms import (
     max_requests,
     scale_lengths,
     scale_rate,
+    select_and_scale,
     time_window,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "quantile_lengths",
     "scale_lengths",
     "scale_rate",
+    "select_and_scale",
     "stats_table",
     "synthesize",
     "time_window",

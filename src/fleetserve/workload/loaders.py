@@ -101,6 +101,16 @@ class LoadedTrace:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def skipped_note(self) -> str | None:
+        """One line counting the skipped rows by reason (None when none were)."""
+        if not self.skipped:
+            return None
+        reasons: dict[str, int] = {}
+        for s in self.skipped:
+            reasons[s.reason] = reasons.get(s.reason, 0) + 1
+        detail = "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items()))
+        return f"skipped {len(self.skipped)} trace rows that cannot be requests: {detail}"
+
 
 @dataclass(frozen=True, slots=True)
 class _Row:

@@ -73,6 +73,26 @@ def max_requests(reqs: Iterable[Request], n: int) -> list[Request]:
     return _renumber(reqs)[:n]
 
 
+def select_and_scale(
+    reqs: Iterable[Request],
+    start_s: float | None,
+    end_s: float | None,
+    n: int | None,
+    rate_factor: float,
+) -> list[Request]:
+    """The workload transforms every replay applies first, in this order: the
+    time window ``[start_s, end_s)`` (either end may be None), the first ``n``
+    requests, and the arrival-rate factor (1.0: unchanged)."""
+    out = list(reqs)
+    if start_s is not None or end_s is not None:
+        out = time_window(out, start_s or 0.0, end_s if end_s is not None else math.inf)
+    if n is not None and out:
+        out = max_requests(out, n)
+    if rate_factor != 1.0:
+        out = scale_rate(out, rate_factor)
+    return out
+
+
 def assign_models(
     reqs: Iterable[Request],
     models: Sequence[str],
