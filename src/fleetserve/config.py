@@ -436,7 +436,10 @@ class ServeConfigSection:
     One Ray actor per (emulated) GPU owns an engine whose arena — weights plus
     KV — is that GPU's memory budget. Which models each worker hosts comes from
     the ``placement`` policy (default ``dedicated``: workers are split over the
-    models in proportion to their request rates, at least one each).
+    models in proportion to their request rates, at least one each). A
+    multi-LLM stack (``policy.stack: seallm``, ``muxserve``, ...) places
+    sharing groups instead: a worker may host several models in its arena
+    (:mod:`fleetserve.runtime.plan`).
 
     Attributes:
         workers: GPUs (worker actors) to start.

@@ -21,7 +21,7 @@ from typing import Any
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.runtime.controller import Controller, ModelInfo
-from fleetserve.runtime.plan import plan_workers
+from fleetserve.runtime.plan import plan_workers, runtime_policy_config, runtime_policy_names
 from fleetserve.runtime.worker import Worker, WorkerSnap, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -77,12 +77,11 @@ def served_models(config: SimConfig) -> dict[str, ModelInfo]:
 
 
 def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[WorkerSpec]:
-    """One spec per worker: its models (placement policy), memory budget, limits."""
-    from fleetserve.sim.simulator import resolve_policies
-
+    """One spec per worker: its models (placement policy; a multi-LLM stack's
+    sharing groups put several on one worker), memory budget, limits."""
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
-    batching = resolve_policies(config)["batching"]
+    batching = runtime_policy_names(config)["batching"]
     return [
         WorkerSpec(
             worker_id=wid,
@@ -97,7 +96,7 @@ def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[Worker
             batching=batching,
             block_size=config.cluster.block_size,
         )
-        for wid, hosted in enumerate(plan_workers(config, list(source_of)))
+        for wid, hosted in enumerate(plan_workers(config, list(source_of), source_of))
     ]
 
 
@@ -130,11 +129,13 @@ async def launch(config: SimConfig, address: str | None = None) -> Controller:
                 f"{sv.gpu_memory_mb:g} MiB) failed to start: {_first_line(cause)}"
             ) from None
     ctl = Controller(
-        config,
+        runtime_policy_config(config),
         {s.worker_id: (s, h) for s, h in zip(specs, handles, strict=True)},
         snaps,
         {info.name: info for info in served.values()},
     )
+    # a multi-LLM stack: report its own name and placement (plan.py)
+    ctl.policy_names.update(runtime_policy_names(config))
     await ctl.start()
     return ctl
 

@@ -1,26 +1,295 @@
 """Which models each runtime worker hosts (torch-free, so the simulator's
-fidelity runs can place the emulated cluster exactly as ``serve`` does)."""
+fidelity runs can place the emulated cluster exactly as ``serve`` does).
+
+Two kinds of placement reach the runtime:
+
+* **One model per worker** (single-model stacks: ``vllm``, ``bf``, ``wf``,
+  ``ll``, ``llumnix``, ``mell``): the ``placement`` policy of the stack
+  (``dedicated``) splits the workers over the served models.
+* **Sharing groups** (multi-LLM stacks: ``muxserve``, ``alpaserve``,
+  ``seallm`` and their ablations, see
+  :data:`~fleetserve.policy.multi_stacks.MULTI_STACKS`): the stack's group
+  placement (MuxServe's greedy, SeaLLM's search, or ``dedicated``) returns a
+  :class:`~fleetserve.policy.groups.PlacementPlan` whose groups may put
+  several models on one GPU; each such worker's engine holds all of them in
+  its one paged arena (weights of every member, one KV pool they share — the
+  group's KV memory of the simulator, :func:`fleetserve.spec.memory.group_kv_bytes`).
+
+How a sharing placement is run here, where the simulator and the papers
+leave the runtime's side open (:func:`sharing_placement`):
+
+* **Inputs, as the simulator's.** The services are the served models (one
+  service per ``serve.models`` entry, named as requests name it); a
+  ``services:`` list may be given instead, with the same names and models.
+  Their rates and mean lengths are measured, as ``fleetserve simulate`` does
+  for a ``services:`` config (:func:`fleetserve.sim.multi_build.build_multi`),
+  on the first ``multi.history_s`` seconds of the config's ``workload``
+  (a trace, or the built-in synthetic workload; ``workload.models`` /
+  ``model_weights`` assign its requests to the services, uniformly when
+  unset). That history is all the placement sees; unlike a simulation the
+  workload need not last past it. ``multi.generator`` workloads are of
+  catalog models the runtime cannot load: refused.
+* **GPU.** Every worker is the emulated GPU of its arena
+  (``emu-<serve.gpu_memory_mb>mib``, :mod:`fleetserve.spec.emulated`) at
+  ``mem_util`` 1 — the arena is the budget — so a group fits exactly when the
+  engine can hold its members' weights and KV; on ``cuda`` workers the arena
+  is the same budget and the emulated GPU's nominal speeds only rank the
+  candidates. The pool is ``serve.workers`` such GPUs, engine limits
+  ``serve.max_running`` / ``serve.max_batch_tokens``.
+* **One GPU per group replica.** The runtime runs one engine per worker and
+  neither tensor nor pipeline parallelism across workers, so the placement
+  is told that a node holds one GPU: it then only considers tensor degree 1.
+  A group of several GPUs is data-parallel replicas of its member set (as
+  the simulator runs it): one worker per GPU, each hosting the whole set. A
+  plan with a group of ``tp > 1`` (impossible with that GPU, but checked) is
+  a :class:`~fleetserve.errors.ConfigError`. GPUs the plan leaves unused
+  start no worker (the simulator leaves them idle too).
+* **Placed once.** SeaLLM's adaptive replacement (re-placing every interval)
+  is not run at runtime: the plan is made when the server starts.
+* **Scheduling.** The group scheduler of a multi-LLM stack (DB, ADBS, MLFQ
+  with its token-block quotas) belongs to the simulator's job model; at
+  runtime each worker's engine runs the ``batching`` policy (FCFS) over all
+  its models, in one arena whose pages are one KV head wide (a head-wise
+  unified cache). The controller's families for a multi-LLM stack are those
+  of stack ``ll`` (:func:`runtime_policy_config`): dispatch ``least_loaded``
+  — among the workers hosting a request's model, the one with the fewest of
+  that model's requests, the multi-LLM simulator's own rule — no migration,
+  a static pool; ``policy.dispatch`` / ``batching`` / ``migration`` override
+  them as for any stack.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from fleetserve.config import SimConfig
+from fleetserve.config import PolicyConfig, ServiceConfig, SimConfig
 from fleetserve.errors import ConfigError
 from fleetserve.policy.base import PLACEMENT
+from fleetserve.policy.groups import PlacementPlan, Service
+from fleetserve.policy.multi_stacks import MULTI_STACKS, MultiStack, get_multi_stack
+from fleetserve.policy.stacks import STACKS
 from fleetserve.sim.simulator import resolve_policies
+from fleetserve.spec.emulated import emulated_gpu
+from fleetserve.spec.types import GpuSpec
+
+__all__ = [
+    "SharingPlacement",
+    "plan_workers",
+    "runtime_policy_config",
+    "runtime_policy_names",
+    "sharing_placement",
+    "sharing_stack",
+]
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_SHARING_BASE_STACK = "ll"
+"""The single-model stack whose dispatch, batching, migration and memory the
+controller runs under a multi-LLM stack (see the module docstring)."""
 
 
-def plan_workers(config: SimConfig, models: Sequence[str]) -> list[tuple[str, ...]]:
-    """The models each worker hosts, from the ``placement`` policy.
+def sharing_stack(config: SimConfig) -> MultiStack | None:
+    """The multi-LLM stack the runtime places sharing groups for, or None.
 
-    A fixed pool (``cluster.elastic: false``, the default for ``serve``) asks
-    the placement policy for one instance per worker, with the models' rates
-    from ``workload.model_weights`` (equal when unset). An elastic pool
-    (Mell) loads its single model on every worker; workers become active
-    when a policy activates them.
+    A config is a sharing config when it is a multi-LLM config
+    (``services:`` given) or when ``policy.stack`` is a multi-LLM stack that
+    is not also a single-model one (``vllm`` names both; as a single-model
+    stack its ``dedicated`` placement gives the same one-model workers).
+
+    Raises:
+        ConfigError: a sharing config on an elastic pool, or with
+            ``multi.generator``.
+        UnknownNameError: ``services:`` given with a stack that is not a
+            multi-LLM stack.
+    """
+    name = config.policy.stack
+    if not config.is_multi and (name in STACKS or name not in MULTI_STACKS):
+        return None
+    stack = get_multi_stack(name)
+    if config.multi.generator is not None:
+        raise ConfigError(
+            f"multi.generator {config.multi.generator!r} makes services of catalog models "
+            "the runtime cannot load; serve the engine's models (serve.models) instead"
+        )
+    if config.cluster.elastic:
+        raise ConfigError(
+            f"stack {stack.name!r} places sharing groups on a fixed pool: leave "
+            "cluster.elastic unset (serve.workers GPUs) or use a single-model stack"
+        )
+    return stack
+
+
+def runtime_policy_config(config: SimConfig) -> SimConfig:
+    """The config the controller resolves its policy families from.
+
+    A single-model stack: ``config`` itself. A multi-LLM stack: its
+    ``policy`` section with stack :data:`RUNTIME_SHARING_BASE_STACK` (per-family
+    overrides kept), ``services`` dropped (module docstring)."""
+    if sharing_stack(config) is None:
+        return config
+    pol = config.policy
+    return replace(
+        config,
+        services=None,
+        policy=PolicyConfig(
+            stack=RUNTIME_SHARING_BASE_STACK,
+            dispatch=pol.dispatch,
+            batching=pol.batching,
+            migration=pol.migration,
+            memory=pol.memory,
+        ),
+    )
+
+
+def runtime_policy_names(config: SimConfig) -> dict[str, str]:
+    """The policy of every family the runtime runs (``/v1/cluster``):
+    :func:`~fleetserve.sim.simulator.resolve_policies` of
+    :func:`runtime_policy_config`, with ``stack`` and ``placement`` the
+    multi-LLM stack's own for a sharing config."""
+    names = resolve_policies(runtime_policy_config(config))
+    stack = sharing_stack(config)
+    if stack is not None:
+        names["stack"] = stack.name
+        names["placement"] = stack.placement
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class SharingPlacement:
+    """A sharing placement and what it was computed from.
+
+    Attributes:
+        stack: the multi-LLM stack.
+        plan: the placement policy's plan (GPU ids are worker slots).
+        services: the services placed (rates and mean lengths of the history).
+        gpu: the GPU the placement saw (emulated, one per node).
+        estimate: SeaLLM's estimated SLO attainment of the plan (None otherwise).
+        workers: the services each started worker hosts, by ascending GPU id
+            (GPUs the plan leaves unused are left out).
+    """
+
+    stack: MultiStack
+    plan: PlacementPlan
+    services: Mapping[str, Service]
+    gpu: GpuSpec
+    estimate: float | None
+    workers: tuple[tuple[str, ...], ...]
+
+
+def placement_gpu(config: SimConfig) -> GpuSpec:
+    """One worker as the GPU a sharing placement sees: its arena as an emulated
+    GPU, with one GPU per node (so no group spans workers)."""
+    sv = config.serve
+    gpu = emulated_gpu(
+        sv.gpu_memory_mb,
+        dtype=sv.dtype,
+        threads=sv.threads_per_worker,
+        block_size=config.cluster.block_size,
+    )
+    return replace(gpu, gpus_per_node=1)
+
+
+def _placement_config(
+    config: SimConfig, models: Sequence[str], sources: Mapping[str, str]
+) -> SimConfig:
+    """``config`` as the multi-LLM simulator's config of the same cluster."""
+    sv, cl = config.serve, config.cluster
+    if config.services is not None:
+        given = {s.name: s.model for s in config.services}
+        if set(given) != set(models):
+            raise ConfigError(
+                f"services {sorted(given)} must be the served models {sorted(models)} "
+                "(one service per entry of serve.models, named as requests name it)"
+            )
+        for name, model in given.items():
+            if model not in (name, sources.get(name, name)):
+                raise ConfigError(
+                    f"service {name!r} names model {model!r}, but the runtime serves "
+                    f"{sources.get(name, name)!r} under that name"
+                )
+    services = tuple(ServiceConfig(m, sources.get(m, m)) for m in models)
+    gpu = placement_gpu(config)
+    return replace(
+        config,
+        services=services,
+        cluster=replace(cl, gpu=gpu.name, gpus=sv.workers, elastic=False, mem_util=1.0, tp=1),
+        engine=replace(
+            config.engine, max_num_seqs=sv.max_running, max_batched_tokens=sv.max_batch_tokens
+        ),
+    )
+
+
+def sharing_placement(
+    config: SimConfig, models: Sequence[str], sources: Mapping[str, str] | None = None
+) -> SharingPlacement:
+    """Run the multi-LLM stack's placement for the runtime (module docstring).
+
+    Args:
+        config: a sharing config (:func:`sharing_stack` is not None).
+        models: the served model names (what requests name).
+        sources: each served name's engine model (built-in name or checkpoint
+            folder) when it differs from the name.
+
+    Raises:
+        ConfigError: not a sharing config, the services do not fit, a bad
+            ``services:`` list or workload, or a group spanning GPUs.
+    """
+    from fleetserve.sim.multi_build import build_multi, multi_settings
+    from fleetserve.sim.multi_run import place_for_stack
+
+    stack = sharing_stack(config)
+    if stack is None:
+        raise ConfigError(f"stack {config.policy.stack!r} does not place sharing groups")
+    if not models:
+        raise ConfigError("no model to place")
+    pcfg = _placement_config(config, models, dict(sources or {}))
+    inp = build_multi(pcfg, require_run=False)
+    gpu = placement_gpu(config)
+    plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(pcfg), None, gpu)
+    slots: dict[int, tuple[str, ...]] = {}
+    for g in plan.groups:
+        if g.tp != 1:
+            raise ConfigError(
+                f"placement {stack.placement!r} put {', '.join(g.services)} on a tensor-parallel "
+                f"group of {g.tp} GPUs; the runtime runs one engine per worker (tp 1)"
+            )
+        for gid in g.gpus:
+            slots[gid] = tuple(g.services)
+    workers = tuple(slots[gid] for gid in sorted(slots))
+    if len(workers) < config.serve.workers:
+        logger.info(
+            "placement %s uses %d of %d workers",
+            stack.placement,
+            len(workers),
+            config.serve.workers,
+        )
+    return SharingPlacement(stack, plan, inp.services, gpu, est, workers)
+
+
+def plan_workers(
+    config: SimConfig, models: Sequence[str], sources: Mapping[str, str] | None = None
+) -> list[tuple[str, ...]]:
+    """The models each worker hosts, from the placement policy.
+
+    A sharing config (a multi-LLM stack, :func:`sharing_stack`): the stack's
+    group placement (:func:`sharing_placement`); a worker may host several
+    models. Otherwise, a fixed pool (``cluster.elastic: false``, the default
+    for ``serve``) asks the ``placement`` policy for one single-model
+    instance per worker, with the models' rates from ``workload.model_weights``
+    (equal when unset). An elastic pool (Mell) loads its single model on
+    every worker; workers become active when a policy activates them.
+
+    Args:
+        config: the runtime config.
+        models: the served model names.
+        sources: served name -> engine model (sharing placements only; see
+            :func:`sharing_placement`).
     """
     n = config.serve.workers
+    if sharing_stack(config) is not None:
+        return list(sharing_placement(config, models, sources).workers)
     if config.cluster.elastic:
         if len(models) != 1:
             raise ConfigError(

@@ -107,12 +107,18 @@ def _split(reqs: list[Request], history_s: float) -> tuple[list[Request], list[R
     return hist, run
 
 
-def build_multi(cfg: SimConfig, base_dir: Path | None = None) -> MultiInput:
+def build_multi(
+    cfg: SimConfig, base_dir: Path | None = None, *, require_run: bool = True
+) -> MultiInput:
     """The services, history and run of a multi-LLM config.
+
+    ``require_run=False`` accepts a workload that ends within the history (the
+    run is then empty): the runtime (:mod:`fleetserve.runtime.plan`) only
+    needs the history its placement sees.
 
     Raises:
         InputError: a missing or bad trace or data file.
-        ConfigError: an empty history or run.
+        ConfigError: an empty history, or an empty run (with ``require_run``).
     """
     m = cfg.multi
     if m.generator is not None:
@@ -170,7 +176,7 @@ def build_multi(cfg: SimConfig, base_dir: Path | None = None) -> MultiInput:
             f"no request arrives in the first multi.history_s = {m.history_s:g} s of "
             f"{built.source}: placement has no history"
         )
-    if not run:
+    if not run and require_run:
         raise ConfigError(
             f"every request of {built.source} arrives within multi.history_s = "
             f"{m.history_s:g} s: nothing left to run"

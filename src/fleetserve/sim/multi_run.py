@@ -36,6 +36,7 @@ from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig, MultiSimulator, ProgressFn, ReplacementConfig
 from fleetserve.spec import get_gpu
+from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
 
 __all__ = ["MultiRunSettings", "place_for_stack", "run_multi_stack", "services_from_window"]
@@ -126,10 +127,17 @@ def place_for_stack(
     history: Sequence[Request],
     settings: MultiRunSettings,
     cost_model: CostModel | None = None,
+    gpu_spec: GpuSpec | None = None,
 ) -> tuple[PlacementPlan, float | None]:
     """The stack's placement on ``history``; ``(plan, estimated SLO attainment)``
-    (the estimate only for ``seallm``, which simulates its candidates)."""
-    gpu = get_gpu(settings.gpu)
+    (the estimate only for ``seallm``, which simulates its candidates).
+
+    ``gpu_spec`` overrides the GPU the placement sees (default: the catalog's
+    ``settings.gpu``); the runtime passes its emulated GPU with one GPU per
+    node, so that no group spans GPUs (:mod:`fleetserve.runtime.plan`). A
+    ``seallm`` evaluator still simulates on ``settings.gpu``.
+    """
+    gpu = gpu_spec if gpu_spec is not None else get_gpu(settings.gpu)
     svcs = list(services.values())
     cm = cost_model or CostModel()
     if stack.placement == "dedicated":

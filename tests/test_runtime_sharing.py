@@ -1,0 +1,277 @@
+"""Multi-model sharing placements (SeaLLM, MuxServe) and Mell's elastic pool at runtime.
+
+The runtime's worker plan for a multi-LLM stack is the stack's own group
+placement on the same inputs as the simulator's (services measured on the
+workload's history, each worker the emulated GPU of its arena, one GPU per
+node); a worker then hosts several models in one engine, and completions of
+both models are the engine's greedy texts. Mell's dispatch and epoch plans
+activate idle workers under load and release them once empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_util import metric_value, reference_text, running_server
+
+from fleetserve.cli.serve import load_serve_config, serve_config_dict
+from fleetserve.config import SimConfig, config_from_dict
+from fleetserve.costmodel import CostModel
+from fleetserve.errors import ConfigError, UnknownNameError
+from fleetserve.policy.groups import PlacementPlan
+from fleetserve.policy.muxserve_placement import muxserve_place
+from fleetserve.policy.seallm_placement import seallm_place
+from fleetserve.runtime.plan import (
+    plan_workers,
+    runtime_policy_config,
+    runtime_policy_names,
+    sharing_placement,
+)
+from fleetserve.sim.evaluate import PlanEvaluator
+from fleetserve.sim.multi import MultiConfig
+from fleetserve.sim.multi_build import build_multi
+from fleetserve.sim.simulator import resolve_policies
+from fleetserve.spec import emulated_gpu_name, get_gpu
+
+A, B = "tiny-llama-a", "tiny-llama-b"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _cfg(stack: str, workers: int, mb: float = 64, **extra: Any) -> SimConfig:
+    data: dict[str, Any] = {
+        "serve": {"workers": workers, "gpu_memory_mb": mb, "models": [A, B]},
+        "policy": {"stack": stack},
+        "workload": {"synthetic_duration_s": 20.0, "length_scale": 0.1},
+        "multi": {"history_s": 20.0},
+    }
+    for k, v in extra.items():
+        if isinstance(v, dict):
+            data.setdefault(k, {}).update(v)
+        else:
+            data[k] = v
+    return config_from_dict(serve_config_dict(data))
+
+
+def _policy_plan(cfg: SimConfig, placement: str) -> PlacementPlan:
+    """The placement policy called directly, on the simulator's inputs for the
+    same cluster: services of the ``services:`` config the simulator would
+    run, on ``workers`` emulated GPUs of the arena (one per node, mem_util 1)."""
+    sv = cfg.serve
+    sim_cfg = replace(
+        cfg,
+        services=None,
+        cluster=replace(
+            cfg.cluster, gpu=emulated_gpu_name(sv.gpu_memory_mb), gpus=sv.workers, mem_util=1.0
+        ),
+    )
+    d = sim_cfg.to_dict()
+    d["services"] = [{"name": m, "model": m} for m in sv.models or ()]
+    inp = build_multi(config_from_dict(d), require_run=False)
+    gpu = replace(get_gpu(emulated_gpu_name(sv.gpu_memory_mb)), gpus_per_node=1)
+    svcs = list(inp.services.values())
+    if placement == "muxserve":
+        return muxserve_place(svcs, sv.workers, gpu, CostModel(), 1.0)
+    assert placement == "seallm"
+    mc = MultiConfig(
+        gpu=gpu.name,
+        n_gpus=sv.workers,
+        scheduler="db",
+        layout="merged",
+        mem_util=1.0,
+        max_num_seqs=sv.max_running,
+        max_batched_tokens=sv.max_batch_tokens,
+    )
+    ev = PlanEvaluator(mc, inp.services, inp.history, slo_scale=cfg.multi.slo_scale)
+    plan, _cands = seallm_place(svcs, sv.workers, gpu, ev, mem_util=1.0)
+    return plan
+
+
+def _workers_of(plan: PlacementPlan) -> list[tuple[str, ...]]:
+    slots = {gpu: g.services for g in plan.groups for gpu in g.gpus}
+    return [tuple(slots[i]) for i in sorted(slots)]
+
+
+# ------------------------------------------------------------------ plan_workers
+
+
+@pytest.mark.parametrize(("stack", "workers"), [("muxserve", 1), ("muxserve", 3)])
+def test_muxserve_plan_is_the_policys(stack: str, workers: int) -> None:
+    cfg = _cfg(stack, workers)
+    want = _policy_plan(cfg, "muxserve")
+    got = sharing_placement(cfg, [A, B])
+    assert got.plan == want
+    assert plan_workers(cfg, [A, B]) == _workers_of(want)
+    if workers == 1:  # one GPU: MuxServe must co-locate both models in one unit
+        assert plan_workers(cfg, [A, B]) == [want.groups[0].services]
+        assert set(want.groups[0].services) == {A, B}
+    else:  # the demand is met by a unit per model: the third GPU starts no worker
+        assert sorted(plan_workers(cfg, [A, B])) == [(A,), (B,)]
+
+
+def test_seallm_plan_is_the_policys_and_shares_gpus() -> None:
+    cfg = _cfg("seallm", 2)
+    want = _policy_plan(cfg, "seallm")
+    got = sharing_placement(cfg, [A, B])
+    assert got.plan == want
+    assert got.estimate is not None
+    workers = plan_workers(cfg, [A, B])
+    assert workers == _workers_of(want)
+    assert any(len(w) > 1 for w in workers)  # multi-model workers
+    assert {m for w in workers for m in w} == {A, B}
+
+
+def test_rates_follow_the_workload_weights() -> None:
+    cfg = _cfg("muxserve", 1, workload={"models": [A, B], "model_weights": [3.0, 1.0]})
+    got = sharing_placement(cfg, [A, B])
+    assert got.services[A].rate > 2 * got.services[B].rate
+    assert got.plan == _policy_plan(cfg, "muxserve")
+
+
+def test_controller_families_for_a_multi_llm_stack() -> None:
+    cfg = _cfg("muxserve", 2, policy={"dispatch": "round_robin"})
+    names = runtime_policy_names(cfg)
+    assert names["stack"] == "muxserve" and names["placement"] == "muxserve"
+    assert names["dispatch"] == "round_robin"  # an override is kept
+    assert names["migration"] == "none" and names["memory"] == "static"
+    # what the controller itself resolves
+    assert resolve_policies(runtime_policy_config(cfg))["dispatch"] == "round_robin"
+    plain = _cfg("llumnix", 2)
+    assert runtime_policy_config(plain) is plain
+    assert plan_workers(plain, [A, B]) == [(A,), (B,)]  # single-model stacks unchanged
+
+
+def test_sharing_config_errors() -> None:
+    with pytest.raises(ConfigError, match="fixed pool"):
+        plan_workers(_cfg("seallm", 2, cluster={"elastic": True}), [A, B])
+    with pytest.raises(ConfigError, match="served models"):
+        plan_workers(_cfg("seallm", 2, services=[{"name": A, "model": A}]), [A, B])
+    with pytest.raises(ConfigError, match="serves"):
+        bad = [{"name": A, "model": B}, {"name": B, "model": B}]
+        plan_workers(_cfg("seallm", 2, services=bad), [A, B])
+    with pytest.raises(UnknownNameError):
+        plan_workers(_cfg("llumnix", 2, services=[{"name": A, "model": A}]), [A])
+    # the tiny models' KV does not fit next to their weights in 40 MiB
+    with pytest.raises(ConfigError):
+        plan_workers(_cfg("seallm", 2, mb=40), [A, B])
+
+
+def test_example_configs_plan() -> None:
+    sharing = load_serve_config(str(CONFIGS / "serve-sharing.yaml"), [])
+    workers = plan_workers(sharing, list(sharing.serve.models or ()))
+    assert len(workers) == 2 and all(set(w) == {A, B} for w in workers)
+    mell = load_serve_config(str(CONFIGS / "serve-mell.yaml"), [])
+    assert mell.cluster.elastic and resolve_policies(mell)["dispatch"] == "mell"
+    assert plan_workers(mell, [A]) == [(A,)] * 3
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _sampler(fn: Callable[[], Any], out: list[Any], stop: threading.Event) -> threading.Thread:
+    """Call ``fn`` every 10 ms until ``stop`` (reads controller state from
+    another thread: a dict changing size mid-read is simply retried)."""
+
+    def run() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(RuntimeError):
+                out.append(fn())
+            time.sleep(0.01)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def _complete(url: str, model: str, prompt: str, n: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.slow
+def test_multi_model_workers_serve_both_models_exactly() -> None:
+    data = {
+        "serve": {"workers": 2, "gpu_memory_mb": 64, "models": [A, B]},
+        "policy": {"stack": "seallm"},
+        "workload": {"synthetic_duration_s": 20.0, "length_scale": 0.1},
+        "multi": {"history_s": 20.0},
+    }
+    jobs = [(A, "Sharing one GPU", 24), (B, "Two models, one arena", 24)] * 2
+    with running_server(data) as srv:
+        ctl = srv.controller
+        info = httpx.get(srv.url + "/v1/cluster").json()
+        assert info["policies"]["stack"] == "seallm"
+        assert info["policies"]["placement"] == "seallm"
+        assert all(set(w["models"]) == {A, B} for w in info["workers"])
+        seen: list[set[tuple[int, str]]] = []
+        stop = threading.Event()
+        th = _sampler(
+            lambda: {
+                (ctl.inst_of[t.instance][0], t.model)
+                for t in list(ctl.requests.values())
+                if t.instance is not None
+            },
+            seen,
+            stop,
+        )
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            outs = list(ex.map(lambda j: _complete(srv.url, *j), jobs))
+        stop.set()
+        th.join()
+        for (model, prompt, n), out in zip(jobs, outs, strict=True):
+            assert out["model"] == model
+            assert out["usage"]["completion_tokens"] == n
+            assert out["choices"][0]["text"] == reference_text(model, prompt, n)
+        ran = set().union(*seen)
+        # some worker ran requests of both models
+        assert any((w, A) in ran and (w, B) in ran for w in ctl.workers)
+        metrics = httpx.get(srv.url + "/metrics").text
+        for m in (A, B):
+            done = metric_value(metrics, "fleetserve_requests_total", model=m, outcome="finished")
+            assert done == 2
+
+
+@pytest.mark.slow
+def test_mell_activates_workers_under_load_and_releases_them() -> None:
+    data = {
+        "serve": {"workers": 3, "gpu_memory_mb": 16, "models": [A], "max_running": 16},
+        "cluster": {"elastic": True},
+        "policy": {"stack": "mell"},
+        "migration": {"epoch_s": 0.2},
+    }
+    # four prompts of ~400 tokens (25 blocks each): more KV than one worker's ~78 blocks
+    prompts = [f"{i}: " + "the elastic pool grows and shrinks. " * 11 for i in range(4)]
+    n = 32
+    with running_server(data) as srv:
+        ctl = srv.controller
+        info = httpx.get(srv.url + "/v1/cluster").json()
+        assert info["elastic"] and info["policies"]["dispatch"] == "mell"
+        assert all(w["active"] == [] for w in info["workers"])  # nothing active at start
+        active: list[int] = []
+        stop = threading.Event()
+        th = _sampler(lambda: len(ctl.active), active, stop)
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: _complete(srv.url, A, p, n), prompts))
+        for p, out in zip(prompts, outs, strict=True):
+            assert out["choices"][0]["text"] == reference_text(A, p, n)
+        assert max(active) >= 2  # Mell activated more than one worker
+        # once every request departed, Mell's epochs release the empty workers
+        deadline = time.monotonic() + 10
+        while ctl.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        th.join()
+        assert not ctl.active
+        info = httpx.get(srv.url + "/v1/cluster").json()
+        assert all(w["active"] == [] for w in info["workers"])
+        assert info["requests_in_flight"] == 0
