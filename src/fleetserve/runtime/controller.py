@@ -23,6 +23,14 @@ the request and exports its state and KV (one chunk of all its layers); the
 destination reserves pages and imports it, or refuses when full (the request
 then continues on the source). A token migration sends no KV: the
 destination re-prefills.
+
+With a KunServe stack (``policy.stack: kunserve``) the ``memory`` decisions
+— dropping replicated layers into pipelined buddy groups and restoring them
+— come from :class:`~fleetserve.policy.kunserve.KunServePolicy` every
+``kunserve.monitor_interval_s``, applied by
+:class:`~fleetserve.runtime.kun_control.KunRuntime`; dispatch and batching
+are then the ``vllm`` stack's (``policy.dispatch`` may override), and the
+policies see one instance per executor (a replica, or a group).
 """
 
 from __future__ import annotations
@@ -51,8 +59,11 @@ from fleetserve.policy.actions import (
 )
 from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
+from fleetserve.runtime.engine.migration import RequestState
 from fleetserve.runtime.engine.sampling import SamplingParams
+from fleetserve.runtime.kun_control import KunRuntime, kun_settings
 from fleetserve.runtime.metrics import RuntimeMetrics
+from fleetserve.runtime.plan import runtime_policy_names
 from fleetserve.runtime.views import LiveInstance, Pending
 from fleetserve.runtime.worker import Report, WorkerSnap, WorkerSpec
 from fleetserve.sim.simulator import resolve_policies
@@ -173,7 +184,11 @@ class Controller:
         self.metrics = RuntimeMetrics()
         self.rng = np.random.default_rng(config.seed)
         self.t0 = time.monotonic()
-        names = self.policy_names = resolve_policies(config)
+        kun = kun_settings(config)
+        # KunServe: the vllm stack's dispatch and batching (runtime.plan)
+        names = self.policy_names = (
+            resolve_policies(config) if kun is None else runtime_policy_names(config)
+        )
         self.dispatcher = DISPATCH.get(names["dispatch"]).from_config(config)
         self.migration = MIGRATION.get(names["migration"]).from_config(config)
         self.memory = MEMORY.get(names["memory"]).from_config(config)
@@ -205,6 +220,7 @@ class Controller:
         for w in self.workers.values():
             self._update_worker_gauges(w)
         self.metrics.workers_alive.set(len(self.workers))
+        self.kun = KunRuntime(self, kun) if kun is not None else None
 
     # --------------------------------------------------------------- clock
     def now(self) -> float:
@@ -239,6 +255,16 @@ class Controller:
             gpus_per_node=len(self.workers) or 1,
             block_size=self.cfg.cluster.block_size,
         )
+        if self.kun is not None:
+            for e, view in self.kun.views():
+                if e.accepting:
+                    st.add(view)  # type: ignore[arg-type]
+            for m in self.models:
+                st.request_blocks[m] = max(
+                    (e.view.total_blocks for e in self.kun.execs.values() if e.view is not None),
+                    default=0,
+                )
+            return st
         moving = frozenset(t.id for t in self.requests.values() if t.moving)
         for iid in sorted(self.active):
             wid, model = self.inst_of[iid]
@@ -346,7 +372,11 @@ class Controller:
         )
 
     def _dispatch(self, t: Tracked) -> None:
-        action = self.dispatcher.dispatch(self.state(), self._request_of(t), self.now(), self.rng)
+        st = self.state()
+        if self.kun is not None and not st.instances_of(t.model):
+            t.deferred = True  # every executor is merging or restoring: the next tick retries
+            return
+        action = self.dispatcher.dispatch(st, self._request_of(t), self.now(), self.rng)
         self._apply_dispatch(t, action)
 
     def _apply_dispatch(self, t: Tracked, action: Any) -> None:
@@ -556,6 +586,8 @@ class Controller:
         for iid in w.instances.values():
             self.active.discard(iid)
             self.migration.on_release(iid, self.now())
+        if self.kun is not None and self.kun.on_worker_dead(wid):
+            return  # a buddy group's member: its recovery resumes the group's requests
         for t in list(self.requests.values()):
             if t.done or t.instance is None or self.inst_of[t.instance][0] != wid:
                 continue
@@ -578,9 +610,17 @@ class Controller:
     async def _tick_loop(self) -> None:
         interval = self.migration.interval_s
         next_epoch = interval if interval is not None else math.inf
+        next_kun = self.kun.interval_s if self.kun is not None else math.inf
         while not self._stopping:
             await asyncio.sleep(self.serve.tick_s)
             now = self.now()
+            if self.kun is not None and now >= next_kun:
+                try:
+                    self.kun.tick(now)
+                    self._redispatch_deferred()
+                except Exception:
+                    logger.exception("KunServe tick failed")
+                next_kun = now + self.kun.interval_s
             if now >= next_epoch:
                 try:
                     self._epoch(now)
@@ -589,6 +629,12 @@ class Controller:
                 assert interval is not None
                 next_epoch = now + interval
             self._release_idle(now)
+
+    def _redispatch_deferred(self) -> None:
+        """Dispatch again the requests that found no accepting executor."""
+        for t in list(self.requests.values()):
+            if t.deferred and not t.done and t.instance is None:
+                self._dispatch(t)
 
     def _release_idle(self, now: float) -> None:
         if not self.elastic:
@@ -712,10 +758,7 @@ class Controller:
             return
         state, chunk = got
         t.moving = "import"
-        # tokens the source made after its last poll are in the exported state
-        for i, tok in enumerate(state.output_ids[len(t.output_ids) :], len(t.output_ids) + 1):
-            piece = state.text[len(t.text) :] if i == len(state.output_ids) else ""
-            self._token(t, i, tok, piece, self.now())
+        self._catch_up(t, state)
         ok = False
         try:
             ok = bool(await dst.handle.import_request.remote(state, chunk)) and dst.alive
@@ -762,6 +805,13 @@ class Controller:
             self._resume(t)
 
     # ------------------------------------------------------------ helpers
+    def _catch_up(self, t: Tracked, state: RequestState) -> None:
+        """Pass on the tokens an exported ``state`` has that ``t`` has not
+        (the source made them after its last poll)."""
+        for i, tok in enumerate(state.output_ids[len(t.output_ids) :], len(t.output_ids) + 1):
+            piece = state.text[len(t.text) :] if i == len(state.output_ids) else ""
+            self._token(t, i, tok, piece, self.now())
+
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.append(task)
@@ -818,4 +868,5 @@ class Controller:
             "requests_in_flight": sum(1 for t in self.requests.values() if not t.done),
             "workers": workers,
             "migrations": self.migration_log[-50:],
+            **({"kunserve": self.kun.cluster_json()} if self.kun is not None else {}),
         }

@@ -112,6 +112,12 @@ class RuntimeMetrics:
             "KunServe: layers restored to dropped replicas",
             registry=r,
         )
+        self.kun_actions = Counter(
+            "fleetserve_kun_actions_total",
+            "KunServe policy decisions, by action (DropLayers, Restore, ActivateSpare)",
+            ["action"],
+            registry=r,
+        )
         self.worker_failures = Counter(
             "fleetserve_worker_failures_total", "Worker actors found dead", registry=r
         )

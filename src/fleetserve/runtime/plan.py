@@ -70,6 +70,7 @@ from fleetserve.policy.base import PLACEMENT
 from fleetserve.policy.groups import PlacementPlan, Service
 from fleetserve.policy.multi_stacks import MULTI_STACKS, MultiStack, get_multi_stack
 from fleetserve.policy.stacks import STACKS
+from fleetserve.sim.kun_parts import KUN_ONLY_STACKS
 from fleetserve.sim.simulator import resolve_policies
 from fleetserve.spec.emulated import emulated_gpu
 from fleetserve.spec.types import GpuSpec
@@ -147,7 +148,14 @@ def runtime_policy_names(config: SimConfig) -> dict[str, str]:
     """The policy of every family the runtime runs (``/v1/cluster``):
     :func:`~fleetserve.sim.simulator.resolve_policies` of
     :func:`runtime_policy_config`, with ``stack`` and ``placement`` the
-    multi-LLM stack's own for a sharing config."""
+    multi-LLM stack's own for a sharing config. A KunServe stack: the
+    ``vllm`` stack's families (per-family overrides kept), ``stack`` its
+    own name and ``pressure: kunserve`` (its memory decisions come from
+    :class:`~fleetserve.policy.kunserve.KunServePolicy`, see
+    :mod:`fleetserve.runtime.kun_control`)."""
+    if config.policy.stack in KUN_ONLY_STACKS:
+        base = replace(config, policy=replace(config.policy, stack="vllm"))
+        return {**resolve_policies(base), "stack": config.policy.stack, "pressure": "kunserve"}
     names = resolve_policies(runtime_policy_config(config))
     stack = sharing_stack(config)
     if stack is not None:
@@ -288,6 +296,14 @@ def plan_workers(
             :func:`sharing_placement`).
     """
     n = config.serve.workers
+    if config.policy.stack in KUN_ONLY_STACKS:
+        # KunServe: replicas of one model on every worker (buddy groups form at runtime)
+        if len(models) != 1:
+            raise ConfigError(
+                f"policy.stack {config.policy.stack!r} serves one replicated model; "
+                f"serve.models has {len(models)}"
+            )
+        return [tuple(models)] * n
     if sharing_stack(config) is not None:
         return list(sharing_placement(config, models, sources).workers)
     if config.cluster.elastic:

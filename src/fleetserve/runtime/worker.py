@@ -24,11 +24,21 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.base import BATCHING
+from fleetserve.runtime.buddy import (
+    GroupRunner,
+    StageResult,
+    StageRole,
+    StageWork,
+    free_stage_keys,
+    stage_forward,
+    stage_import,
+)
 from fleetserve.runtime.engine.engine import Engine, EngineRequest
 from fleetserve.runtime.engine.kvpool import PoolFull
 from fleetserve.runtime.engine.migration import (
@@ -103,6 +113,13 @@ class WorkerSnap:
     kv_bytes_used: int
     seqs: tuple[SeqSnap, ...]
     time_s: float
+    layers_held: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    num_layers: dict[str, int] = field(default_factory=dict)
+    layer_bytes: dict[str, int] = field(default_factory=dict)
+    group: int | None = None  # the buddy group it is a stage of (KunServe)
+    stage: int | None = None
+    group_steps: int = 0
+    group_broken: str | None = None  # why the group it leads stopped stepping
 
 
 @dataclass(slots=True)
@@ -145,6 +162,9 @@ class WorkerCore:
         self._report = Report(spec.worker_id)
         self._imports: dict[int, ImportHandle] = {}
         self._handle_ids = itertools.count(1)
+        self.role: StageRole | None = None  # a stage of a KunServe buddy group
+        self.group: GroupRunner | None = None  # ... and its leader
+        self.stage_keys: set[int] = set()  # group requests with a table here
 
     # ----------------------------------------------------------- callbacks
     def _on_token(self, req: EngineRequest, tok: int, piece: str) -> None:
@@ -162,7 +182,11 @@ class WorkerCore:
         params: SamplingParams,
         arrival_s: float = 0.0,
     ) -> None:
-        """Queue a new request under the controller's id ``rid``."""
+        """Queue a new request under the controller's id ``rid`` (in the
+        buddy group this worker leads, if it leads one for ``model``)."""
+        if self.group is not None and model == self.group.model:
+            self.group.add(rid, prompt_ids, params, arrival_s)
+            return
         self.engine.add_request(
             model,
             prompt_ids,
@@ -215,10 +239,15 @@ class WorkerCore:
             on_token=self._on_token,
             on_finish=self._on_finish,
         )
+        if self.group is not None and model == self.group.model:
+            self.group.adopt(state, 0, [0] * len(self.group.role.stages))
+            return
         self.engine.import_tokens(state, request_id=rid)
 
     def abort(self, rid: int) -> bool:
         """Finish ``rid`` now and free its KV; False when it is not here."""
+        if self.group is not None and self.group.abort(rid):
+            return True
         req = self.engine.requests.get(rid)
         if req is None:
             return False
@@ -264,6 +293,9 @@ class WorkerCore:
         """Continue a migrated request here: with its KV (live KV transfer) or,
         without a chunk, by re-prefilling its tokens. False when the KV does not fit."""
         st = _with_callbacks(state, self)
+        if self.group is not None and state.model == self.group.model:
+            self.group.adopt(_as_waiting(state), 0, [0] * len(self.group.role.stages))
+            return True
         if chunk is None or state.n_cached < 1:
             self.engine.import_tokens(_as_waiting(st), request_id=state.id)
             return True
@@ -280,9 +312,146 @@ class WorkerCore:
             raise
         return True
 
+    # ------------------------------------------------- KunServe buddy groups
+    def evacuate(
+        self, model: str, role: StageRole
+    ) -> list[tuple[RequestState, dict[int, KVChunk], int]]:
+        """Hand this worker's requests of ``model`` to the buddy group it joins
+        as ``role`` (the first half of a merge; see :mod:`.buddy`).
+
+        Each request comes back as ``(state, chunks, blocks)``:
+
+        * a running request of the engine keeps the KV of ``role.keep`` here
+          (its table now holds those layers only, ``blocks`` token-blocks) and
+          ``chunks[j]`` is a copy of the KV of stage ``j``'s layers, for every
+          other stage; the engine forgets the request;
+        * a waiting one has no KV (``n_cached`` 0, no chunks, 0 blocks);
+        * when this worker was a stage of another group (groups merge), that
+          group's tables here are freed and, on its leader, its requests come
+          back with ``n_cached`` 0 (they are recomputed in the new group).
+        """
+        out: list[tuple[RequestState, dict[int, KVChunk], int]] = []
+        e = self.engine
+        if self.role is not None:  # an older group merges into the new one
+            if self.group is not None:
+                out.extend((st, {}, 0) for st in self.group.drop_all())
+                self.group = None
+            free_stage_keys(e, list(self.stage_keys), self.stage_keys)
+            self.role = None
+        keep = set(role.keep)
+        for req in [r for r in [*e.running, *e.waiting] if r.model == model]:
+            state = _without_callbacks(e.export_state(req.id))
+            rid = req.id
+            if req.status == "running" and req.n_cached > 0 and e.pool.has(rid):
+                chunks = {
+                    j: e.export_kv(rid, layers=list(range(a, b)), copy=True)
+                    for j, (_w, (a, b)) in enumerate(role.stages)
+                    if j != role.index
+                }
+                e.pool.drop_layers(rid, tuple(li for li in e.pool.layers(rid) if li not in keep))
+                e.running.remove(req)
+                del e.requests[rid]
+                self.stage_keys.add(rid)
+                out.append((state, chunks, e.pool.token_blocks(rid)))
+            else:
+                e.release_migrated(rid)
+                del e.requests[rid]
+                out.append((_as_waiting(state), {}, 0))
+            self._report.tokens.pop(rid, None)
+        return out
+
+    def become_stage(self, role: StageRole) -> int:
+        """Drop the layers of ``role.model`` outside ``role.keep``; returns the
+        number of layers dropped (their pages join the KV pool at once)."""
+        e = self.engine
+        keep = set(role.keep)
+        gone = [li for li in e.held_layers(role.model) if li not in keep]
+        for li in gone:
+            e.drop_layer(role.model, li)
+        self.role = role
+        return len(gone)
+
+    def lead(self, role: StageRole, stage_free: list[int], stage_total: list[int]) -> None:
+        """Run the group (this worker is its stage 0): see :class:`.buddy.GroupRunner`."""
+        if role.index != 0 or self.role != role:
+            raise ValueError("lead() is for the group's stage 0, after become_stage()")
+        self.group = GroupRunner(
+            self.engine,
+            role,
+            max_running=self.spec.max_running,
+            max_batch_tokens=self.spec.max_batch_tokens,
+            stage_free=stage_free,
+            stage_total=stage_total,
+            held=self.stage_keys,
+            emit=self._emit_group,
+            finish=self._finish_group,
+        )
+
+    def adopt(self, items: list[tuple[RequestState, int, list[int]]]) -> None:
+        """The leader takes the merged requests: ``(state, n_cached, blocks per stage)``."""
+        if self.group is None:
+            raise ValueError(f"worker {self.spec.worker_id} leads no group")
+        for state, n_cached, blocks in items:
+            self.group.adopt(state, n_cached, blocks)
+
+    def stage_pages(self) -> tuple[int, int]:
+        """``(free pages, KV pages when empty)`` of this stage."""
+        pool = self.engine.pool
+        return pool.num_free, pool.num_pages - pool.weight_pages()
+
+    def stage_forward(self, work: StageWork) -> StageResult:
+        if self.role is None:
+            raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
+        return stage_forward(self.engine, self.role, work, self.stage_keys)
+
+    def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+        if self.role is None:
+            raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
+        return stage_import(self.engine, self.role, key, n_tokens, chunk, self.stage_keys)
+
+    def stage_free(self, keys: list[int]) -> int:
+        return free_stage_keys(self.engine, keys, self.stage_keys)
+
+    def restore_layers(self, model: str) -> tuple[int, int]:
+        """Reload dropped layers of ``model`` from the host copy (the weight
+        source) while the pool has room; returns ``(restored now, still missing)``."""
+        e = self.engine
+        n = e.models[model].cfg.spec.num_layers
+        missing = [li for li in range(n) if li not in e.models[model].layers]
+        done = 0
+        for li in missing:
+            if not e.can_restore_layer(model):
+                break
+            e.restore_layer(model, li)
+            done += 1
+        return done, len(missing) - done
+
+    def leave_group(self) -> list[RequestState]:
+        """Stop being a stage: free the group's tables here; on the leader,
+        return its requests' states (``n_cached`` 0) and stop running it."""
+        out: list[RequestState] = []
+        if self.group is not None:
+            out = self.group.drop_all()
+            self.group = None
+        free_stage_keys(self.engine, list(self.stage_keys), self.stage_keys)
+        self.role = None
+        return out
+
+    def group_idle(self) -> bool:
+        return self.group is None or not self.group.requests
+
+    def _emit_group(self, rid: int, idx: int, tok: int, piece: str) -> None:
+        self._report.tokens.setdefault(rid, []).append((idx, tok, piece))
+
+    def _finish_group(self, rid: int, reason: str) -> None:
+        self._report.finished[rid] = reason
+
     # ---------------------------------------------------------------- step
     def has_work(self) -> bool:
         return self.engine.has_work()
+
+    def group_has_work(self) -> bool:
+        return self.group is not None and self.group.has_work()
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -324,6 +493,23 @@ class WorkerCore:
                     running=r.status == "running",
                 )
             )
+        if self.group is not None:
+            g = self.group
+            for gr in g.live:
+                seqs.append(
+                    SeqSnap(
+                        id=gr.id,
+                        model=g.model,
+                        arrival_s=g.meta[gr.id].arrival_s,
+                        prompt_tokens=gr.prompt_len,
+                        output_tokens=gr.params.max_tokens,
+                        generated=gr.generated,
+                        kv_tokens=gr.n_cached,
+                        demand_tokens=len(gr.tokens),
+                        migrating=False,
+                        running=gr.n_cached > 0,
+                    )
+                )
         weight_pages = pool.weight_pages()
         return WorkerSnap(
             worker_id=self.spec.worker_id,
@@ -342,6 +528,13 @@ class WorkerCore:
             kv_bytes_used=pool.kv_pages * pool.page_bytes,
             seqs=tuple(seqs),
             time_s=time.time(),
+            layers_held={m: tuple(e.held_layers(m)) for m in e.models},
+            num_layers={m: e.models[m].cfg.spec.num_layers for m in e.models},
+            layer_bytes={m: e.layer_bytes(m) for m in e.models},
+            group=self.role.group if self.role is not None else None,
+            stage=self.role.index if self.role is not None else None,
+            group_steps=self.group.steps if self.group is not None else 0,
+            group_broken=self.group.broken if self.group is not None else None,
         )
 
     def check_integrity(self) -> None:
@@ -376,6 +569,7 @@ class Worker:
         self._events = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._stages: list[Any] = []  # a group leader's stage actors (index 0: unused)
 
     async def start(self) -> WorkerSnap:
         if self._task is None:
@@ -383,19 +577,43 @@ class Worker:
         return self.core.snapshot()
 
     async def _run(self) -> None:
+        core = self.core
         while not self._stopped:
-            if not self.core.has_work():
+            local, grouped = core.has_work(), core.group_has_work()
+            if not local and not grouped:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                self.core.step()
+                if local:
+                    core.step()
+                if grouped:
+                    await self._group_step()
             except Exception:  # an engine bug must not hang the controller's polls
-                logger.exception("worker %d: step failed", self.core.spec.worker_id)
+                logger.exception("worker %d: step failed", core.spec.worker_id)
                 raise
-            if self.core.has_events():
+            if core.has_events():
                 self._events.set()
             await asyncio.sleep(0)
+
+    async def _group_step(self) -> None:
+        g = self.core.group
+        assert g is not None
+        t0 = time.perf_counter()
+        try:
+            await g.step(self._call_stage)
+        except Exception as e:  # a stage died: the controller dissolves the group
+            g.broken = g.broken or f"{type(e).__name__}: {e}"
+            logger.warning(
+                "worker %d: group %d broken: %s", self.core.spec.worker_id, g.role.group, e
+            )
+            self._events.set()
+        rep = self.core._report
+        rep.step_s += time.perf_counter() - t0
+        rep.steps += 1
+
+    async def _call_stage(self, j: int, work: StageWork) -> StageResult:
+        return await self._stages[j].stage_forward.remote(work)
 
     def _kick(self) -> None:
         self._wake.set()
@@ -440,6 +658,49 @@ class Worker:
         ok = self.core.import_request(state, chunk)
         self._wake.set()
         return ok
+
+    # KunServe buddy groups (see WorkerCore and .buddy)
+    async def evacuate(
+        self, model: str, role: StageRole
+    ) -> list[tuple[RequestState, dict[int, KVChunk], int]]:
+        return self.core.evacuate(model, role)
+
+    async def become_stage(self, role: StageRole) -> int:
+        return self.core.become_stage(role)
+
+    async def lead(
+        self, role: StageRole, stages: list[Any], stage_free: list[int], stage_total: list[int]
+    ) -> None:
+        self.core.lead(role, stage_free, stage_total)
+        self._stages = list(stages)
+
+    async def adopt(self, items: list[tuple[RequestState, int, list[int]]]) -> None:
+        self.core.adopt(items)
+        self._wake.set()
+
+    async def stage_pages(self) -> tuple[int, int]:
+        return self.core.stage_pages()
+
+    async def stage_forward(self, work: StageWork) -> StageResult:
+        return self.core.stage_forward(work)
+
+    async def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+        return self.core.stage_import(key, n_tokens, chunk)
+
+    async def stage_free(self, keys: list[int]) -> int:
+        return self.core.stage_free(keys)
+
+    async def restore_layers(self, model: str) -> tuple[int, int]:
+        return self.core.restore_layers(model)
+
+    async def leave_group(self) -> list[RequestState]:
+        out = self.core.leave_group()
+        self._stages = []
+        self._kick()
+        return out
+
+    async def group_idle(self) -> bool:
+        return self.core.group_idle()
 
     async def poll(self, timeout_s: float) -> Report:
         if not self.core.has_events():

@@ -135,11 +135,23 @@ class KunSettings:
         is mechanism the simulator applies. ``P`` is every layer's weights
         (the non-layer weights are never dropped).
         """
+        return self.policy_for(
+            model.name,
+            model.num_layers,
+            model.num_layers * model.weight_bytes_per_layer,
+            model.kv_bytes_per_token,
+        )
+
+    def policy_for(
+        self, model: str, num_layers: int, param_bytes: int, kv_bytes_per_token: int
+    ) -> KunServePolicy:
+        """:meth:`policy` for a model given by its sizes (the runtime's engines
+        measure theirs: layers rounded to arena pages)."""
         return KunServePolicy(
-            model=model.name,
-            num_layers=model.num_layers,
-            param_bytes=model.num_layers * model.weight_bytes_per_layer,
-            kv_bytes_per_token=model.kv_bytes_per_token,
+            model=model,
+            num_layers=num_layers,
+            param_bytes=param_bytes,
+            kv_bytes_per_token=kv_bytes_per_token,
             strategy=self.strategy,
             horizon_s=self.horizon_s,
             window_s=self.window_s,

@@ -72,7 +72,7 @@ from fleetserve.runtime.engine.sampling import (
 )
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
-__all__ = ["PipelineGroup", "PipelineRequest", "RemoteKV", "check_stage_ranges"]
+__all__ = ["PipelineGroup", "PipelineRequest", "RemoteKV", "append_token", "check_stage_ranges"]
 
 _KEY_BASE = 1 << 40
 """Block-table ids of groups start here, far from the ids engines hand out (0, 1, ...)."""
@@ -248,6 +248,38 @@ class PipelineRequest:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+def append_token(
+    req: PipelineRequest, tok: int, eos_token_ids: Iterable[int]
+) -> tuple[str, str | None]:
+    """Record a sampled token of ``req`` (the engine's rules, text held back alike).
+
+    Returns the text this token releases to the client and the finish reason
+    (``stop`` on EOS or a stop string, ``length`` at ``max_tokens``; None:
+    the request goes on). The caller frees a finished request's pages and
+    sets ``finish_reason``.
+    """
+    req.tokens.append(tok)
+    p = req.params
+    if tok in eos_token_ids and not p.ignore_eos:
+        piece = req.held + req.detok.flush()
+        req.text += piece
+        req.held = ""
+        return piece, "stop"
+    piece = req.detok.push(tok)
+    if p.stop:
+        piece, req.held, stopped = apply_stop_strings(req.text, req.held, piece, p.stop)
+        if stopped:
+            req.text += piece
+            return piece, "stop"
+    if req.generated >= p.max_tokens:
+        piece += req.held + req.detok.flush()
+        req.held = ""
+        req.text += piece
+        return piece, "length"
+    req.text += piece
+    return piece, None
 
 
 class PipelineGroup:
@@ -499,25 +531,9 @@ class PipelineGroup:
 
     def _append(self, req: PipelineRequest, tok: int) -> None:
         """Record a sampled token; finish on EOS, a stop string or ``max_tokens``."""
-        req.tokens.append(tok)
-        p = req.params
-        if tok in self.cfg.eos_token_ids and not p.ignore_eos:
-            req.text += req.held + req.detok.flush()
-            req.held = ""
-            self._finish(req, "stop")
-            return
-        piece = req.detok.push(tok)
-        if p.stop:  # the engine's stop-string rule, text held back likewise
-            piece, req.held, stopped = apply_stop_strings(req.text, req.held, piece, p.stop)
-            if stopped:
-                req.text += piece
-                self._finish(req, "stop")
-                return
-        req.text += piece
-        if req.generated >= p.max_tokens:
-            req.text += req.held + req.detok.flush()
-            req.held = ""
-            self._finish(req, "length")
+        _piece, reason = append_token(req, tok, self.cfg.eos_token_ids)
+        if reason is not None:
+            self._finish(req, reason)
 
     def _finish(self, req: PipelineRequest, reason: str) -> None:
         req.finish_reason = reason

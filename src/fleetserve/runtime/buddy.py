@@ -1,0 +1,486 @@
+r"""KunServe buddy groups across worker actors: the mechanism, no decisions.
+
+When the controller applies a :class:`~fleetserve.policy.actions.DropLayers`
+(decided by :class:`~fleetserve.policy.kunserve.KunServePolicy`), the
+member workers of the new group become the stages of one pipeline of the
+model. Member ``i`` keeps the layers ``keep[i]`` (the ranges tile
+``[0, L)``: one complete copy of the parameters in the group) and frees the
+weight pages of the others, which join its KV pool. Stage 0 (the *leader*,
+:class:`GroupRunner`) owns the group's requests — tokens, sampler state,
+text, stop rules — and drives every step::
+
+    leader (stage 0)                       stage 1                 stage k-1
+    embed ─► run_layers(keep[0]) ─h─►  run_layers(keep[1]) ─h─► ... ─h─┐
+       ▲        KV of keep[0]              KV of keep[1]                │
+       └──── head, sample, stream the tokens ◄─────────────────────────┘
+
+``h`` (packed hidden states, ``[new tokens, hidden]``) is a real tensor that
+crosses between the actors as the argument and result of
+:meth:`~fleetserve.runtime.worker.Worker.stage_forward` (Ray's object store);
+the KV cache of a stage's layers never leaves it. Every member keeps the
+embeddings, final norm and LM head (KunServe drops only layer parameters),
+so the leader runs the head on the last stage's output.
+
+A group request's block table on each stage is keyed by the controller's
+request id (unique in the cluster; a member's engine holds no request of the
+group's model while it is a stage, so the key is free).
+
+**KV exchange at a merge** (§4.2, here *blocking*): the controller pauses the
+sources' requests (:meth:`~fleetserve.runtime.worker.WorkerCore.evacuate`);
+a request keeps the KV of its own worker's range in place (its table drops
+the other layers' pages) and the KV of every other range is copied to the
+stage that keeps it (:func:`stage_import`). A request whose KV does not fit
+on some stage is recomputed instead (its KV is freed, it prefills again in
+the group) — the choice a careful implementer makes when the paper's
+exchange cannot place a request: nothing is lost, only recomputed.
+
+**Batching in a group** (the paper leaves the pipelined engine's scheduler
+to vLLM): every running request decodes in every step; waiting ones are
+admitted first-come first-served while the step stays within
+``max_running`` / ``max_batch_tokens`` and every stage has the pages for
+them (the leader tracks each stage's free pages and each request's
+token-blocks there exactly). When a stage lacks pages for the running
+requests' next tokens the newest running request is preempted by recompute,
+as the engine's FCFS policy does. A stage still answers "no room" when its
+pages went elsewhere since its last report (a layer restore): the leader
+then corrects its count and plans again; nothing advances in that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fleetserve.runtime.engine.engine import Batch, Engine
+from fleetserve.runtime.engine.migration import (
+    KVChunk,
+    RequestState,
+    restore_detok,
+    scatter_pages,
+    snapshot_detok,
+)
+from fleetserve.runtime.engine.pipeline import PipelineRequest, append_token
+from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
+from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
+
+__all__ = [
+    "GroupRunner",
+    "StageResult",
+    "StageRole",
+    "StageWork",
+    "free_stage_keys",
+    "stage_forward",
+    "stage_import",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StageRole:
+    """A worker's place in a buddy group.
+
+    Attributes:
+        group: the group's id (the controller's executor key).
+        model: the model the group serves.
+        index: this worker's stage (0: the leader).
+        stages: ``(worker id, (first layer, end layer))`` per stage, in order.
+    """
+
+    group: int
+    model: str
+    index: int
+    stages: tuple[tuple[int, tuple[int, int]], ...]
+
+    @property
+    def keep(self) -> range:
+        a, b = self.stages[self.index][1]
+        return range(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """One step's work for one stage: the batch and its input.
+
+    ``h`` is the previous stage's output (None on stage 0, which embeds
+    ``ids``). ``free`` lists request keys whose tables this stage frees
+    first (finished or preempted requests).
+    """
+
+    model: str
+    keys: tuple[int, ...]
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    h: torch.Tensor | None = None
+    ids: tuple[int, ...] = ()
+    free: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """A stage's answer: its output (None when it lacked pages) and its free pages."""
+
+    ok: bool
+    h: torch.Tensor | None
+    free_pages: int
+
+
+def free_stage_keys(engine: Engine, keys: Iterable[int], held: set[int]) -> int:
+    """Free the tables of ``keys`` this stage holds; returns pages freed."""
+    n = 0
+    for k in keys:
+        if k in held:
+            held.discard(k)
+            if engine.pool.has(k):
+                n += engine.pool.free(k)
+    return n
+
+
+@torch.inference_mode()
+def stage_forward(engine: Engine, role: StageRole, work: StageWork, held: set[int]) -> StageResult:
+    """Run this stage's layers on ``work`` (see the module docstring).
+
+    Frees ``work.free`` first; then grows every request's table to cover its
+    new tokens — all or nothing: when the pages are short nothing grows and
+    the result is ``ok=False`` — and runs the layers of :attr:`StageRole.keep`.
+    ``held`` is the set of keys with a table here (kept up to date).
+    """
+    pool = engine.pool
+    free_stage_keys(engine, work.free, held)
+    layers = tuple(role.keep)
+    ends = [s + n for s, n in zip(work.starts, work.lens, strict=True)]
+    need = 0
+    for k, end in zip(work.keys, ends, strict=True):
+        if not pool.has(k):
+            pool.open(k, work.model, layers)
+            held.add(k)
+        need += pool.pages_to_grow(k, end)
+    if need > pool.num_free:
+        return StageResult(False, None, pool.num_free)
+    for k, end in zip(work.keys, ends, strict=True):
+        pool.grow(k, end)
+    if not work.keys:  # a round that only frees
+        return StageResult(True, None, pool.num_free)
+    batch = Batch.build(
+        work.model, list(work.keys), list(work.starts), list(work.lens), engine.device
+    )
+    h = engine.embed(work.model, list(work.ids)) if work.h is None else work.h.to(engine.device)
+    h = engine.run_layers(batch, h, role.keep)
+    return StageResult(True, h, pool.num_free)
+
+
+def stage_import(
+    engine: Engine, role: StageRole, key: int, n_tokens: int, chunk: KVChunk, held: set[int]
+) -> int | None:
+    """Take the KV of this stage's layers of request ``key`` (a merge's exchange).
+
+    Opens the request's table for :attr:`StageRole.keep`, grows it to
+    ``n_tokens`` tokens and writes ``chunk`` (its layers must be exactly the
+    kept ones). Returns the table's token-blocks, or None when the pages are
+    short (nothing changed).
+    """
+    pool = engine.pool
+    layers = tuple(role.keep)
+    if chunk.layers != layers:
+        raise ValueError(
+            f"stage {role.index} keeps layers {list(layers)}; the chunk of request {key} "
+            f"holds {list(chunk.layers)}"
+        )
+    if pool.has(key):
+        raise ValueError(f"request {key} already has a table on this stage")
+    pool.open(key, role.model, layers)
+    if pool.pages_to_grow(key, n_tokens) > pool.num_free:
+        pool.free(key)
+        return None
+    pool.grow(key, n_tokens)
+    held.add(key)
+    if chunk.n_tb:
+        table = pool.table(key)[chunk.first_tb : chunk.first_tb + chunk.n_tb]
+        pages = table[:, torch.tensor(layers, dtype=torch.int64)].numpy().astype(np.int64)
+        scatter_pages(pool, role.model, pages, chunk.data)
+    return pool.token_blocks(key)
+
+
+Emit = Callable[[int, int, int, str], None]  # (request id, index, token, text piece)
+Finish = Callable[[int, str], None]  # (request id, reason)
+StageCall = Callable[[int, StageWork], Awaitable[StageResult]]
+
+
+@dataclass(slots=True)
+class _Meta:
+    arrival_s: float
+    blocks: list[int] = field(default_factory=list)  # token-blocks of its table per stage
+
+
+class GroupRunner:
+    """The leader's side of a buddy group: its requests and its steps.
+
+    Args:
+        engine: the leader's engine (stage 0's layers, the embeddings and head).
+        role: the leader's :class:`StageRole` (``index`` 0).
+        max_running: at most this many requests in a step.
+        max_batch_tokens: at most this many new tokens in a step (a longer
+            prompt still runs, alone).
+        stage_free: each stage's free pages now.
+        stage_total: each stage's KV pages when empty (a request needing
+            more on some stage can never run: it ends with ``capacity``).
+        held: the keys with a table on this engine (shared with the worker).
+        emit: called for each token a request streams.
+        finish: called once when a request ends.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        role: StageRole,
+        *,
+        max_running: int,
+        max_batch_tokens: int,
+        stage_free: list[int],
+        stage_total: list[int],
+        held: set[int],
+        emit: Emit,
+        finish: Finish,
+    ) -> None:
+        if role.index != 0:
+            raise ValueError("the group runner lives on stage 0")
+        self.engine = engine
+        self.role = role
+        self.model = role.model
+        self.cfg = engine.models[role.model].cfg
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.block_size = engine.pool.block_size
+        self.kv_heads = engine.pool.pages_per_token_block(role.model, 1)
+        self.stage_layers = [b - a for _, (a, b) in role.stages]
+        self.stage_free = list(stage_free)
+        self.stage_total = list(stage_total)
+        self.credit = [0] * len(role.stages)  # pages freed since each stage's last report
+        self.held = held
+        self.requests: dict[int, PipelineRequest] = {}
+        self.meta: dict[int, _Meta] = {}
+        self.live: list[PipelineRequest] = []  # arrival order
+        self.pending_free: list[int] = []
+        self.broken: str | None = None
+        self.steps = 0
+        self._emit = emit
+        self._finish_cb = finish
+
+    # ------------------------------------------------------------ requests
+    def add(
+        self, rid: int, prompt_ids: list[int], params: SamplingParams, arrival_s: float
+    ) -> None:
+        """A new request (it prefills in a coming step)."""
+        tok = self.engine.tokenizer(self.model)
+        req = PipelineRequest(
+            id=rid,
+            key=rid,
+            tokens=list(prompt_ids),
+            prompt_len=len(prompt_ids),
+            params=params,
+            generator=request_generator(params, rid),
+            detok=IncrementalDetokenizer(tok),
+        )
+        self._insert(req, _Meta(arrival_s, [0] * len(self.role.stages)))
+
+    def adopt(self, state: RequestState, n_cached: int, blocks: list[int]) -> None:
+        """A request that ran elsewhere continues here (a merge moved it).
+
+        ``n_cached`` tokens of it are in the stages' tables (0: it is
+        recomputed), whose token-blocks per stage are ``blocks``.
+        """
+        gen = torch.Generator(device="cpu")
+        gen.set_state(state.generator_state)
+        req = PipelineRequest(
+            id=state.id,
+            key=state.id,
+            tokens=list(state.tokens),
+            prompt_len=state.prompt_len,
+            params=state.params,
+            generator=gen,
+            detok=restore_detok(self.engine.tokenizer(self.model), state.detok),
+            n_cached=n_cached,
+            text=state.text,
+            held=state.held,
+        )
+        self._insert(req, _Meta(state.arrival_s, list(blocks)))
+
+    def _insert(self, req: PipelineRequest, meta: _Meta) -> None:
+        if req.id in self.requests:
+            raise ValueError(f"request {req.id} is already in group {self.role.group}")
+        self.requests[req.id] = req
+        self.meta[req.id] = meta
+        self.live.append(req)
+        self.live.sort(key=lambda r: self.meta[r.id].arrival_s)
+
+    def abort(self, rid: int) -> bool:
+        """End ``rid`` now (its pages are freed in the next step); False if unknown."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        self._end(req, "abort", notify=False)
+        return True
+
+    def has_work(self) -> bool:
+        return self.broken is None and bool(self.live or self.pending_free)
+
+    def drop_all(self) -> list[RequestState]:
+        """Forget every request (the group is dissolved or merged); returns
+        each one's state to recompute elsewhere (``n_cached`` 0)."""
+        out = [
+            RequestState(
+                id=r.id,
+                model=self.model,
+                tokens=tuple(r.tokens),
+                prompt_len=r.prompt_len,
+                params=r.params,
+                generator_state=r.generator.get_state(),
+                n_cached=0,
+                text=r.text,
+                held=r.held,
+                detok=snapshot_detok(r.detok),
+                arrival_s=self.meta[r.id].arrival_s,
+            )
+            for r in self.live
+        ]
+        self.requests.clear()
+        self.meta.clear()
+        self.live.clear()
+        self.pending_free.clear()
+        return out
+
+    # ---------------------------------------------------------------- step
+    def _need(self, req: PipelineRequest, tokens: int) -> list[int]:
+        """Pages each stage must add for ``req``'s table to hold ``tokens`` tokens."""
+        tb = -(-tokens // self.block_size)
+        have = self.meta[req.id].blocks
+        return [max(0, tb - have[j]) * n * self.kv_heads for j, n in enumerate(self.stage_layers)]
+
+    def _pages(self, req: PipelineRequest) -> list[int]:
+        """Pages ``req``'s tables hold on each stage."""
+        return [
+            b * n * self.kv_heads
+            for b, n in zip(self.meta[req.id].blocks, self.stage_layers, strict=True)
+        ]
+
+    def _release(self, req: PipelineRequest) -> list[int]:
+        """Give ``req``'s pages back (they are freed on every stage by the next
+        step's free list); returns them per stage."""
+        pages = self._pages(req)
+        for j, n in enumerate(pages):
+            self.credit[j] += n
+        self.meta[req.id].blocks = [0] * len(self.stage_layers)
+        self.pending_free.append(req.key)
+        return pages
+
+    def plan(self) -> list[PipelineRequest]:
+        """This step's batch: every running request (preempting the newest by
+        recompute while a stage lacks pages for them), then waiting ones FCFS
+        while they fit. A waiting head that cannot fit even in empty stages
+        ends with reason ``capacity``."""
+        free = [f + c for f, c in zip(self.stage_free, self.credit, strict=True)]
+        running = [r for r in self.live if r.n_cached > 0]
+        preempted: set[int] = set()
+
+        def total(reqs: list[PipelineRequest]) -> list[int]:
+            out = [0] * len(free)
+            for r in reqs:
+                for j, x in enumerate(self._need(r, len(r.tokens))):
+                    out[j] += x
+            return out
+
+        while running and any(n > f for n, f in zip(total(running), free, strict=True)):
+            victim = running.pop()
+            got = self._release(victim)
+            victim.n_cached = 0
+            preempted.add(victim.id)
+            free = [f + g for f, g in zip(free, got, strict=True)]
+        free = [f - n for f, n in zip(free, total(running), strict=True)]
+        batch = list(running)
+        tokens = len(running)
+        for r in list(self.live):
+            if r.n_cached > 0 or r.id in preempted:
+                continue
+            if len(batch) >= self.max_running:
+                break
+            n = len(r.tokens)
+            if batch and tokens + n > self.max_batch_tokens:
+                break
+            need = self._need(r, n)
+            if any(x > t for x, t in zip(need, self.stage_total, strict=True)):
+                self._end(r, "capacity", notify=True)
+                continue
+            if any(x > f for x, f in zip(need, free, strict=True)):
+                break  # first come, first served: no overtaking
+            batch.append(r)
+            tokens += n
+            free = [f - x for f, x in zip(free, need, strict=True)]
+        return batch
+
+    async def step(self, call: StageCall) -> None:
+        """One pipelined iteration (``call(j, work)`` runs stage ``j >= 1``).
+
+        Raises what ``call`` raises (a dead stage): the group is then
+        :attr:`broken` and steps no more.
+        """
+        if self.broken is not None:
+            return
+        batch = self.plan()
+        if not batch and not self.pending_free:
+            return
+        free = tuple(self.pending_free)
+        keys = tuple(r.key for r in batch)
+        starts = tuple(r.n_cached for r in batch)
+        lens = tuple(len(r.tokens) - r.n_cached for r in batch)
+        ids = tuple(t for r in batch for t in r.tokens[r.n_cached :])
+        h: torch.Tensor | None = None
+        for j in range(len(self.role.stages)):
+            work = StageWork(self.model, keys, starts, lens, h, ids if j == 0 else (), free)
+            if j == 0:
+                res = stage_forward(self.engine, self.role, work, self.held)
+            else:
+                try:
+                    res = await call(j, work)
+                except Exception as e:
+                    self.broken = f"stage {j} (worker {self.role.stages[j][0]}) failed: {e}"
+                    raise
+            self.stage_free[j] = res.free_pages
+            self.credit[j] = 0
+            if not res.ok:
+                return  # the count is corrected; the free list goes again next step
+            self._grown(batch, j)
+            h = res.h
+        self.pending_free = [k for k in self.pending_free if k not in set(free)]
+        self.steps += 1
+        if not batch:
+            return
+        assert h is not None
+        with torch.inference_mode():
+            hb = Batch.build(self.model, list(keys), list(starts), list(lens), self.engine.device)
+            logits = self.engine.head(hb, h)
+        for i, req in enumerate(batch):
+            if req.id not in self.requests:
+                continue  # aborted while the stages ran
+            req.n_cached = len(req.tokens)
+            tok = sample_one(logits[i], req.params, req.generator)
+            piece, reason = append_token(req, tok, self.cfg.eos_token_ids)
+            self._emit(req.id, req.generated, tok, piece)
+            if reason is not None:
+                self._end(req, reason, notify=True)
+
+    def _grown(self, batch: list[PipelineRequest], j: int) -> None:
+        bs = self.block_size
+        for r in batch:
+            m = self.meta[r.id]
+            m.blocks[j] = max(m.blocks[j], -(-len(r.tokens) // bs))
+
+    def _end(self, req: PipelineRequest, reason: str, *, notify: bool) -> None:
+        req.finish_reason = reason
+        self._release(req)
+        self.requests.pop(req.id, None)
+        self.meta.pop(req.id, None)
+        if req in self.live:
+            self.live.remove(req)
+        if notify:
+            self._finish_cb(req.id, reason)

@@ -1,0 +1,500 @@
+r"""KunServe at runtime: the controller's side of buddy groups.
+
+The decisions are :class:`~fleetserve.policy.kunserve.KunServePolicy`'s, the
+same object the KunServe simulator asks (built from the stack's
+:class:`~fleetserve.sim.kun_parts.KunSettings` and the config's
+``kunserve:`` overrides, with ``P`` and the KV bytes per token measured on
+the workers' engines). Every ``monitor_interval_s`` the controller shows it
+one :class:`KunExec` per executor — a replica worker, or a buddy group of
+workers — and applies what it returns:
+
+* :class:`~fleetserve.policy.actions.DropLayers` → :meth:`KunRuntime.merge`:
+  the sources stop taking requests; each member worker hands over its
+  requests (:meth:`~fleetserve.runtime.worker.WorkerCore.evacuate`), drops
+  the layers outside its range (``fleetserve_layer_drops_total``), the KV of
+  the other ranges is copied to the stages that keep them (blocking
+  exchange through the object store), and stage 0 runs the group as a
+  pipeline whose activations cross between the actors
+  (:mod:`fleetserve.runtime.buddy`).
+* :class:`~fleetserve.policy.actions.Restore` → the group stops taking
+  requests and its members reload their dropped layers from the host copy
+  as pages free up (``fleetserve_layer_restores_total``); once every member
+  holds every layer and the group's last request has finished, the members
+  are replicas again. (This is the simulator's ``live_restore: false``
+  mechanism: the runtime does not move a restoring group's requests to the
+  new replicas; the policy's decision to restore is unchanged.)
+* :class:`~fleetserve.policy.actions.ActivateSpare` → the runtime has no
+  spare pool (every worker serves from the start), so it is counted
+  (``fleetserve_kun_actions_total{action="activate_spare"}``) and ignored.
+
+**A group losing a member** (its actor dies): the survivors leave the group,
+reload every dropped layer from the host copy (their KV pages are all free
+once the group's tables are gone), and become replicas; the group's
+requests are dispatched again and re-prefill from the controller's record
+of their tokens, as any request of a dead worker does. The policy then sees
+the new executors and re-plans from them at its next interval (it may merge
+the survivors again). The same recovery runs when a merge itself fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fleetserve.errors import ConfigError
+from fleetserve.policy.actions import ActivateSpare, DropLayers, Restore
+from fleetserve.policy.kunserve import KunServePolicy
+from fleetserve.runtime.buddy import StageRole
+from fleetserve.runtime.views import LiveInstance, Pending
+from fleetserve.runtime.worker import WorkerSnap
+
+if TYPE_CHECKING:
+    from fleetserve.config import SimConfig
+    from fleetserve.runtime.controller import Controller
+    from fleetserve.sim.kun_parts import KunSettings
+
+logger = logging.getLogger(__name__)
+
+SERVING, MERGING, RESTORING, RECOVERING = "serving", "merging", "restoring", "recovering"
+
+
+def kun_settings(config: SimConfig) -> KunSettings | None:
+    """The KunServe settings of a runtime config (None: not a KunServe stack).
+
+    Raises:
+        ConfigError: a KunServe-comparison stack whose memory mechanism the
+            runtime does not have (``kv-drop``, ``kv-swap``, static
+            ``pipeline``); use ``kunserve`` (or its ablations) or a main stack.
+    """
+    from fleetserve.sim.kun_parts import KUN_ONLY_STACKS, get_kun_stack
+
+    if config.policy.stack not in KUN_ONLY_STACKS:
+        return None
+    settings = get_kun_stack(config.policy.stack).settings.with_overrides(
+        **config.kunserve.overrides()
+    )
+    if settings.pressure != "kunserve" or settings.static_stages != 1:
+        raise ConfigError(
+            f"policy.stack: {config.policy.stack!r} is a KunServe-simulator baseline; the "
+            "runtime serves the 'kunserve' stacks (kunserve, kunserve-blocking, "
+            "kunserve-norestore, kunserve-memgreedy) and the main stacks"
+        )
+    return settings
+
+
+class GroupInstance(LiveInstance):
+    """A buddy group as the dispatch policy sees it: one instance (id: its
+    leader's), with the leader's requests and the KV room of its tightest stage.
+
+    A token-block of the group takes ``n_j x kv_heads`` pages on stage ``j``
+    (its ``n_j`` layers), so its capacity is the minimum over the stages of
+    pages over that.
+    """
+
+    __slots__ = ("stages",)
+
+    def __init__(
+        self,
+        iid: int,
+        model: str,
+        stages: list[tuple[WorkerSnap, int]],
+        pending: list[Pending],
+        moving: frozenset[int],
+    ) -> None:
+        leader = stages[0][0]
+        super().__init__(iid, leader.worker_id, model, leader, pending, moving)
+        self.stages = stages
+
+    def _stage_blocks(self, pages_of: Any) -> int:
+        out = []
+        for snap, n_layers in self.stages:
+            per_layer = snap.pages_per_block[self.model] // snap.num_layers[self.model]
+            out.append(pages_of(snap) // max(1, per_layer * n_layers))
+        return min(out)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(s.worker_id for s, _ in self.stages)
+
+    @property
+    def total_blocks(self) -> int:
+        return self._stage_blocks(lambda s: s.total_blocks)
+
+    @property
+    def free_blocks(self) -> int:
+        return self._stage_blocks(lambda s: s.free_blocks)
+
+
+@dataclass
+class KunExec:
+    """One executor (implements :class:`~fleetserve.policy.kunserve.KunExecutorView`).
+
+    ``members`` are instance ids in stage order (one: a replica); ``keep``
+    each member's layer range; the KV figures come from :attr:`view`, the
+    dispatch view the controller builds from the latest snapshots.
+    """
+
+    key: int
+    members: tuple[int, ...]
+    keep: tuple[tuple[int, int], ...]
+    replica_kv_bytes: tuple[int, ...]
+    phase: str = SERVING
+    view: LiveInstance | None = None
+    dead: set[int] = field(default_factory=set)
+
+    @property
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        return self.keep
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.members) > 1
+
+    def _seqs(self) -> list[Any]:
+        return self.view.seqs() if self.view is not None else []
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self._seqs())
+
+    def _queued(self) -> list[Any]:
+        q = [s for s in self._seqs() if s.kv_tokens == 0 and not s.migrating]
+        return sorted(q, key=lambda s: (s.arrival_s, s.id))
+
+    @property
+    def kv_head_tokens(self) -> int:
+        q = self._queued()
+        return q[0].demand_tokens + 1 if q else 0
+
+    @property
+    def kv_queued_tokens(self) -> int:
+        return sum(s.demand_tokens + 1 for s in self._queued())
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        v = self.view
+        return v.total_blocks * v.block_size if v is not None else 0
+
+    @property
+    def accepting(self) -> bool:
+        return self.phase == SERVING
+
+    @property
+    def stable(self) -> bool:
+        return self.phase == SERVING
+
+
+class KunRuntime:
+    """Applies :class:`KunServePolicy`'s actions to the controller's workers
+    (see the module docstring). One model, every worker a replica at start."""
+
+    def __init__(self, ctl: Controller, settings: KunSettings) -> None:
+        models = sorted(ctl.models)
+        if len(models) != 1:
+            raise ConfigError(
+                f"a KunServe runtime serves one replicated model; serve.models has {len(models)}"
+            )
+        self.ctl = ctl
+        self.model = model = models[0]
+        self.settings = settings
+        self.interval_s = settings.monitor_interval_s
+        snaps = {wid: w.snap for wid, w in ctl.workers.items()}
+        first = next(iter(snaps.values()))
+        self.num_layers = first.num_layers[model]
+        param_bytes = self.num_layers * first.layer_bytes[model]
+        kv_per_token = first.pages_per_block[model] * first.page_bytes // first.block_size
+        self.policy: KunServePolicy = settings.policy_for(
+            model, self.num_layers, param_bytes, kv_per_token
+        )
+        self._keys = itertools.count()
+        self.execs: dict[int, KunExec] = {}
+        self.iid_of: dict[int, int] = {}  # worker id -> its instance id
+        self.wid_of: dict[int, int] = {}
+        self.replica_kv: dict[int, int] = {}  # instance id -> KV bytes as a replica
+        for wid, w in sorted(ctl.workers.items()):
+            iid = w.instances[model]
+            self.iid_of[wid], self.wid_of[iid] = iid, wid
+            snap = snaps[wid]
+            if snap.layers_held[model] != tuple(range(self.num_layers)):
+                raise ConfigError(f"worker {wid} does not hold every layer of {model} at start")
+            self.replica_kv[iid] = snap.total_blocks * snap.page_bytes
+            self._add_replica(iid)
+        self.log: list[dict[str, Any]] = []
+        self._busy: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ executors
+    def _add_replica(self, iid: int) -> KunExec:
+        e = KunExec(next(self._keys), (iid,), ((0, self.num_layers),), (self.replica_kv[iid],))
+        self.execs[e.key] = e
+        return e
+
+    def exec_of(self, iid: int) -> KunExec | None:
+        for e in self.execs.values():
+            if iid in e.members:
+                return e
+        return None
+
+    def views(self) -> list[tuple[KunExec, LiveInstance]]:
+        """Each executor with a live leader, and its dispatch view (built now)."""
+        ctl = self.ctl
+        moving = frozenset(t.id for t in ctl.requests.values() if t.moving)
+        out = []
+        for e in self.execs.values():
+            lead_w = ctl.workers[self.wid_of[e.members[0]]]
+            if not lead_w.alive or e.dead:
+                e.view = None
+                continue
+            pending = [p for p in lead_w.pending.values() if p.model == self.model]
+            if e.is_group:
+                stages = [
+                    (ctl.workers[self.wid_of[m]].snap, b - a)
+                    for m, (a, b) in zip(e.members, e.keep, strict=True)
+                ]
+                view: LiveInstance = GroupInstance(
+                    e.members[0], self.model, stages, pending, moving
+                )
+            else:
+                view = LiveInstance(
+                    e.members[0], lead_w.spec.worker_id, self.model, lead_w.snap, pending, moving
+                )
+            e.view = view
+            out.append((e, view))
+        return out
+
+    # ---------------------------------------------------------------- ticks
+    def tick(self, now: float) -> None:
+        """One monitor interval: sample, plan, start what the policy decided."""
+        live = [e for e, _v in self.views()]
+        self.policy.observe(now, live)
+        for act in self.policy.plan(now, live):
+            self.ctl.metrics.kun_actions.labels(type(act).__name__).inc()
+            if isinstance(act, DropLayers):
+                srcs = [self.execs[k] for k in act.sources]
+                for e in srcs:
+                    e.phase = MERGING
+                self._spawn(self.merge(act, srcs))
+            elif isinstance(act, Restore):
+                e = self.execs[act.executor]
+                e.phase = RESTORING
+                self._log("restore", e.members, now)
+            elif isinstance(act, ActivateSpare):
+                logger.info(
+                    "KunServe asks for a spare instance (%d bytes short); the runtime has none",
+                    act.shortfall_bytes,
+                )
+        for e in list(self.execs.values()):
+            if e.phase == RESTORING and not self._running(e.key):
+                self._spawn(self.restore_step(e), key=e.key)
+            broken = self.ctl.workers[self.wid_of[e.members[0]]].snap.group_broken
+            if e.is_group and broken and e.phase in (SERVING, RESTORING):
+                logger.warning("buddy group %s stopped (%s): recovering", e.members, broken)
+                e.phase = RECOVERING
+                self._spawn(self.recover(e))
+
+    def _running(self, key: int) -> bool:
+        return any(getattr(t, "kun_key", None) == key and not t.done() for t in self._busy)
+
+    def _spawn(self, coro: Any, key: int | None = None) -> None:
+        task = self.ctl._spawn(coro)
+        task.kun_key = key  # type: ignore[attr-defined]
+        self._busy.add(task)
+        task.add_done_callback(self._busy.discard)
+
+    def _log(self, what: str, members: tuple[int, ...], now: float, **kw: Any) -> None:
+        self.log.append({"t": round(now, 3), "event": what, "members": list(members), **kw})
+
+    def _handle(self, iid: int) -> Any:
+        return self.ctl.workers[self.wid_of[iid]].handle
+
+    # ---------------------------------------------------------------- merge
+    async def merge(self, act: DropLayers, srcs: list[KunExec]) -> None:
+        """Apply a :class:`DropLayers` (see the module docstring)."""
+        ctl, model = self.ctl, self.model
+        key = next(self._keys)
+        stages = tuple(
+            (self.wid_of[m], (a, b)) for m, (a, b) in zip(act.members, act.keep, strict=True)
+        )
+        roles = [StageRole(key, model, i, stages) for i in range(len(stages))]
+        handles = [self._handle(m) for m in act.members]
+        group = KunExec(
+            key,
+            tuple(act.members),
+            tuple(act.keep),
+            tuple(self.replica_kv[m] for m in act.members),
+            phase=MERGING,
+        )
+        for e in srcs:
+            self.execs.pop(e.key, None)
+            self.policy.forget(e.key)
+        self.execs[key] = group
+        try:
+            handed = await asyncio.gather(
+                *(h.evacuate.remote(model, r) for h, r in zip(handles, roles, strict=True))
+            )
+            dropped = await asyncio.gather(
+                *(h.become_stage.remote(r) for h, r in zip(handles, roles, strict=True))
+            )
+            ctl.metrics.drops.inc(sum(dropped))
+            items: list[tuple[Any, int, list[int]]] = []
+            exchanged = recomputed = 0
+            for i, got in enumerate(handed):
+                for state, chunks, own_blocks in got:
+                    n_cached, blocks = 0, [0] * len(stages)
+                    if chunks:
+                        blocks[i] = own_blocks
+                        n_cached = state.n_cached
+                        for j, chunk in chunks.items():
+                            b = await handles[j].stage_import.remote(state.id, n_cached, chunk)
+                            if b is None:
+                                n_cached = 0
+                                break
+                            blocks[j] = b
+                        if n_cached == 0:
+                            await asyncio.gather(
+                                *(h.stage_free.remote([state.id]) for h in handles)
+                            )
+                            blocks = [0] * len(stages)
+                            recomputed += 1
+                        else:
+                            exchanged += 1
+                    items.append((state, n_cached, blocks))
+            pages = await asyncio.gather(*(h.stage_pages.remote() for h in handles))
+            await handles[0].lead.remote(
+                roles[0], handles, [p[0] for p in pages], [p[1] for p in pages]
+            )
+            await handles[0].adopt.remote(items)
+        except Exception as e:
+            if not ctl._is_actor_death(e):
+                logger.exception("KunServe merge of %s failed", act.members)
+            self._spawn(self.recover(group))
+            return
+        leader_iid = act.members[0]
+        leader_w = ctl.workers[self.wid_of[leader_iid]]
+        for state, _n, _b in items:
+            t = ctl.requests.get(state.id)
+            if t is None:
+                continue
+            if t.instance is not None:
+                ctl.workers[ctl.inst_of[t.instance][0]].pending.pop(t.id, None)
+            ctl._catch_up(t, state)
+            if t.done:
+                await ctl._call_quietly(handles[0].abort.remote(t.id))
+                continue
+            t.instance = leader_iid
+            leader_w.pending[t.id] = Pending(
+                t.id, t.model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
+            )
+        if group.dead or group.phase == RECOVERING:  # a member died as the merge ended
+            self._spawn(self.recover(group))
+            return
+        group.phase = SERVING
+        self._log(
+            "drop",
+            group.members,
+            ctl.now(),
+            keep=[list(r) for r in group.keep],
+            layers_dropped=sum(dropped),
+            kv_exchanged=exchanged,
+            recomputed=recomputed,
+        )
+
+    # -------------------------------------------------------------- restore
+    async def restore_step(self, e: KunExec) -> None:
+        """Reload what fits of a restoring group's layers; split it when done."""
+        ctl = self.ctl
+        handles = [self._handle(m) for m in e.members]
+        try:
+            got = await asyncio.gather(*(h.restore_layers.remote(self.model) for h in handles))
+            ctl.metrics.restores.inc(sum(n for n, _left in got))
+            if any(left for _n, left in got) or not await handles[0].group_idle.remote():
+                return
+            left_over = await asyncio.gather(*(h.leave_group.remote() for h in handles))
+        except Exception as err:
+            if not ctl._is_actor_death(err):
+                logger.exception("KunServe restore of %s failed", e.members)
+            return  # the dead worker's poll loop starts the recovery
+        self._split(e)
+        self._log("restored", e.members, ctl.now())
+        for states in left_over:  # finished in between: normally none
+            for st in states:
+                t = ctl.requests.get(st.id)
+                if t is not None and not t.done:
+                    ctl._resume(t)
+
+    def _split(self, e: KunExec) -> None:
+        self.execs.pop(e.key, None)
+        self.policy.forget(e.key)
+        for m in e.members:
+            if m not in e.dead and self.ctl.workers[self.wid_of[m]].alive:
+                self._add_replica(m)
+
+    # ------------------------------------------------------------- failures
+    def on_worker_dead(self, wid: int) -> bool:
+        """A worker died; True when it was in a group (whose recovery starts
+        here, and whose requests are resumed by it, not by the caller)."""
+        iid = self.iid_of[wid]
+        e = self.exec_of(iid)
+        if e is None:
+            return False
+        if not e.is_group and e.phase != MERGING:
+            self.execs.pop(e.key, None)
+            self.policy.forget(e.key)
+            return False
+        e.dead.add(iid)
+        if e.phase != RECOVERING and e.phase != MERGING:
+            e.phase = RECOVERING
+            self._spawn(self.recover(e))
+        elif e.phase == MERGING:
+            e.phase = RECOVERING  # merge() sees the failure and calls recover()
+        return True
+
+    async def recover(self, e: KunExec) -> None:
+        """Dissolve a group that lost a member (see the module docstring)."""
+        ctl = self.ctl
+        e.phase = RECOVERING
+        alive = [m for m in e.members if m not in e.dead and ctl.workers[self.wid_of[m]].alive]
+        restored = 0
+        for m in alive:
+            h = self._handle(m)
+            try:
+                await h.leave_group.remote()
+                n, left = await h.restore_layers.remote(self.model)
+                restored += n
+                if left:
+                    logger.error("worker %d: %d layers could not be restored", self.wid_of[m], left)
+            except Exception as err:
+                if not ctl._is_actor_death(err):
+                    logger.exception("recovery of worker %d failed", self.wid_of[m])
+                e.dead.add(m)
+        ctl.metrics.restores.inc(restored)
+        self._split(e)
+        self._log("recovered", e.members, ctl.now(), dead=sorted(e.dead), layers_restored=restored)
+        members = set(e.members)
+        for t in list(ctl.requests.values()):
+            if not t.done and t.instance is not None and t.instance in members:
+                ctl._resume(t)
+
+    # --------------------------------------------------------------- report
+    def cluster_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "settings": {
+                "strategy": self.settings.strategy,
+                "monitor_interval_s": self.interval_s,
+                "restore_min_s": self.settings.restore_min_s,
+                "restore_threshold": self.settings.restore_threshold,
+            },
+            "executors": [
+                {
+                    "key": e.key,
+                    "phase": e.phase,
+                    "workers": [self.wid_of[m] for m in e.members],
+                    "layers": [list(r) for r in e.keep],
+                }
+                for e in sorted(self.execs.values(), key=lambda x: x.key)
+            ],
+            "events": self.log[-50:],
+        }
