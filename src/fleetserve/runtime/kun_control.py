@@ -390,6 +390,7 @@ class KunRuntime:
         if group.dead or group.phase == RECOVERING:  # a member died as the merge ended
             self._spawn(self.recover(group))
             return
+        await self._refresh(group.members)
         group.phase = SERVING
         self._log(
             "drop",
@@ -397,6 +398,7 @@ class KunRuntime:
             ctl.now(),
             keep=[list(r) for r in group.keep],
             layers_dropped=sum(dropped),
+            requests=len(items),
             kv_exchanged=exchanged,
             recomputed=recomputed,
         )
@@ -412,6 +414,7 @@ class KunRuntime:
             if any(left for _n, left in got) or not await handles[0].group_idle.remote():
                 return
             left_over = await asyncio.gather(*(h.leave_group.remote() for h in handles))
+            await self._refresh(e.members)
         except Exception as err:
             if not ctl._is_actor_death(err):
                 logger.exception("KunServe restore of %s failed", e.members)
@@ -423,6 +426,19 @@ class KunRuntime:
                 t = ctl.requests.get(st.id)
                 if t is not None and not t.done:
                     ctl._resume(t)
+
+    async def _refresh(self, members: Any) -> None:
+        """Fresh snapshots of ``members``: the new executors' first monitor
+        samples must see their new capacity, not the one before the change
+        (a stale sample followed by a fresh one reads as a capacity cliff)."""
+        ctl = self.ctl
+        for m in members:
+            w = ctl.workers[self.wid_of[m]]
+            try:
+                w.snap = await w.handle.snapshot.remote()
+            except Exception as err:
+                if not ctl._is_actor_death(err):
+                    raise
 
     def _split(self, e: KunExec) -> None:
         self.execs.pop(e.key, None)
@@ -470,6 +486,7 @@ class KunRuntime:
                     logger.exception("recovery of worker %d failed", self.wid_of[m])
                 e.dead.add(m)
         ctl.metrics.restores.inc(restored)
+        await self._refresh([m for m in alive if m not in e.dead])
         self._split(e)
         self._log("recovered", e.members, ctl.now(), dead=sorted(e.dead), layers_restored=restored)
         members = set(e.members)
