@@ -1,0 +1,594 @@
+"""``fleetserve fidelity CONFIG.yaml --out DIR``: the simulator against the real runtime.
+
+One command, five steps (progress on stderr), every artefact under ``DIR``::
+
+    1 profile   fleetserve profile-engine per served model  -> profile.csv
+                (or --profile CSV to reuse one)
+    2 serve     fleetserve serve CONFIG on a free port (subprocess, log in
+                server.log), wait for /health
+    3 probe     overhead probes on the idle server, before   -> overhead_probe.json
+                and after the replay (the machine's load may change in between)
+    4 replay    bench-serve of the trace                     -> measured/
+                the server is shut down (also on errors and Ctrl-C)
+    5 simulate  the same requests on the emulated cluster:
+                with the fitted serving-path overhead        -> simulated/
+                engine only (cost model alone)               -> simulated-engine-only/
+                and the comparison                           -> fidelity.md, fidelity.json
+
+The workload: ``workload.trace`` of the config (relative to the config file)
+or ``--trace``; without either, the Azure conversation trace of the shared
+data folder (:func:`fleetserve.experiments.data.find_data_dir`). The config's
+``workload`` window, ``max_requests``, ``rate_scale`` and ``length_scale``
+apply (flags override them), then the bench caps ``--max-prompt-tokens`` /
+``--max-output-tokens`` (the tiny models' context is 4,096 tokens).
+
+The comparison itself (steps 3's fit and 5) is :func:`analyze`, which tests
+drive with a measurement they make up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from fleetserve.config import SimConfig
+from fleetserve.errors import FleetserveError, InputError, require_modules
+
+DEFAULT_TRACE = "azure_llm_2023_conv.csv"
+"""The trace used when neither the config nor ``--trace`` names one."""
+
+DEFAULT_MAX_REQUESTS = 300
+"""Requests replayed when neither the config nor ``--max-requests`` limits them."""
+
+
+def _say(msg: str) -> None:
+    Console(stderr=True, highlight=False).print(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """The replay's workload settings (bench-serve's flags)."""
+
+    trace: str
+    fmt: str | None
+    start_s: float | None
+    end_s: float | None
+    max_requests: int | None
+    rate_scale: float
+    length_scale: float
+    max_prompt_tokens: int | None
+    max_output_tokens: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def replay_settings(cfg: SimConfig, config_path: str, args: argparse.Namespace) -> Replay:
+    """The replay of ``cfg.workload`` with the flags' overrides (module docstring).
+
+    Raises:
+        InputError: no trace given and the shared data folder is missing.
+        FleetserveError: a non-positive scale or cap.
+    """
+    wl = cfg.workload
+    if args.trace is not None:
+        trace, fmt = str(Path(args.trace).resolve()), args.format
+    elif wl.trace is not None:
+        p = Path(wl.trace)
+        if not p.is_absolute():
+            p = Path(config_path).resolve().parent / p
+        trace, fmt = str(p), args.format or wl.format
+    else:
+        from fleetserve.experiments.data import find_data_dir
+
+        trace, fmt = str(find_data_dir([DEFAULT_TRACE]) / DEFAULT_TRACE), args.format or "azure"
+    max_req = args.max_requests if args.max_requests is not None else wl.max_requests
+    rep = Replay(
+        trace=trace,
+        fmt=fmt,
+        start_s=wl.start_s,
+        end_s=wl.end_s,
+        max_requests=DEFAULT_MAX_REQUESTS if max_req is None else max_req,
+        rate_scale=args.rate_scale if args.rate_scale is not None else wl.rate_scale,
+        length_scale=args.length_scale if args.length_scale is not None else wl.length_scale,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+    )
+    for flag, v in (
+        ("--rate-scale", rep.rate_scale),
+        ("--length-scale", rep.length_scale),
+        ("--max-requests", rep.max_requests),
+        ("--max-prompt-tokens", rep.max_prompt_tokens),
+        ("--max-output-tokens", rep.max_output_tokens),
+    ):
+        if v is not None and not v > 0:
+            raise FleetserveError(f"{flag} must be positive, got {v}")
+    if not Path(rep.trace).is_file():
+        raise InputError("trace not found", file=rep.trace)
+    return rep
+
+
+# ----------------------------------------------------------------------- measure
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fleetserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fleetserve.cli.main", *args]
+
+
+def profile_models(cfg: SimConfig, out: Path) -> Path:
+    """``fleetserve profile-engine`` for every served model (one subprocess
+    each, ``serve.threads_per_worker`` threads, the served dtype and block
+    size), merged into ``out/profile.csv``.
+
+    Raises:
+        FleetserveError: a profile run failed (its output's last line).
+    """
+    sv = cfg.serve
+    merged = out / "profile.csv"
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    for m in sv.model_names(cfg.model):
+        part = out / f"profile-{Path(str(m)).name}.csv"
+        _say(f"[bold]profile[/] {m} ({sv.threads_per_worker} thread(s)) -> {part}")
+        cmd = _fleetserve(
+            "profile-engine",
+            "--model",
+            str(m),
+            "--threads",
+            str(sv.threads_per_worker),
+            "--dtype",
+            sv.dtype,
+            "--block-size",
+            str(cfg.cluster.block_size),
+            "--no-progress",
+            "--out",
+            str(part),
+        )
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise FleetserveError(f"profile-engine {m} failed: {tail[0]}")
+        with part.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader)
+            rows += list(reader)
+    with merged.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header or [])
+        w.writerows(rows)
+    return merged
+
+
+class ServerProcess:
+    """``fleetserve serve`` as a subprocess on a free port; a context manager
+    that always stops it (SIGINT, then SIGTERM, then SIGKILL).
+
+    Args:
+        config: the config file.
+        overrides: ``--set`` overrides.
+        log: file receiving the server's output.
+        startup_timeout_s: how long to wait for ``/health``.
+    """
+
+    def __init__(
+        self, config: str, overrides: Sequence[str], log: Path, startup_timeout_s: float = 180.0
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = _fleetserve("serve", config, "--port", str(self.port))
+        for s in overrides:
+            self.cmd += ["--set", s]
+        self.log = log
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        import httpx
+
+        env = dict(os.environ)
+        env.pop("FLEETSERVE_API_KEY", None)  # the probes and the replay send none
+        with self.log.open("wb") as logf:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise FleetserveError(
+                        f"the server exited with status {self.proc.returncode} before it was "
+                        f"up: {self._log_tail()} (log: {self.log})"
+                    )
+                try:
+                    if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise FleetserveError(
+                        f"the server was not up after {self.startup_timeout_s:g} s "
+                        f"(log: {self.log})"
+                    )
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _log_tail(self) -> str:
+        try:
+            lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return "(no log)"
+        return lines[-1].strip() if lines else "(empty log)"
+
+    def stop(self) -> None:
+        """Stop the server (idempotent)."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 30.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def measure(
+    cfg: SimConfig,
+    args: argparse.Namespace,
+    replay: Replay,
+    out: Path,
+) -> list[Any]:
+    """Steps 2-4: start the server, probe it, replay the trace, stop it.
+
+    Returns:
+        The overhead probes (:class:`~fleetserve.experiments.fidelity_overhead.ProbeRequest`);
+        the replay is in ``out/measured``.
+    """
+    from fleetserve.runtime.bench_serve import BenchConfig, run_bench, write_bench
+    from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
+
+    served = list(cfg.serve.model_names(cfg.model))
+    _say(f"[bold]serve[/] {args.config} (log: {out / 'server.log'})")
+    with ServerProcess(args.config, args.set, out / "server.log", args.startup_timeout) as srv:
+        _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
+        model = _first_served_name(srv.url, served)
+        cap_p = replay.max_prompt_tokens or 256
+        plan = ProbePlan(
+            model=model,
+            prompts=tuple(sorted({min(p, cap_p) for p in (16, 64, 256)})),
+            burst_prompt=min(64, cap_p),
+            seed=cfg.seed,
+        )
+        probes = run_probe(srv.url, plan)
+        _say(f"{len(probes)} probes; [bold]replay[/] {replay.trace}")
+        bench_cfg = BenchConfig(
+            url=srv.url,
+            trace=replay.trace,
+            fmt=replay.fmt,
+            start_s=replay.start_s,
+            end_s=replay.end_s,
+            max_requests=replay.max_requests,
+            rate_scale=replay.rate_scale,
+            length_scale=replay.length_scale,
+            max_prompt_tokens=replay.max_prompt_tokens,
+            max_output_tokens=replay.max_output_tokens,
+            models=tuple(served) if len(served) > 1 else None,
+            model_weights=cfg.workload.model_weights if len(served) > 1 else None,
+            seed=cfg.seed,
+        )
+        bench = run_bench(bench_cfg, _bench_progress())
+        write_bench(out / "measured", bench)
+        # the probes again after the replay, so they see the machine of the whole run
+        _say("[bold]probe[/] again after the replay")
+        n0 = 1 + max(p.group for p in probes)
+        probes += [replace(p, group=p.group + n0) for p in run_probe(srv.url, plan)]
+        (out / "overhead_probe.json").write_text(
+            json.dumps(
+                {"plan": _plan_dict(plan), "probes": [p.to_dict() for p in probes]}, indent=1
+            )
+        )
+        r = bench.summary["requests"]
+        _say(
+            f"replayed {r['total']} requests ({r['finished']} finished, {r['rejected']} "
+            f"rejected, {r['unfinished']} unfinished); stopping the server"
+        )
+    return probes
+
+
+def _first_served_name(url: str, served: Sequence[str]) -> str:
+    """The name the server serves the first model under (``/v1/models``)."""
+    import httpx
+
+    data = httpx.get(url + "/v1/models", timeout=10.0).json()
+    names = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
+    for n in served:
+        if n in names:
+            return n
+    if not names:
+        raise FleetserveError(f"{url}/v1/models lists no model")
+    return str(names[0])
+
+
+def _plan_dict(plan: Any) -> dict[str, Any]:
+    return {k: getattr(plan, k) for k in plan.__slots__}
+
+
+def _bench_progress() -> Callable[[str, int, int, str], None]:
+    last = {"t": 0.0}
+
+    def cb(phase: str, done: int, total: int, info: str) -> None:
+        now = time.monotonic()
+        if done == total or now - last["t"] > 5.0:
+            last["t"] = now
+            _say(f"  {phase}: {done}/{total} {info}")
+
+    return cb
+
+
+# ----------------------------------------------------------------------- analyze
+
+
+def analyze(
+    cfg: SimConfig,
+    profile_csv: Path | None,
+    probes: Sequence[Any],
+    out: Path,
+    *,
+    command: str = "",
+    replay: Replay | None = None,
+) -> dict[str, Any]:
+    """Step 5: fit the overhead to the probes, simulate ``out/measured``'s
+    requests with and without it, write ``fidelity.md`` and ``fidelity.json``.
+
+    Returns:
+        The ``fidelity.json`` content.
+    """
+    from fleetserve.experiments.fidelity import (
+        FIDELITY_TOLERANCE_PCT,
+        fidelity_markdown,
+        fidelity_table,
+        fit_overhead,
+        load_measured_requests,
+        read_summary,
+        simulate_emulated,
+    )
+
+    measured_dir = out / "measured"
+    measured = read_summary(measured_dir)
+    reqs = load_measured_requests(measured_dir)
+    size = Counter(p.group for p in probes)
+    alone = [p for p in probes if size[p.group] == 1]
+    _say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
+    fit = fit_overhead(cfg, profile_csv, alone)
+    bursts = [p for p in probes if size[p.group] > 1]
+    burst_check = _burst_check(cfg, profile_csv, bursts, fit.overhead) if bursts else None
+    ov = fit.overhead
+    _say(
+        f"  request {ov.request_s * 1e3:.2f} ms, iteration {ov.iteration_s * 1e3:.2f} ms, "
+        f"delivery {ov.delivery_iters:g} iterations (probe TTFT error "
+        f"{fit.ttft_mean_abs_pct:.1f}%, TPOT {fit.tpot_mean_abs_pct:.1f}%)"
+    )
+    _say(f"[bold]simulate[/] {len(reqs)} measured requests")
+    sim = simulate_emulated(cfg, profile_csv, out / "simulated", requests=reqs, overhead=ov)
+    eng = simulate_emulated(cfg, profile_csv, out / "simulated-engine-only", requests=reqs)
+    rows = fidelity_table(sim, measured)
+    rows_eng = fidelity_table(eng, measured)
+    targets = [r for r in rows if r["target"]]
+    ok = sum(1 for r in targets if r["within"])
+    report = {
+        "command": command,
+        "tolerance_pct": FIDELITY_TOLERANCE_PCT,
+        "target_within": ok,
+        "target_total": len(targets),
+        "replay": replay.to_dict() if replay is not None else None,
+        "overhead": fit.to_dict(),
+        "bursts": burst_check,
+        "rows": rows,
+        "rows_engine_only": rows_eng,
+        "calibration_error": (sim.get("fidelity") or {}).get("calibration_error"),
+        "dirs": {
+            "measured": str(measured_dir),
+            "simulated": str(out / "simulated"),
+            "simulated_engine_only": str(out / "simulated-engine-only"),
+        },
+    }
+    (out / "fidelity.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "fidelity.md").write_text(_markdown(report, fidelity_markdown))
+    return report
+
+
+def _burst_check(
+    cfg: SimConfig, profile_csv: Path | None, bursts: Sequence[Any], overhead: Any
+) -> dict[str, Any]:
+    """How the fitted model does on the burst probes (not fitted to them): mean
+    |relative error| of their TTFT and TPOT, with the overhead and without."""
+    from fleetserve.experiments.fidelity import simulate_probes
+
+    out: dict[str, Any] = {"probes": len(bursts)}
+    for key, ov in (("fitted", overhead), ("engine_only", None)):
+        sim = simulate_probes(cfg, profile_csv, bursts, ov)
+        ttft = [abs(s[0] - p.ttft_s) / p.ttft_s * 100 for s, p in zip(sim, bursts, strict=True)]
+        tpot = [
+            abs(s[1] - p.tpot_s) / p.tpot_s * 100
+            for s, p in zip(sim, bursts, strict=True)
+            if s[1] is not None and p.tpot_s
+        ]
+        out[key] = {
+            "ttft_mean_abs_pct": sum(ttft) / len(ttft),
+            "tpot_mean_abs_pct": sum(tpot) / len(tpot) if tpot else None,
+        }
+    return out
+
+
+def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
+    ov = report["overhead"]
+    o = ov["overhead"]
+    lines = ["# Fidelity: the simulator vs the running server", ""]
+    if report["command"]:
+        lines += ["```", report["command"], "```", ""]
+    if report["replay"]:
+        rp = report["replay"]
+        lines += [
+            f"Replay: {rp['max_requests']} requests of `{rp['trace']}`, "
+            f"rate x{rp['rate_scale']:g}, "
+            f"lengths x{rp['length_scale']:g}, caps prompt {rp['max_prompt_tokens']} / output "
+            f"{rp['max_output_tokens']} tokens.",
+            "",
+        ]
+    lines += [
+        table(report["rows"], "Simulated (cost model + serving-path overhead) vs measured"),
+        "",
+        f"Serving-path overhead, fitted to {ov['probes']} probes of the idle server (never "
+        f"to the replay): {o['request_s'] * 1e3:.2f} ms per request, "
+        f"{o['iteration_s'] * 1e3:.2f} ms per engine iteration, tokens delivered "
+        f"{o['delivery_iters']:g} iterations after they are made. On the probes: TTFT "
+        f"error {ov['ttft_mean_abs_pct']:.1f}% (engine only "
+        f"{ov['engine_only_ttft_mean_abs_pct']:.1f}%), TPOT {ov['tpot_mean_abs_pct']:.1f}% "
+        f"(engine only {ov['engine_only_tpot_mean_abs_pct']:.1f}%).",
+        "",
+    ]
+    b = report.get("bursts")
+    if b:
+        f, e = b["fitted"], b["engine_only"]
+        lines += [
+            f"Check on the {b['probes']} burst probes (4 and 12 requests sent at once; not "
+            f"fitted, the runtime takes concurrent submits one per engine step, which the "
+            f"model lacks): TTFT error {f['ttft_mean_abs_pct']:.1f}% (engine only "
+            f"{e['ttft_mean_abs_pct']:.1f}%), TPOT {f['tpot_mean_abs_pct']:.1f}% (engine only "
+            f"{e['tpot_mean_abs_pct']:.1f}%).",
+            "",
+        ]
+    lines += [
+        table(report["rows_engine_only"], "Engine only (calibrated cost model alone) vs measured"),
+        "",
+    ]
+    cal = report.get("calibration_error") or {}
+    for m, phases in cal.items():
+        parts = [
+            f"{ph} mean |error| {e['mean_abs_pct']:.1f}% (max {e['max_abs_pct']:.1f}%)"
+            for ph, e in phases.items()
+        ]
+        lines.append(f"Cost-model fit of {m} to its profile: " + "; ".join(parts) + ".")
+    lines += [
+        "",
+        "Not modelled: the load generator and the server sharing the CPU cores with the "
+        "workers; text held back by the incremental detokenizer (TTFT and TPOT count chunks "
+        "with text); the admission queue's 429s; see fleetserve.experiments.fidelity.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
+    """Run ``fleetserve fidelity`` (module docstring)."""
+    from fleetserve.cli.serve import load_serve_config
+    from fleetserve.experiments.fidelity import emulated_sim_config
+
+    if not Path(args.config).is_file():
+        raise InputError("config file not found", file=args.config)
+    cfg = load_serve_config(args.config, args.set)
+    emulated_sim_config(cfg, None)  # a config the simulation cannot emulate fails here
+    profile: Path | None = None
+    if args.profile is not None:
+        profile = Path(args.profile)
+        if not profile.is_file():
+            raise InputError("profile not found", file=str(profile))
+        emulated_sim_config(cfg, profile)  # the profile is checked before anything runs
+    replay = replay_settings(cfg, args.config, args)
+    out = Path(args.out)
+    if args.analyze_only:
+        raw = json.loads((out / "overhead_probe.json").read_text())
+        from fleetserve.experiments.fidelity_overhead import ProbeRequest
+
+        probes: list[Any] = [ProbeRequest.from_dict(p) for p in raw["probes"]]
+        if profile is None and (out / "profile.csv").is_file():
+            profile = out / "profile.csv"
+    else:
+        require_modules("fidelity", "runtime", "torch", "ray", "fastapi", "uvicorn", "httpx")
+        out.mkdir(parents=True, exist_ok=True)
+        if profile is None:
+            profile = profile_models(cfg, out)
+        probes = measure(cfg, args, replay, out)
+    command = "fleetserve " + " ".join(sys.argv[1:]) if sys.argv else ""
+    report = analyze(cfg, profile, probes, out, command=command, replay=replay)
+    from fleetserve.experiments.fidelity import fidelity_markdown
+
+    console.print(fidelity_markdown(report["rows"]), highlight=False, markup=False)
+    console.print(
+        f"{report['target_within']} of {report['target_total']} target metrics within "
+        f"{report['tolerance_pct']:g}%; results in {out} (fidelity.md, fidelity.json, "
+        "measured/, simulated/, simulated-engine-only/)",
+        highlight=False,
+    )
+    return 0
+
+
+def add_fidelity_parser(sub: Any) -> None:
+    """The ``fidelity`` subcommand."""
+    p = sub.add_parser(
+        "fidelity",
+        help="profile, serve, replay and simulate one config; compare simulated and measured",
+        description="Profile the engine, serve CONFIG, probe and replay a trace against it, "
+        "simulate the same requests on the emulated cluster and write the comparison.",
+    )
+    p.add_argument("config", help="YAML config with a serve: section (CPU workers)")
+    p.add_argument("--out", required=True, help="result directory")
+    p.add_argument("--profile", help="reuse this engine profile CSV (skip profile-engine)")
+    p.add_argument("--trace", help="trace file (default: the config's, else the Azure conv trace)")
+    p.add_argument("--format", help="trace format (default: the config's, or detected)")
+    p.add_argument(
+        "--max-requests", type=int, help=f"default: the config's, else {DEFAULT_MAX_REQUESTS}"
+    )
+    p.add_argument("--rate-scale", type=float, help="default: the config's workload.rate_scale")
+    p.add_argument("--length-scale", type=float, help="default: the config's workload.length_scale")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="cap prompt lengths (default 512)"
+    )
+    p.add_argument(
+        "--max-output-tokens", type=int, default=128, help="cap output lengths (default 128)"
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=180.0, help="seconds to wait for the server"
+    )
+    p.add_argument(
+        "--analyze-only",
+        action="store_true",
+        help="redo only the fit, the simulations and the table from OUT's measurements",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
+    p.set_defaults(func=cmd_fidelity)
