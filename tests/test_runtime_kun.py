@@ -151,13 +151,13 @@ def test_burst_drops_layers_and_pipelines_exactly() -> None:
     running requests' KV is exchanged, and every output equals the engine's
     greedy reference — the activations crossed between the two workers."""
     prompts = _prompts(24, 120)
-    ref = _reference(prompts, 40)
+    ref = _reference(prompts, 96)
 
     async def main() -> None:
         ctl, handles = await _start(_config())
         try:
             cap0 = sum(h.worker.core.stage_pages()[1] for h in handles)
-            ts = await _burst(ctl, prompts, 40)
+            ts = await _burst(ctl, prompts, 96)
             outs = await asyncio.gather(*(_collect(t) for t in ts))
             assert [o[0] for o in outs] == ref
             assert all(o[1] == "length" for o in outs)
@@ -192,7 +192,7 @@ def test_group_restores_when_demand_falls() -> None:
     async def main() -> None:
         ctl, handles = await _start(_config(restore_min_s=0.3))
         try:
-            ts = await _burst(ctl, prompts, 24)
+            ts = await _burst(ctl, prompts, 96)
             await asyncio.gather(*(_collect(t) for t in ts))
             assert ctl.metrics.drops._value.get() >= 2
             await _wait(lambda: not _groups(ctl))
@@ -216,12 +216,12 @@ def test_member_loss_recovers_from_host_copy() -> None:
     group, reloads its dropped layers from the host copy, and every request
     finishes with the greedy reference's tokens, each exactly once."""
     prompts = _prompts(24, 120)
-    ref = _reference(prompts, 48)
+    ref = _reference(prompts, 96)
 
     async def main() -> None:
         ctl, handles = await _start(_config())
         try:
-            ts = await _burst(ctl, prompts, 48)
+            ts = await _burst(ctl, prompts, 96)
             tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
             await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
             await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
@@ -276,7 +276,7 @@ def test_server_drops_are_in_metrics_and_texts_exact() -> None:
     from serve_util import metric_value, running_server
 
     prompts = _prompts(24, 120)
-    ref = _reference(prompts, 24, text=True)
+    ref = _reference(prompts, 64, text=True)
     data = {
         "serve": {"workers": 2, "gpu_memory_mb": 15, "models": [MODEL], "max_queue": 256},
         "policy": {"stack": "kunserve"},
@@ -293,7 +293,7 @@ def test_server_drops_are_in_metrics_and_texts_exact() -> None:
                             json={
                                 "model": MODEL,
                                 "prompt": ids,
-                                "max_tokens": 24,
+                                "max_tokens": 64,
                                 "ignore_eos": True,
                                 "temperature": 0,
                             },

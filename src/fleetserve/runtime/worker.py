@@ -52,6 +52,9 @@ from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
+POLL_YIELDS = 4
+"""Event-loop yields after a step that made tokens (see ``Worker._run``)."""
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -594,7 +597,13 @@ class Worker:
                 raise
             if core.has_events():
                 self._events.set()
-            await asyncio.sleep(0)
+                # let a waiting poll (and Ray's reply to it) through before the
+                # next step holds the interpreter again: one yield is not enough
+                # for the poll's wake-up and its reply to both run
+                for _ in range(POLL_YIELDS):
+                    await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0)
 
     async def _group_step(self) -> None:
         g = self.core.group
@@ -706,7 +715,8 @@ class Worker:
         if not self.core.has_events():
             self._events.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._events.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._events.wait()
         self._events.clear()
         return self.core.take_report()
 
