@@ -223,7 +223,7 @@ class KunRuntime:
             self.replica_kv[iid] = snap.total_blocks * snap.page_bytes
             self._add_replica(iid)
         self.log: list[dict[str, Any]] = []
-        self._busy: set[asyncio.Task[Any]] = set()
+        self._restoring: dict[int, asyncio.Task[Any]] = {}  # group key -> its restore step
 
     # ------------------------------------------------------------ executors
     def _add_replica(self, iid: int) -> KunExec:
@@ -286,22 +286,17 @@ class KunRuntime:
                     act.shortfall_bytes,
                 )
         for e in list(self.execs.values()):
-            if e.phase == RESTORING and not self._running(e.key):
-                self._spawn(self.restore_step(e), key=e.key)
+            step = self._restoring.get(e.key)
+            if e.phase == RESTORING and (step is None or step.done()):
+                self._restoring[e.key] = self._spawn(self.restore_step(e))
             broken = self.ctl.workers[self.wid_of[e.members[0]]].snap.group_broken
             if e.is_group and broken and e.phase in (SERVING, RESTORING):
                 logger.warning("buddy group %s stopped (%s): recovering", e.members, broken)
                 e.phase = RECOVERING
                 self._spawn(self.recover(e))
 
-    def _running(self, key: int) -> bool:
-        return any(getattr(t, "kun_key", None) == key and not t.done() for t in self._busy)
-
-    def _spawn(self, coro: Any, key: int | None = None) -> None:
-        task = self.ctl._spawn(coro)
-        task.kun_key = key  # type: ignore[attr-defined]
-        self._busy.add(task)
-        task.add_done_callback(self._busy.discard)
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self.ctl._spawn(coro)
 
     def _log(self, what: str, members: tuple[int, ...], now: float, **kw: Any) -> None:
         self.log.append({"t": round(now, 3), "event": what, "members": list(members), **kw})
@@ -441,6 +436,7 @@ class KunRuntime:
                     raise
 
     def _split(self, e: KunExec) -> None:
+        self._restoring.pop(e.key, None)
         self.execs.pop(e.key, None)
         self.policy.forget(e.key)
         for m in e.members:
