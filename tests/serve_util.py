@@ -89,7 +89,7 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def reference_text(model: str, prompt: str, n: int, arena_mb: float = 48) -> str:
+def reference_text(model: str, prompt: str | list[int], n: int, arena_mb: float = 48) -> str:
     """What the engine itself generates greedily for ``prompt`` (``n`` tokens,
     EOS ignored), with the same built-in weights the workers load."""
     from fleetserve.runtime.engine.engine import Engine

@@ -330,7 +330,8 @@ def test_replay_counts_latencies_and_result_files(
     # Requests as sent: token-id prompts in range, max_tokens from the trace.
     replayed = [b for b in fake.state.bodies if b["max_tokens"] in {r[2] for r in ROWS}]
     assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0 for b in replayed)
-    assert all(b["stream_options"] == {"include_usage": True} for b in replayed)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    assert all(b["stream_options"] == opts for b in replayed)
     assert all(0 <= t <= 255 for b in replayed for t in b["prompt"])
     assert {b["model"] for b in fake.state.bodies} == {"fake-a"}  # the server's first model
 
@@ -459,3 +460,62 @@ def test_fleetserve_main_runs_bench_serve(
     url = f"http://127.0.0.1:{port}"
     rc = main(["bench-serve", "--url", url, "--trace", str(trace), "--out", str(tmp_path / "o")])
     one_line_error(rc, capsys.readouterr().err, "cannot reach", url)
+
+
+# --------------------------------------------------------------------------- token timing
+
+
+def _sse_outcome(chunks: list[dict[str, Any]], pause_s: float = 0.02) -> Any:
+    """``stream_completion`` against a stream of ``chunks`` sent ``pause_s`` apart."""
+    import httpx
+
+    from fleetserve.runtime.bench_serve import stream_completion
+
+    async def body() -> Any:
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n".encode()
+            await asyncio.sleep(pause_s)
+        yield b"data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    async def go() -> Any:
+        async with httpx.AsyncClient(
+            base_url="http://fake", transport=httpx.MockTransport(handler)
+        ) as client:
+            out, _ = await stream_completion(client, {"model": "m"}, 10)
+            return out
+
+    return asyncio.run(go())
+
+
+def _tok(text: str, n: int | None, finish: str | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+    if n is not None:
+        c["usage"] = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+    return c
+
+
+def test_per_token_usage_times_tokens_whose_text_is_held_back() -> None:
+    # vLLM's continuous_usage_stats: token 1 is half a UTF-8 character (no text yet)
+    out = _sse_outcome([_tok("", 1), _tok("é", 2), _tok("a", 3), _tok("", 3, "length")])
+    assert out.status == "finished" and out.generated == 3 and out.finish_reason == "length"
+    assert len(out.gaps) == 2 and all(g >= 0.01 for g in out.gaps)
+    # the first token arrived with the first (empty) chunk, a pause before the text
+    assert out.last_token - out.first_token == pytest.approx(sum(out.gaps))
+    assert sum(out.gaps) >= 0.03
+
+
+def test_tokens_sharing_a_chunk_count_each() -> None:
+    out = _sse_outcome([_tok("ab", 2), _tok("cde", 5, "length")])
+    assert out.generated == 5
+    assert len(out.gaps) == 4 and out.gaps[0] == 0.0 and out.gaps[2:] == [0.0, 0.0]
+    assert out.gaps[1] >= 0.01
+
+
+def test_without_per_chunk_usage_text_chunks_are_tokens() -> None:
+    usage_only = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}
+    out = _sse_outcome([_tok("", None), _tok("x", None), _tok("y", None, "length"), usage_only])
+    assert out.generated == 3  # the final usage has the last word
+    assert len(out.gaps) == 1  # two text chunks: the empty one is not a token

@@ -234,3 +234,48 @@ def test_grid_and_engine_errors() -> None:
     eng.add_request("tiny-llama-a", [1, 2, 3])
     with pytest.raises(ConfigError, match="idle"):
         profile_engine(eng, TINY)
+
+
+def test_max_prefill_tokens_leaves_larger_prefills_out() -> None:
+    grid = ProfileGrid(
+        batch_sizes=(1, 3), context_lengths=(5,), prompt_lengths=(4, 17), max_prefill_tokens=17
+    )
+    # 3 x 17 = 51 > 17 is not a point of the grid (not a skipped one)
+    assert grid.prefill_points() == [(4, 1), (4, 3), (17, 1)]
+    assert grid.points == 5
+    seen: list[tuple[int, int]] = []
+    res = profile_engine(
+        build_engine("tiny-llama-a", grid), grid, progress=lambda d, n, _: seen.append((d, n))
+    )
+    assert sorted((r.batch_size, r.tokens) for r in res.rows if r.phase == "prefill") == [
+        (1, 4),
+        (1, 17),
+        (3, 12),
+    ]
+    assert not res.skipped and seen[-1] == (5, 5)
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        ProfileGrid(
+            batch_sizes=(1,), context_lengths=(8,), prompt_lengths=(4,), max_prefill_tokens=0
+        )
+    with pytest.raises(ConfigError, match="every prefill point"):
+        ProfileGrid(batch_sizes=(2,), context_lengths=(), prompt_lengths=(4,), max_prefill_tokens=5)
+
+
+def test_cli_max_prefill_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.csv"
+    rc, stdout, _ = run_cli(
+        capsys,
+        "profile-engine",
+        "--model",
+        "tiny-llama-a",
+        "--quick",
+        "--max-prefill-tokens",
+        "24",
+        "--no-progress",
+        "--out",
+        out,
+    )
+    assert rc == 0, stdout
+    rows = load_profile(out)
+    assert max(r.tokens for r in rows if r.phase == "prefill") == 24
+    assert sum(r.phase == "prefill" for r in rows) == 3  # 8x1, 8x2, 24x1 (48 is out)

@@ -95,7 +95,7 @@ def test_engine_models_shapes() -> None:
     assert (b.num_layers, b.hidden_size, b.intermediate_size) == (6, 384, 1024)
     assert a.dtype_bytes == b.dtype_bytes == 4  # float32 engine
     assert a.kv_bytes_per_token == 4 * 2 * 2 * 64 * 4
-    assert set(ENGINE_MODELS) == {A, B}
+    assert set(ENGINE_MODELS) == {A, B, "small-llama"}
     with pytest.raises(UnknownNameError, match="tiny-llama-a"):
         get_model("tiny-llama-z")
 

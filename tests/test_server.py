@@ -89,6 +89,40 @@ def test_chat_streaming_and_not(client: openai.OpenAI) -> None:
     assert "".join(parts) == whole.choices[0].message.content
 
 
+def test_continuous_usage_stats_gives_every_token_a_chunk(srv: Running) -> None:
+    """vLLM's ``continuous_usage_stats``: one chunk per token, counting; the
+    text adds up to the plain stream's, where held-back bytes send nothing."""
+    body = {
+        "model": A,
+        "prompt": [200, 201, 202],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+    def chunks(b: dict[str, object]) -> list[dict[str, object]]:
+        url = srv.url + "/v1/completions"
+        with httpx.stream("POST", url, json=b, headers=_auth(), timeout=60) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+    every = chunks(body)
+    tokens = [c for c in every if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert [c["usage"]["completion_tokens"] for c in tokens] == list(range(1, 25))
+    final = [c for c in every if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["usage"]["completion_tokens"] == 24
+    assert every[-1]["choices"] == [] and every[-1]["usage"]["completion_tokens"] == 24
+    plain = chunks({**body, "stream_options": {"include_usage": True}})
+    text = "".join(c["choices"][0]["text"] for c in every if c["choices"])
+    assert text == "".join(c["choices"][0]["text"] for c in plain if c["choices"])
+    assert text == reference_text(A, [200, 201, 202], 24)
+    assert sum(1 for c in plain if c["choices"]) <= len(tokens) + 1
+
+
 def test_sse_framing_ends_with_done(srv: Running) -> None:
     body = {"model": A, "prompt": "x", "max_tokens": 3, "stream": True, "ignore_eos": True}
     with httpx.stream(

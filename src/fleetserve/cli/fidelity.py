@@ -139,7 +139,8 @@ def _fleetserve(*args: str) -> list[str]:
 def profile_models(cfg: SimConfig, out: Path) -> Path:
     """``fleetserve profile-engine`` for every served model (one subprocess
     each, ``serve.threads_per_worker`` threads, the served dtype and block
-    size), merged into ``out/profile.csv``.
+    size, no prefill point larger than ``serve.max_batch_tokens``: the engine
+    never runs one), merged into ``out/profile.csv``.
 
     Raises:
         FleetserveError: a profile run failed (its output's last line).
@@ -161,6 +162,8 @@ def profile_models(cfg: SimConfig, out: Path) -> Path:
             sv.dtype,
             "--block-size",
             str(cfg.cluster.block_size),
+            "--max-prefill-tokens",
+            str(sv.max_batch_tokens),
             "--no-progress",
             "--out",
             str(part),
@@ -502,8 +505,8 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
     lines += [
         "",
         "Not modelled: the load generator and the server sharing the CPU cores with the "
-        "workers; text held back by the incremental detokenizer (TTFT and TPOT count chunks "
-        "with text); the admission queue's 429s; see fleetserve.experiments.fidelity.",
+        "workers; the admission queue's 429s; see fleetserve.experiments.fidelity. "
+        "Tokens are timed as they reach the client (per-token usage chunks), text or not.",
         "",
     ]
     return "\n".join(lines)

@@ -486,6 +486,7 @@ def cmd_profile_engine(args: argparse.Namespace, console: Console) -> int:
         else _int_list(args.prompt_lengths, "--prompt-lengths"),
         repeats=base.repeats if args.repeats is None else args.repeats,
         warmup=base.warmup if args.warmup is None else args.warmup,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     arena = None
     if args.arena_gib is not None:
@@ -614,6 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--prompt-lengths", help="prefill prompt lengths (default 32,128,512)")
     prof.add_argument("--repeats", type=int, help="timed iterations per point (default 5)")
     prof.add_argument("--warmup", type=int, help="untimed iterations per point (default 1)")
+    prof.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        help="leave out prefill points of more tokens (batch x prompt) than this, e.g. the "
+        "served engine's max_batch_tokens (default: no cap)",
+    )
     prof.add_argument(
         "--gpu-name",
         help="the CSV's gpu column; a GPU catalog name to calibrate from it "

@@ -73,8 +73,7 @@ Known differences (not modelled): the runtime's admission queue
 and the server, the load generator or anything else on the machine (the
 probes see it only as far as it was there while they ran); concurrent
 ``submit`` calls reaching a busy worker one per engine step (the Ray core
-thread waits for the GIL the step holds); text held back by the incremental
-detokenizer (the client's TTFT and TPOT count chunks with text); decode
+thread waits for the GIL the step holds); decode
 attention padding inside a context bucket (the cost model sees the batch's
 total context); the engine reserving pages for one token more than the
 prompt at admission, admitting no prompt in a step that preempted, and

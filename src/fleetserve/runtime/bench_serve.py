@@ -32,19 +32,22 @@ Design choices:
   tiny models have a byte vocabulary) by ``numpy.random.default_rng((seed, 0, id))``
   — the same prompt for the same request and seed whatever the send order.
   ``max_tokens = output_tokens``, ``ignore_eos``, ``temperature 0``, streamed with
-  ``include_usage``.
+  ``include_usage`` and vLLM's ``continuous_usage_stats`` (usage on every chunk).
 * **Open loop.** Request *i* is sent at ``t0 + arrival_s[i]`` whether or not earlier
   ones finished. With ``concurrency_limit`` a request waits (client side) for a
   free slot. A record's ``arrival_s`` is the moment it was actually sent (what the
   server saw), so latencies are server + network time; how late sends were against
   the schedule (event-loop lag and concurrency-limit waits) is reported separately
   as ``bench.send_lag_s``.
-* **What is measured.** TTFT: first chunk with non-empty ``text``. ``finish_s``:
-  the last such chunk (the last token). ``generated``: ``usage.completion_tokens``,
-  else the number of non-empty text chunks. TPOT is
+* **What is measured.** Token arrivals: a chunk whose ``usage.completion_tokens``
+  rose by k brings k tokens, whatever their text (a byte-level tokenizer's token
+  may be half a UTF-8 character, whose text the server holds back); from a server
+  without per-chunk usage, each chunk with non-empty ``text`` is one token. TTFT:
+  the first token's arrival; ``finish_s``: the last token's. ``generated``: the
+  final ``usage.completion_tokens``, else the count of text chunks. TPOT is
   :attr:`RequestRecord.tpot_s` (``(finish - first) / (generated - 1)``, the
-  simulator's mean decode step). ``bench.itl_s`` are gaps between successive text
-  chunks (a server may put several tokens in one chunk).
+  simulator's mean decode step). ``bench.itl_s`` are gaps between successive
+  tokens (0 between tokens that share a chunk).
 * **Status.** Any non-200 answer (429/503 overload, 400, 5xx) is ``rejected`` with
   reason ``"HTTP <status>: <error message>"``; it is not retried (retrying would
   change the offered load). A timeout, a connection error, a malformed or truncated
@@ -542,12 +545,13 @@ class Outcome:
         reason: why it was rejected or did not finish.
         http_status: the response status (None without a response).
         send: when the request was sent.
-        first_token: first chunk with non-empty text (None if none).
-        last_token: last chunk with non-empty text.
+        first_token: arrival of the first token (see :func:`_consume_sse`; None
+            if none).
+        last_token: arrival of the last token.
         end: when the exchange ended (stream closed, error, timeout).
         generated: ``usage.completion_tokens``, else non-empty text chunks.
         finish_reason: the last ``finish_reason`` seen.
-        gaps: times between successive text chunks.
+        gaps: times between successive tokens (0 for tokens sharing a chunk).
     """
 
     status: Status = "unfinished"
@@ -574,11 +578,31 @@ class _StreamError(Exception):
 
 
 async def _consume_sse(resp: httpx.Response, out: Outcome) -> None:
-    """Read ``data:`` lines until ``[DONE]``; fill ``out``'s times and counts."""
+    """Read ``data:`` lines until ``[DONE]``; fill ``out``'s times and counts.
+
+    Tokens are timed by ``usage.completion_tokens`` when the server sends it on
+    its chunks (vLLM's ``continuous_usage_stats``, which :func:`completion_body`
+    asks for): a chunk raising the count by k delivers k tokens, text or not.
+    Otherwise each chunk with non-empty text counts as one token (a token whose
+    text the server's detokenizer holds back then reaches the client late).
+    """
     done = False
     usage_tokens: int | None = None
-    text_chunks = 0
+    per_token = False  # the server puts usage on its token chunks
+    counted = 0
     first_choice: float | None = None
+
+    def arrive(now: float, k: int) -> None:
+        nonlocal counted
+        for _ in range(k):
+            if out.last_token is not None:
+                out.gaps.append(now - out.last_token)
+            if out.first_token is None:
+                out.first_token = now
+            out.last_token = now
+        counted += k
+        out.generated = counted  # so far; usage (if sent) has the last word
+
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, ": keep-alive" comments, event:/id: fields
@@ -596,24 +620,24 @@ async def _consume_sse(resp: httpx.Response, out: Outcome) -> None:
         if "error" in chunk:
             raise _StreamError(f"error mid-stream: {_error_message(payload.encode())}")
         usage = chunk.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            usage_tokens = usage["completion_tokens"]
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict):
-                continue
-            if first_choice is None:
-                first_choice = now
-            if choice.get("text"):
-                if out.last_token is not None:
-                    out.gaps.append(now - out.last_token)
-                if out.first_token is None:
-                    out.first_token = now
-                out.last_token = now
-                text_chunks += 1
-                out.generated = text_chunks  # so far; usage (if sent) has the last word
+        ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if not isinstance(ct, int) or isinstance(ct, bool):
+            ct = None
+        if ct is not None:
+            usage_tokens = ct
+        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict)]
+        if choices and first_choice is None:
+            first_choice = now
+        if choices and ct is not None:
+            per_token = True
+            if ct > counted:
+                arrive(now, ct - counted)
+        for choice in choices:
+            if choice.get("text") and not per_token:
+                arrive(now, 1)
             if choice.get("finish_reason") is not None:
                 out.finish_reason = str(choice["finish_reason"])
-    out.generated = usage_tokens if usage_tokens is not None else text_chunks
+    out.generated = usage_tokens if usage_tokens is not None else counted
     if out.first_token is None and first_choice is not None:
         out.first_token = out.last_token = first_choice  # tokens that decode to no text
     if not done and out.finish_reason is None:
@@ -664,7 +688,7 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": True,
     }
 

@@ -24,10 +24,13 @@ one-element list of either), ``messages`` (chat), ``max_tokens`` (chat also
 ``max_completion_tokens``; default ``serve.max_tokens_default``),
 ``temperature`` (default 1.0, as OpenAI), ``top_p``, ``top_k``, ``seed``,
 ``stop``, ``n`` (only 1), ``stream``, ``stream_options.include_usage``, and
-vLLM's ``ignore_eos``. Fields the engine does not implement with a
-non-default value (``n > 1``, ``echo``, ``logprobs``, ``best_of``,
-penalties) get a 400 naming the field rather than being silently ignored;
-unknown fields are ignored, as OpenAI does.
+vLLM's ``ignore_eos`` and ``stream_options.continuous_usage_stats`` (every
+streamed token gets a chunk carrying ``usage``, even a token whose text the
+detokenizer holds back, so a client can time tokens rather than text).
+Fields the engine does not implement with a non-default value (``n > 1``,
+``echo``, ``logprobs``, ``best_of``, penalties) get a 400 naming the field
+rather than being silently ignored; unknown fields are ignored, as OpenAI
+does.
 
 Chat prompts use a plain template (``<|system|>``, ``<|user|>``,
 ``<|assistant|>`` lines, ending with ``<|assistant|>``), documented here
@@ -303,8 +306,10 @@ def create_app(
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            gen = _stream(c, t, rid, created, body.model, chat, usage)
+            opts = body.stream_options or {}
+            usage = bool(opts.get("include_usage"))
+            per_token = bool(opts.get("continuous_usage_stats"))
+            gen = _stream(c, t, rid, created, body.model, chat, usage, per_token)
             return StreamingResponse(gen, media_type="text/event-stream")
         return await _complete(c, request, t, rid, created, body.model, chat)
 
@@ -359,9 +364,28 @@ def _sse(obj: Any) -> str:
 
 
 async def _stream(
-    c: Controller, t: Tracked, rid: str, created: int, model: str, chat: bool, usage: bool
+    c: Controller,
+    t: Tracked,
+    rid: str,
+    created: int,
+    model: str,
+    chat: bool,
+    usage: bool,
+    per_token: bool = False,
 ) -> AsyncIterator[str]:
-    """SSE events until the request ends; a disconnect aborts it (``finally``)."""
+    """SSE events until the request ends; a disconnect aborts it (``finally``).
+
+    ``per_token`` (vLLM's ``continuous_usage_stats``): a chunk for every token,
+    text or not, each with the ``usage`` so far (``completion_tokens`` counts
+    the tokens streamed up to it), and ``usage`` on the finishing chunk too.
+    Without it, a token whose text is held back sends nothing.
+    """
+    n_in = len(t.prompt_ids)
+    n_out = 0  # every token the request makes goes through ``t.events``, from the first
+
+    def so_far() -> dict[str, int]:
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
     try:
         if chat:
             yield _sse(
@@ -379,20 +403,27 @@ async def _stream(
         while True:
             ev = await t.events.get()
             if ev[0] == "token":
-                if not ev[1]:
+                n_out += 1
+                if not ev[1] and not per_token:
                     continue
                 if chat:
                     choice = {"index": 0, "delta": {"content": ev[1]}, "finish_reason": None}
                 else:
                     choice = {"index": 0, "text": ev[1], "finish_reason": None}
-                yield _sse(_chunk(rid, created, model, chat, logprobs=None, **choice))
+                obj = _chunk(rid, created, model, chat, logprobs=None, **choice)
+                if per_token:
+                    obj["usage"] = so_far()
+                yield _sse(obj)
             elif ev[0] == "done":
                 last: dict[str, Any] = {"index": 0, "finish_reason": ev[1], "logprobs": None}
                 if chat:
                     last["delta"] = {}
                 else:
                     last["text"] = ""
-                yield _sse(_chunk(rid, created, model, chat, **last))
+                obj = _chunk(rid, created, model, chat, **last)
+                if per_token:
+                    obj["usage"] = _usage(t)
+                yield _sse(obj)
                 if usage:
                     obj = _chunk(rid, created, model, chat, index=0)
                     obj["choices"] = []

@@ -12,6 +12,7 @@ resolves the same specs by name)::
     name          layers  hidden  heads  kv heads  head_dim  inter  vocab
     tiny-llama-a       4     256      4         2        64    688    260
     tiny-llama-b       6     384      6         2        64   1024    260
+    small-llama        6     768     12         4        64   2048    260
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _builtin(name: str, seed: int) -> EngineModelConfig:
 BUILTIN_MODELS: dict[str, EngineModelConfig] = {
     "tiny-llama-a": _builtin("tiny-llama-a", seed=1),
     "tiny-llama-b": _builtin("tiny-llama-b", seed=2),
+    "small-llama": _builtin("small-llama", seed=3),
 }
 
 

@@ -104,9 +104,14 @@ class ProfileGrid:
         context_lengths: decode context per sequence, including the appended token.
         prompt_lengths: prefill prompt length per sequence.
 
-    The three lists are kept sorted and without duplicates.
         repeats: timed iterations per point (the median is recorded).
         warmup: untimed iterations per point before the timed ones.
+        max_prefill_tokens: leave out prefill points of more tokens than this
+            (batch x prompt): an engine capped at ``max_batch_tokens`` never
+            runs them, and on a CPU a large model takes seconds per point.
+            ``None``: no cap.
+
+    The three lists are kept sorted and without duplicates.
     """
 
     batch_sizes: tuple[int, ...]
@@ -114,6 +119,7 @@ class ProfileGrid:
     prompt_lengths: tuple[int, ...]
     repeats: int = 5
     warmup: int = 1
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "context_lengths", "prompt_lengths"):
@@ -129,11 +135,28 @@ class ProfileGrid:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        cap = self.max_prefill_tokens
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(f"max_prefill_tokens must be an integer >= 1, got {cap!r}")
+        if self.prompt_lengths and not self.prefill_points() and not self.context_lengths:
+            raise ConfigError(
+                f"every prefill point exceeds max_prefill_tokens={cap} and there is no decode point"
+            )
+
+    def prefill_points(self) -> list[tuple[int, int]]:
+        """(prompt length, batch size) of every prefill point, in measuring order."""
+        cap = self.max_prefill_tokens
+        return [
+            (p, b)
+            for p in self.prompt_lengths
+            for b in self.batch_sizes
+            if cap is None or b * p <= cap
+        ]
 
     @property
     def points(self) -> int:
         """Prefill plus decode points of the grid."""
-        return len(self.batch_sizes) * (len(self.prompt_lengths) + len(self.context_lengths))
+        return len(self.prefill_points()) + len(self.batch_sizes) * len(self.context_lengths)
 
 
 DEFAULT_GRID = ProfileGrid(
@@ -394,27 +417,26 @@ def profile_engine(
     pool = engine.pool
     batches = grid.batch_sizes
     # --- prefill: B whole prompts of P tokens
-    for p in grid.prompt_lengths:
-        for b in batches:
-            if p > spec.max_context:
-                skip("prefill", b, p, f"longer than the context window ({spec.max_context})")
-                continue
-            need = b * _pages_per_seq(engine, model, p)
-            if need > pool.num_free:
-                skip("prefill", b, p, f"needs {need} KV pages, the arena has {pool.num_free}")
-                continue
-            rids = [_RID_BASE + i for i in range(b)]
-            try:
-                for r in rids:
-                    pool.open(r, model)
-                    pool.grow(r, p)
-                t = timer.median(rids, [0] * b, [p] * b, tokens(b * p))
-            finally:
-                for r in rids:
-                    if pool.has(r):
-                        pool.free(r)
-            row("prefill", b, b * p, 0, t)
-            tick(f"prefill b={b} prompt={p}")
+    for p, b in grid.prefill_points():
+        if p > spec.max_context:
+            skip("prefill", b, p, f"longer than the context window ({spec.max_context})")
+            continue
+        need = b * _pages_per_seq(engine, model, p)
+        if need > pool.num_free:
+            skip("prefill", b, p, f"needs {need} KV pages, the arena has {pool.num_free}")
+            continue
+        rids = [_RID_BASE + i for i in range(b)]
+        try:
+            for r in rids:
+                pool.open(r, model)
+                pool.grow(r, p)
+            t = timer.median(rids, [0] * b, [p] * b, tokens(b * p))
+        finally:
+            for r in rids:
+                if pool.has(r):
+                    pool.free(r)
+        row("prefill", b, b * p, 0, t)
+        tick(f"prefill b={b} prompt={p}")
     # --- decode: B sequences at context C (C - 1 cached, one appended)
     for c in grid.context_lengths:
         if c > spec.max_context:
