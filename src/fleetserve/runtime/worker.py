@@ -4,8 +4,9 @@
 an :class:`~fleetserve.runtime.engine.engine.Engine` whose arena — layer
 weights plus KV cache — is the GPU's memory budget, runs engine steps, and
 buffers what happened (tokens, finishes) until the controller polls.
-:class:`Worker` is the Ray actor around it: an asyncio actor whose step loop
-runs between method calls, so every engine mutation happens on one thread.
+:class:`Worker` is the Ray actor around it: an asyncio actor that runs
+every engine call, steps included, one at a time on one dedicated thread, so
+its event loop answers Ray calls while a step runs.
 
 The worker makes no decision of its own. Where a request runs, when it moves
 and where to is decided by the controller's policies; whom to admit and whom
@@ -23,8 +24,10 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,8 +55,7 @@ from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-POLL_YIELDS = 4
-"""Event-loop yields after a step that made tokens (see ``Worker._run``)."""
+T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -559,51 +561,77 @@ def _as_waiting(s: RequestState) -> RequestState:
 class Worker:
     """The Ray actor around :class:`WorkerCore` (created with ``ray.remote``).
 
-    An asyncio actor: :meth:`run` is a task that steps the engine while it has
-    work and sleeps on an event otherwise; other calls run between steps, so
-    nothing touches the engine concurrently. :meth:`poll` long-polls: it
-    returns as soon as there are events, or after ``timeout_s`` with just a
-    snapshot.
+    An asyncio actor whose engine work runs on one dedicated thread. Every
+    call that touches the core (engine steps, submits, polls' reports,
+    migrations, buddy-group stages) goes through :meth:`_call`: an
+    ``asyncio.Lock`` (FIFO) plus a single-thread executor, so the engine is
+    only ever touched by one call at a time, in arrival order. The event
+    loop stays free while a step runs (the forward releases the GIL in its
+    kernels), so Ray delivers calls during the step: a submit is queued for
+    the lock at once and enters the very next step, and a long-poll is
+    already waiting when the step ends, returning its tokens right away
+    instead of an engine step or more later. A buddy group's leader runs its
+    group step on the loop (it awaits its stages' actors) holding the same
+    lock.
+
+    :meth:`run` is a task that steps the engine while it has work and sleeps
+    on an event otherwise. :meth:`poll` long-polls: it returns as soon as
+    there are events, or after ``timeout_s`` with just a snapshot.
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.core = WorkerCore(spec)
         self._wake = asyncio.Event()
         self._events = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._thread = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"worker{spec.worker_id}-engine",
+            initializer=_engine_thread_init,
+            initargs=(spec,),
+        )
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._stages: list[Any] = []  # a group leader's stage actors (index 0: unused)
 
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine thread, after every call queued before it."""
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
     async def start(self) -> WorkerSnap:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        return self.core.snapshot()
+        return await self._call(self.core.snapshot)
 
     async def _run(self) -> None:
         core = self.core
-        while not self._stopped:
-            local, grouped = core.has_work(), core.group_has_work()
-            if not local and not grouped:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                if local:
-                    core.step()
-                if grouped:
-                    await self._group_step()
-            except Exception:  # an engine bug must not hang the controller's polls
-                logger.exception("worker %d: step failed", core.spec.worker_id)
-                raise
-            if core.has_events():
-                self._events.set()
-                # let a waiting poll (and Ray's reply to it) through before the
-                # next step holds the interpreter again: one yield is not enough
-                # for the poll's wake-up and its reply to both run
-                for _ in range(POLL_YIELDS):
-                    await asyncio.sleep(0)
-            else:
+        try:
+            while not self._stopped:
+                # read on the loop while the engine thread may be busy: a stale
+                # answer only costs one more turn (a submit sets _wake after
+                # its call has run)
+                local, grouped = core.has_work(), core.group_has_work()
+                if not local and not grouped:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                try:
+                    if local:
+                        await self._call(core.step)
+                    if grouped:
+                        async with self._lock:
+                            await self._group_step()
+                except Exception:  # an engine bug must not hang the controller's polls
+                    logger.exception("worker %d: step failed", core.spec.worker_id)
+                    raise
+                if core.has_events():
+                    self._events.set()
+                # one turn of the loop: a poll woken just now queues for the lock
+                # ahead of the next step (calls that came during the step already are)
                 await asyncio.sleep(0)
+        finally:
+            self._thread.shutdown(wait=False)
 
     async def _group_step(self) -> None:
         g = self.core.group
@@ -631,7 +659,7 @@ class Worker:
     async def submit(
         self, rid: int, model: str, prompt_ids: list[int], params: SamplingParams, arrival_s: float
     ) -> None:
-        self.core.submit(rid, model, prompt_ids, params, arrival_s)
+        await self._call(self.core.submit, rid, model, prompt_ids, params, arrival_s)
         self._wake.set()
 
     async def resume(
@@ -644,27 +672,29 @@ class Worker:
         params: SamplingParams,
         arrival_s: float,
     ) -> None:
-        self.core.resume(rid, model, prompt_ids, output_ids, text, params, arrival_s)
+        await self._call(
+            self.core.resume, rid, model, prompt_ids, output_ids, text, params, arrival_s
+        )
         self._wake.set()
 
     async def abort(self, rid: int) -> bool:
-        ok = self.core.abort(rid)
+        ok = await self._call(self.core.abort, rid)
         self._kick()
         return ok
 
     async def export(self, rid: int, with_kv: bool) -> tuple[RequestState, KVChunk | None] | None:
-        return self.core.export(rid, with_kv)
+        return await self._call(self.core.export, rid, with_kv)
 
     async def release(self, rid: int) -> None:
-        self.core.release(rid)
+        await self._call(self.core.release, rid)
         self._kick()
 
     async def unpause(self, rid: int) -> None:
-        self.core.unpause(rid)
+        await self._call(self.core.unpause, rid)
         self._wake.set()
 
     async def import_request(self, state: RequestState, chunk: KVChunk | None) -> bool:
-        ok = self.core.import_request(state, chunk)
+        ok = await self._call(self.core.import_request, state, chunk)
         self._wake.set()
         return ok
 
@@ -672,44 +702,44 @@ class Worker:
     async def evacuate(
         self, model: str, role: StageRole
     ) -> list[tuple[RequestState, dict[int, KVChunk], int]]:
-        return self.core.evacuate(model, role)
+        return await self._call(self.core.evacuate, model, role)
 
     async def become_stage(self, role: StageRole) -> int:
-        return self.core.become_stage(role)
+        return await self._call(self.core.become_stage, role)
 
     async def lead(
         self, role: StageRole, stages: list[Any], stage_free: list[int], stage_total: list[int]
     ) -> None:
-        self.core.lead(role, stage_free, stage_total)
+        await self._call(self.core.lead, role, stage_free, stage_total)
         self._stages = list(stages)
 
     async def adopt(self, items: list[tuple[RequestState, int, list[int]]]) -> None:
-        self.core.adopt(items)
+        await self._call(self.core.adopt, items)
         self._wake.set()
 
     async def stage_pages(self) -> tuple[int, int]:
-        return self.core.stage_pages()
+        return await self._call(self.core.stage_pages)
 
     async def stage_forward(self, work: StageWork) -> StageResult:
-        return self.core.stage_forward(work)
+        return await self._call(self.core.stage_forward, work)
 
     async def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
-        return self.core.stage_import(key, n_tokens, chunk)
+        return await self._call(self.core.stage_import, key, n_tokens, chunk)
 
     async def stage_free(self, keys: list[int]) -> int:
-        return self.core.stage_free(keys)
+        return await self._call(self.core.stage_free, keys)
 
     async def restore_layers(self, model: str) -> tuple[int, int]:
-        return self.core.restore_layers(model)
+        return await self._call(self.core.restore_layers, model)
 
     async def leave_group(self) -> list[RequestState]:
-        out = self.core.leave_group()
+        out = await self._call(self.core.leave_group)
         self._stages = []
         self._kick()
         return out
 
     async def group_idle(self) -> bool:
-        return self.core.group_idle()
+        return await self._call(self.core.group_idle)
 
     async def poll(self, timeout_s: float) -> Report:
         if not self.core.has_events():
@@ -718,14 +748,21 @@ class Worker:
                 async with asyncio.timeout(timeout_s):
                     await self._events.wait()
         self._events.clear()
-        return self.core.take_report()
+        return await self._call(self.core.take_report)
 
     async def snapshot(self) -> WorkerSnap:
-        return self.core.snapshot()
+        return await self._call(self.core.snapshot)
 
     async def check_integrity(self) -> None:
-        self.core.check_integrity()
+        await self._call(self.core.check_integrity)
 
     async def stop(self) -> None:
         self._stopped = True
         self._wake.set()
+
+
+def _engine_thread_init(spec: WorkerSpec) -> None:
+    """The engine thread's torch settings (intra-op threads are per thread
+    under some OpenMP runtimes)."""
+    if spec.device == "cpu":
+        torch.set_num_threads(spec.threads)
