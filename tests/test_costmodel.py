@@ -6,6 +6,7 @@ measurements; each test cites its source and uses a 30 % tolerance.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -483,6 +484,55 @@ def test_fit_decode_only_keeps_unidentifiable_defaults() -> None:
     assert fitted.overhead_s == pytest.approx(TRUE_PARAMS.overhead_s, rel=1e-6)
     assert fitted.compute_eff == DEFAULT_PARAMS.compute_eff
     assert fitted.attn_eff == DEFAULT_PARAMS.attn_eff
+
+
+def test_decode_batch_residuals_correct_decode_at_each_batch() -> None:
+    """A decode step that is slower than the roofline at some batch sizes (a CPU
+    matmul's small-batch kernels): the residual factors make every decode row
+    exact again; prefill rows and the roofline fit itself are untouched."""
+    m, g = get_model("llama-2-7b"), get_gpu("a100-40gb")
+    bent = {1: 1.0, 4: 1.3, 16: 1.15, 64: 1.0, 128: 0.9, 256: 1.0}
+    rows = [
+        replace(r, time_s=r.time_s * bent[r.batch_size]) if r.phase == "decode" else r
+        for r in synthetic_rows(m, g, 1, TRUE_PARAMS, 0.0)
+    ]
+    plain = fit(rows, m, g, 1)
+    fixed = fit(rows, m, g, 1, decode_batch_residuals=True)
+    assert plain.decode_batch_scale is None
+    assert fixed.decode_batch_scale is not None
+    assert [b for b, _ in fixed.decode_batch_scale] == sorted(bent)
+    assert replace(fixed, decode_batch_scale=None) == plain
+    c = CostModel(fixed).bind(m, g, 1)
+    err = relative_errors(c, rows)
+    dec = np.array([r.phase == "decode" for r in rows])
+    # one context per row and batch: the median over 3 contexts of an exact fit
+    assert np.max(np.abs(err[dec])) < np.max(
+        np.abs(relative_errors(CostModel(plain).bind(m, g, 1), rows)[dec])
+    )
+    assert np.allclose(err[~dec], relative_errors(CostModel(plain).bind(m, g, 1), rows)[~dec])
+    # interpolated between points, constant outside; every decode path agrees
+    p = fixed
+    f4, f16 = p.decode_scale(4), p.decode_scale(16)
+    assert p.decode_scale(10) == pytest.approx(f4 + (f16 - f4) * 6 / 12)
+    assert p.decode_scale(1000) == p.decode_scale(256)
+    assert p.decode_scale(1) == p.decode_scale(0)
+    ctx = np.array([1000.0, 5000.0])
+    base = CostModel(plain).bind(m, g, 1)
+    assert np.allclose(c.decode_time(10, ctx), base.decode_time(10, ctx) * p.decode_scale(10))
+    assert c.decode_time_scalar(10, 1000.0) == pytest.approx(
+        base.decode_time_scalar(10, 1000.0) * p.decode_scale(10)
+    )
+    one = c.ideal_times(np.array([100.0]), np.array([50.0]))[0]
+    alone = c.prefill_time([100]) + sum(c.decode_time_scalar(1, 100 + j) for j in range(1, 50))
+    assert one == pytest.approx(alone, rel=1e-9)
+    # JSON round trip, and clear errors
+    assert EfficiencyParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ConfigError, match="decode_batch_scale"):
+        EfficiencyParams(decode_batch_scale=((4, 1.0), (2, 1.0)))
+    with pytest.raises(ConfigError, match="decode_batch_scale"):
+        EfficiencyParams(decode_batch_scale=((1, 0.0),))
+    with pytest.raises(ConfigError, match="decode_batch_scale"):
+        EfficiencyParams.from_dict({"decode_batch_scale": "fast"})
 
 
 def test_fit_needs_matching_rows() -> None:

@@ -136,11 +136,18 @@ def _fleetserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "fleetserve.cli.main", *args]
 
 
+PROFILE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+"""Batch sizes ``fleetserve fidelity`` profiles (up to ``serve.max_running``): dense
+at the small batches where a CPU engine's decode step departs most from the
+roofline, so the calibration's per-batch decode correction sees them."""
+
+
 def profile_models(cfg: SimConfig, out: Path) -> Path:
     """``fleetserve profile-engine`` for every served model (one subprocess
     each, ``serve.threads_per_worker`` threads, the served dtype and block
-    size, no prefill point larger than ``serve.max_batch_tokens``: the engine
-    never runs one), merged into ``out/profile.csv``.
+    size, :data:`PROFILE_BATCHES` up to ``serve.max_running``, no prefill point
+    larger than ``serve.max_batch_tokens``: the engine never runs one), merged
+    into ``out/profile.csv``.
 
     Raises:
         FleetserveError: a profile run failed (its output's last line).
@@ -164,6 +171,8 @@ def profile_models(cfg: SimConfig, out: Path) -> Path:
             str(cfg.cluster.block_size),
             "--max-prefill-tokens",
             str(sv.max_batch_tokens),
+            "--batch-sizes",
+            ",".join(str(b) for b in PROFILE_BATCHES if b <= sv.max_running) or "1",
             "--no-progress",
             "--out",
             str(part),

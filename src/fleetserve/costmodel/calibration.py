@@ -67,7 +67,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -472,6 +472,7 @@ def fit(
     *,
     base: EfficiencyParams | None = None,
     decode_attention: bool = False,
+    decode_batch_residuals: bool = False,
 ) -> EfficiencyParams:
     """Fit efficiency parameters of (model, gpu, tp) to its profile rows.
 
@@ -486,6 +487,10 @@ def fit(
             ``allreduce_latency_s`` (default :data:`DEFAULT_PARAMS`).
         decode_attention: fit ``decode_attn_eff`` on its own (module
             docstring); False leaves it as ``base`` has it.
+        decode_batch_residuals: after the fit, set ``decode_batch_scale`` to
+            the median measured/predicted ratio of the decode rows at each
+            batch size (:class:`EfficiencyParams`); False leaves it as
+            ``base`` has it.
 
     Returns:
         The fitted parameters (see module docstring for the method and bounds).
@@ -527,7 +532,7 @@ def fit(
         obj = _objective(f, u)
         if obj < best_obj:
             best, best_obj = u, obj
-    return EfficiencyParams(
+    params = EfficiencyParams(
         compute_eff=float(1 / best[_UC]),
         mem_eff=float(1 / best[_UM]),
         overhead_s=float(best[_O]),
@@ -537,7 +542,27 @@ def fit(
         decode_attn_eff=(
             float(1 / best[_UD]) if decode_attention and f.x_d.any() else base.decode_attn_eff
         ),
+        decode_batch_scale=base.decode_batch_scale,
     )
+    if decode_batch_residuals:
+        params = _with_decode_residuals(params, mine, model, gpu, tp)
+    return params
+
+
+def _with_decode_residuals(
+    params: EfficiencyParams, rows: Sequence[ProfileRow], model: ModelSpec, gpu: GpuSpec, tp: int
+) -> EfficiencyParams:
+    """``params`` with ``decode_batch_scale`` from the decode rows' residuals
+    (unchanged when there is no decode row)."""
+    plain = InstanceCost(model, gpu, tp, replace(params, decode_batch_scale=None))
+    ratios: dict[int, list[float]] = {}
+    for r in rows:
+        if r.phase == "decode":
+            ratios.setdefault(r.batch_size, []).append(r.time_s / predict_row(plain, r))
+    if not ratios:
+        return params
+    pts = tuple((b, float(np.median(ratios[b]))) for b in sorted(ratios))
+    return replace(params, decode_batch_scale=pts)
 
 
 # --- calibration store ---------------------------------------------------------------
@@ -637,6 +662,7 @@ def calibrate(
     *,
     base: EfficiencyParams | None = None,
     decode_attention: bool = False,
+    decode_batch_residuals: bool = False,
 ) -> Calibration:
     """Fit every (model, gpu, tp) present in ``rows``.
 
@@ -646,6 +672,7 @@ def calibrate(
         resolve_gpu: name -> spec, e.g. :func:`fleetserve.spec.get_gpu`.
         base: see :func:`fit`.
         decode_attention: see :func:`fit`.
+        decode_batch_residuals: see :func:`fit`.
 
     Returns:
         A :class:`Calibration` with one entry per distinct key.
@@ -671,6 +698,12 @@ def calibrate(
             for r in mine
         ]
         entries[(model.name, gpu.name.lower(), tp)] = fit(
-            mine, model, gpu, tp, base=base, decode_attention=decode_attention
+            mine,
+            model,
+            gpu,
+            tp,
+            base=base,
+            decode_attention=decode_attention,
+            decode_batch_residuals=decode_batch_residuals,
         )
     return Calibration(entries)

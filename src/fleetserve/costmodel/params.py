@@ -35,12 +35,25 @@ the cited public measurement, within 30 %):
   one core) while prompts use fused SDPA (~40 GFLOP/s). Calibration fits it
   only when asked (``fit(..., decode_attention=True)``); left None, every
   result is exactly what it was without the field.
+* ``decode_batch_scale = None``: no correction. An extension for engines whose
+  decode step does not follow the roofline's straight lines in the batch size:
+  on the runtime's CPU engine a small-batch matmul's cost grows almost linearly
+  from 1 to 4-5 rows and then flattens (one core: 1, 2, 3, 4, 8 rows of a
+  768x2048 linear take ~95, 185, 275, 315, 450 us), which no choice of
+  efficiencies reproduces. ``(batch, factor)`` points measured by calibration
+  (``fit(..., decode_batch_residuals=True)``: the median measured/predicted
+  ratio of the profile's decode rows at each batch size) multiply every decode
+  iteration's time, interpolated linearly in the batch size between points and
+  held constant beyond the first and last (Vidur-style empirical correction on
+  top of the analytical model). Mixed and prefill iterations are not scaled.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from fleetserve.errors import ConfigError
 
@@ -76,8 +89,24 @@ class EfficiencyParams:
     attn_eff: float = 0.5
     allreduce_latency_s: float = 20e-6
     decode_attn_eff: float | None = None
+    decode_batch_scale: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.decode_batch_scale is not None:
+            pts = tuple((int(b), float(f)) for b, f in self.decode_batch_scale)
+            if not pts:
+                raise ConfigError("EfficiencyParams.decode_batch_scale must not be empty")
+            bs = [b for b, _ in pts]
+            if any(b < 1 for b in bs) or bs != sorted(set(bs)):
+                raise ConfigError(
+                    f"EfficiencyParams.decode_batch_scale batches must be increasing and >= 1, "
+                    f"got {bs}"
+                )
+            if any(not (math.isfinite(f) and f > 0) for _, f in pts):
+                raise ConfigError(
+                    f"EfficiencyParams.decode_batch_scale factors must be > 0, got {pts}"
+                )
+            object.__setattr__(self, "decode_batch_scale", pts)
         names = ["compute_eff", "mem_eff", "allreduce_eff", "attn_eff"]
         if self.decode_attn_eff is not None:
             names.append("decode_attn_eff")
@@ -95,16 +124,33 @@ class EfficiencyParams:
         """The efficiency decode attention runs at (``decode_attn_eff`` or ``attn_eff``)."""
         return self.attn_eff if self.decode_attn_eff is None else self.decode_attn_eff
 
-    def to_dict(self) -> dict[str, float]:
-        """The parameters as a plain ``{name: value}`` dict (JSON-ready); an unset
-        ``decode_attn_eff`` is left out (so the dict is what it was before it existed)."""
-        out = asdict(self)
+    def decode_scale(self, batch: int) -> float:
+        """The ``decode_batch_scale`` factor of a decode batch (1.0 when unset)."""
+        pts = self.decode_batch_scale
+        if pts is None:
+            return 1.0
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, f0), (b1, f1) in itertools.pairwise(pts):
+            if batch <= b1:
+                return f0 + (f1 - f0) * (batch - b0) / (b1 - b0)
+        return pts[-1][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parameters as a plain ``{name: value}`` dict (JSON-ready); unset
+        extensions (``decode_attn_eff``, ``decode_batch_scale``) are left out (so
+        the dict is what it was before they existed)."""
+        out: dict[str, Any] = asdict(self)
         if out["decode_attn_eff"] is None:
             del out["decode_attn_eff"]
+        if out["decode_batch_scale"] is None:
+            del out["decode_batch_scale"]
+        else:
+            out["decode_batch_scale"] = [[b, f] for b, f in self.decode_batch_scale or ()]
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, float]) -> EfficiencyParams:
+    def from_dict(cls, data: dict[str, Any]) -> EfficiencyParams:
         """Build from :meth:`to_dict` output; missing keys take the defaults.
 
         Raises:
@@ -116,7 +162,19 @@ class EfficiencyParams:
             raise ConfigError(
                 f"unknown EfficiencyParams key(s) {unknown}; expected some of {sorted(known)}"
             )
-        return cls(**{k: None if v is None else float(v) for k, v in data.items()})
+        vals: dict[str, Any] = {}
+        for k, v in data.items():
+            if k == "decode_batch_scale" and v is not None:
+                try:
+                    vals[k] = tuple((int(b), float(f)) for b, f in v)
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"EfficiencyParams.decode_batch_scale must be [[batch, factor], ...], "
+                        f"got {v!r}"
+                    ) from None
+            else:
+                vals[k] = None if v is None else float(v)
+        return cls(**vals)
 
 
 DEFAULT_PARAMS = EfficiencyParams()

@@ -221,6 +221,7 @@ class InstanceCost:
         "_fixed",
         "_m_kv",
         "_m_w",
+        "_scaled",
         "gpu",
         "model",
         "params",
@@ -249,6 +250,7 @@ class InstanceCost:
         self._m_kv = raw.kv_mem_s / p.mem_eff
         self._comm_tok = raw.comm_tok_s / p.allreduce_eff
         self._fixed = p.overhead_s + raw.n_collectives * p.allreduce_latency_s
+        self._scaled = p.decode_batch_scale is not None
 
     def __repr__(self) -> str:
         return (
@@ -337,6 +339,8 @@ class InstanceCost:
         a_m = self._m_w + batch * self._m_kv + k
         x = ctx_total
         out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
+        if self._scaled:
+            out = out * self.params.decode_scale(batch)
         return out
 
     def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
@@ -345,14 +349,16 @@ class InstanceCost:
         units (see :meth:`prefill_time`)."""
         x = float(ctx_total)
         k = self._fixed + batch * self._comm_tok
+        scale = self.params.decode_scale(batch) if self._scaled else 1.0
         if share != 1.0:
             if not 0.0 < share <= 1.0:
                 raise ValueError(f"compute share must be in (0, 1], got {share}")
             compute = (batch * self._c_tok1 + x * self._c_pair_dec) / share
-            return k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv)
+            return scale * (k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv))
         a_c = batch * self._c_tok1 + k
         a_m = self._m_w + batch * self._m_kv + k
-        return max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
+        t = max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
+        return t * scale if self._scaled else t
 
     def mixed_time(
         self,
@@ -451,6 +457,8 @@ class InstanceCost:
         sum_x_comp = np.where(n_comp > 0.0, (c_lo + c_hi) * n_comp * 0.5, 0.0)
         sum_x_mem = np.where(n_mem > 0.0, (m_lo + m_hi) * n_mem * 0.5, 0.0)
         decode = n_comp * a_c + b_c * sum_x_comp + n_mem * a_m + b_m * sum_x_mem
+        if self._scaled:
+            decode = decode * self.params.decode_scale(1)
         result: npt.NDArray[np.float64] = prefill + decode
         return result
 

@@ -344,7 +344,9 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
         path = Path(profile_csv)
         rows = _profile_rows(load_profile(path), models, gpu, sv.threads_per_worker, path)
         rows, dropped = operating_rows(rows, sv.max_running, sv.max_batch_tokens)
-        calibration = calibrate(rows, get_model, lambda _: gpu, decode_attention=True)
+        calibration = calibrate(
+            rows, get_model, lambda _: gpu, decode_attention=True, decode_batch_residuals=True
+        )
         missing = [m for m in models if calibration.get(get_model(m).name, gpu.name, 1) is None]
         if missing:
             raise InputError(
