@@ -46,7 +46,10 @@ runs; see :mod:`fleetserve.runtime.worker` / ``cluster.py`` / ``controller.py``)
 * **Cost model.** Calibrated from the profile CSV
   (:func:`fleetserve.costmodel.calibrate`) against the emulated GPU, on the
   rows within the engines' limits (:func:`operating_rows`), with the
-  decode-attention extension on (``decode_attn_eff``): the CPU engine's decode
+  per-batch decode correction on (``decode_batch_scale``: on one CPU thread
+  a small-batch matmul costs almost in proportion to its rows up to 4-5, then
+  flattens, which the roofline's lines miss by up to ~40% at batch 2-3) and
+  the decode-attention extension on (``decode_attn_eff``): the CPU engine's decode
   attention gathers paged K/V and runs small matmuls, several times slower
   per query-key pair than the fused attention of prompts. Profile rows name
   the GPU ``cpu`` unless ``--gpu-name`` was given; either way the rows of a
@@ -58,11 +61,9 @@ runs; see :mod:`fleetserve.runtime.worker` / ``cluster.py`` / ``controller.py``)
 The serving path (optional, :mod:`fleetserve.experiments.fidelity_overhead`):
 HTTP, controller and Ray latency between a client and the engine, the
 engine step's work beyond the profiled forward, and the worker's long-poll
-delivering tokens a few engine steps after they are made. On this project's
-2-core machine, with the server and the load generator sharing the cores
-with the worker, they added ~40 ms to the mean TTFT and ~1 ms to the mean
-TPOT of a lightly loaded one-worker run that the engine-only simulation put
-at ~10 ms and ~2 ms. :func:`simulate_emulated` adds them when given a
+delivering tokens after they are made. On this project's 2-core machine they
+add ~12 ms to every request's TTFT, and a tiny model's 2-3 ms engine step
+takes ~4 ms per token at the client. :func:`simulate_emulated` adds them when given a
 :class:`~fleetserve.experiments.fidelity_overhead.RuntimeOverhead`, which
 :func:`fit_overhead` calibrates from probes of the idle server (never from
 the replay it is compared with); without one the simulation is the
@@ -71,9 +72,11 @@ engine-only one, exactly as before.
 Known differences (not modelled): the runtime's admission queue
 (``serve.max_queue``, HTTP 429 beyond it); CPU contention between the worker
 and the server, the load generator or anything else on the machine (the
-probes see it only as far as it was there while they ran); concurrent
-``submit`` calls reaching a busy worker one per engine step (the Ray core
-thread waits for the GIL the step holds); decode
+probes see it only as far as it was there while they ran) and the machine's
+own speed drifting during a run (the same decode step varies by ~20-30%
+between minutes here); concurrent requests passing the HTTP server and the
+controller one after another (the model has no queue in front of the
+engine); decode
 attention padding inside a context bucket (the cost model sees the batch's
 total context); the engine reserving pages for one token more than the
 prompt at admission, admitting no prompt in a step that preempted, and
@@ -687,10 +690,9 @@ def fit_overhead(
     wins.
 
     ``fleetserve fidelity`` fits the probes sent alone and only checks the
-    model on the bursts: a burst's requests reach a busy worker one per
-    engine step (its Ray calls wait for the GIL the step holds), which the
-    model lacks, and fitting them drives the delivery lag to explain that
-    wait instead.
+    model on the bursts: a burst's requests pass the HTTP server and the
+    controller one after another, a queue the model lacks, and fitting them
+    drives the other parameters to explain that wait instead.
 
     Choice: the parameters are fitted to probes, never to the replay they are
     compared with; the grid keeps the fit transparent (and exact for the

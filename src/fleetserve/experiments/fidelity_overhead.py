@@ -17,22 +17,26 @@ tiny-llama-a worker; see ``fleetserve fidelity``'s report for the numbers):
 * **request_s.** The POST, the controller's dispatch and the Ray ``submit``
   call until the request is in the engine's queue, plus the fixed part of
   the way back (the driver's side of the poll reply, the controller, SSE and
-  the client's parser). An actor call answered by an idle worker takes
-  ~1.5 ms; a ``submit`` to a busy one 6-15 ms.
+  the client's parser). Traced on an idle tiny-llama-a server here: ~4 ms
+  from the client's send to the HTTP handler, ~1 ms in the controller, ~2.5 ms
+  for the Ray ``submit``, then after the step ~1 ms to the poll's reply,
+  ~1.3 ms to the controller, ~0.7 ms to the SSE chunk and ~1 ms to the
+  client: ~12 ms in all.
 * **iteration_s.** A worker's ``Engine.step`` costs more than the profiled
   forward (~1 ms more at batch 1 here: scheduling, per-request sampling,
-  incremental detokenization, token callbacks), and the actor's step loop
-  adds the snapshot and the Ray reply of each poll. Added to the calibrated
-  ``overhead_s`` of every iteration.
-* **delivery_iters.** Tokens do not reach the controller when they are
-  made: the worker's step loop yields to its event loop for one iteration
-  between engine steps (``await asyncio.sleep(0)``) and the Ray core thread
-  needs the GIL that the step holds, so a long-poll returns only after a few
-  more engine steps. Measured on an actor replying to back-to-back polls: one
-  poll per ~6 engine steps at batch 1, 8 and 24 alike (its duration grows
-  with the step), so the lag is counted in *iterations of the token's
-  instance*, not seconds; when the instance goes idle, the poll returns at
-  once. :func:`deliver` applies it to a simulated iteration timeline.
+  incremental detokenization, token callbacks), the actor hands the engine
+  thread each step and each poll's report (~1.4 ms between steps here), and
+  the serving worker's steps ran 10-20% slower than the profiler's during
+  the probes here (another process, minutes later; the cause is not pinned
+  down). Added to the calibrated ``overhead_s`` of every iteration.
+* **delivery_iters.** A token reaches the controller when the worker's
+  long-poll returns with it. The worker runs its engine on a thread of its
+  own, so a poll waits ready during the step and returns as the step ends
+  (lag ~0); with the step on the actor's event loop, as before, a poll came
+  back only every few engine steps (~6 at batch 1, 8 and 24 alike), so the
+  lag is counted in *iterations of the token's instance*, not seconds; when
+  the instance goes idle, the poll returns at once. :func:`deliver` applies
+  it to a simulated iteration timeline; the fit decides it.
 
 All three are calibrated by :func:`fit_overhead` from probes of the running
 server (:mod:`fleetserve.runtime.fidelity_probe`: requests alone, and bursts
