@@ -13,7 +13,7 @@ import pytest
 from test_cli import assert_one_line_error, run_cli
 from test_fidelity_sim import A, _config, _profile, config_from_dict
 
-from fleetserve.cli.fidelity import ServerProcess
+from fleetserve.cli.fidelity import ServerProcess, merge_profiles
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.experiments.fidelity import (
@@ -298,3 +298,15 @@ def test_server_process_reports_an_early_exit(tmp_path: Path) -> None:
     srv.cmd = [sys.executable, "-c", "print('boom: bad config'); raise SystemExit(3)"]
     with pytest.raises(FleetserveError, match=r"exited with status 3.*boom: bad config"), srv:
         pass
+
+
+def test_profiles_before_and_after_merge_into_one_calibration_input(tmp_path: Path) -> None:
+    from fleetserve.costmodel import load_profile
+
+    head = "model,gpu,tp,phase,batch_size,tokens,context_tokens,time_s\n"
+    a = tmp_path / "before.csv"
+    b = tmp_path / "after.csv"
+    a.write_text(head + "tiny-llama-a,cpu,1,decode,1,1,64,0.002\n")
+    b.write_text(head + "tiny-llama-a,cpu,1,decode,1,1,64,0.003\n")
+    rows = load_profile(merge_profiles([a, b], tmp_path / "profile.csv"))
+    assert [r.time_s for r in rows] == [0.002, 0.003]  # both measurements, in order

@@ -2,7 +2,7 @@
 
 One command, five steps (progress on stderr), every artefact under ``DIR``::
 
-    1 profile   fleetserve profile-engine per served model  -> profile.csv
+    1 profile   fleetserve profile-engine per served model  -> profile-before.csv
                 (or --profile CSV to reuse one)
     2 serve     fleetserve serve CONFIG on a free port (subprocess, log in
                 server.log), wait for /health
@@ -10,6 +10,9 @@ One command, five steps (progress on stderr), every artefact under ``DIR``::
                 and after the replay (the machine's load may change in between)
     4 replay    bench-serve of the trace                     -> measured/
                 the server is shut down (also on errors and Ctrl-C)
+                profile-engine again, after the server stops  -> profile-after.csv
+                (both together: profile.csv; this machine's speed
+                drifts by 20-30% within minutes)
     5 simulate  the same requests on the emulated cluster:
                 with the fitted serving-path overhead        -> simulated/
                 engine only (cost model alone)               -> simulated-engine-only/
@@ -142,22 +145,20 @@ at the small batches where a CPU engine's decode step departs most from the
 roofline, so the calibration's per-batch decode correction sees them."""
 
 
-def profile_models(cfg: SimConfig, out: Path) -> Path:
+def profile_models(cfg: SimConfig, out: Path, stem: str = "profile") -> Path:
     """``fleetserve profile-engine`` for every served model (one subprocess
     each, ``serve.threads_per_worker`` threads, the served dtype and block
     size, :data:`PROFILE_BATCHES` up to ``serve.max_running``, no prefill point
     larger than ``serve.max_batch_tokens``: the engine never runs one), merged
-    into ``out/profile.csv``.
+    into ``out/<stem>.csv``.
 
     Raises:
         FleetserveError: a profile run failed (its output's last line).
     """
     sv = cfg.serve
-    merged = out / "profile.csv"
-    header: list[str] | None = None
-    rows: list[list[str]] = []
+    parts: list[Path] = []
     for m in sv.model_names(cfg.model):
-        part = out / f"profile-{Path(str(m)).name}.csv"
+        part = out / f"{stem}-{Path(str(m)).name}.csv"
         _say(f"[bold]profile[/] {m} ({sv.threads_per_worker} thread(s)) -> {part}")
         cmd = _fleetserve(
             "profile-engine",
@@ -181,6 +182,16 @@ def profile_models(cfg: SimConfig, out: Path) -> Path:
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise FleetserveError(f"profile-engine {m} failed: {tail[0]}")
+        parts.append(part)
+    return merge_profiles(parts, out / f"{stem}.csv")
+
+
+def merge_profiles(parts: Sequence[Path], merged: Path) -> Path:
+    """Concatenate profile CSVs (same header) into ``merged``: the calibration
+    then fits every point as measured in each of them."""
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    for part in parts:
         with part.open(newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader)
@@ -551,9 +562,16 @@ def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
     else:
         require_modules("fidelity", "runtime", "torch", "ray", "fastapi", "uvicorn", "httpx")
         out.mkdir(parents=True, exist_ok=True)
-        if profile is None:
-            profile = profile_models(cfg, out)
+        own_profile = profile is None
+        if own_profile:
+            before = profile_models(cfg, out, "profile-before")
         probes = measure(cfg, args, replay, out)
+        if own_profile:
+            # profiled again after the replay, like the probes: this machine's speed
+            # drifts by 20-30% within minutes, and the calibration should see the
+            # machine of the whole run, not of the minutes before it
+            after = profile_models(cfg, out, "profile-after")
+            profile = merge_profiles([before, after], out / "profile.csv")
     command = "fleetserve " + " ".join(sys.argv[1:]) if sys.argv else ""
     report = analyze(cfg, profile, probes, out, command=command, replay=replay)
     from fleetserve.experiments.fidelity import fidelity_markdown
