@@ -349,7 +349,7 @@ class InstanceCost:
         units (see :meth:`prefill_time`)."""
         x = float(ctx_total)
         k = self._fixed + batch * self._comm_tok
-        scale = self.params.decode_scale(batch) if self._scaled else 1.0
+        scale = self.params.decode_scale(batch) if self._scaled else 1.0  # x * 1.0 == x
         if share != 1.0:
             if not 0.0 < share <= 1.0:
                 raise ValueError(f"compute share must be in (0, 1], got {share}")
@@ -357,8 +357,7 @@ class InstanceCost:
             return scale * (k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv))
         a_c = batch * self._c_tok1 + k
         a_m = self._m_w + batch * self._m_kv + k
-        t = max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
-        return t * scale if self._scaled else t
+        return scale * max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
 
     def mixed_time(
         self,

@@ -63,8 +63,8 @@ HTTP, controller and Ray latency between a client and the engine, the
 engine step's work beyond the profiled forward, and the worker's long-poll
 delivering tokens after they are made. On this project's 2-core machine they
 add ~12 ms to every request's TTFT, and a tiny model's 2-3 ms engine step
-takes ~4 ms per token at the client. :func:`simulate_emulated` adds them when given a
-:class:`~fleetserve.experiments.fidelity_overhead.RuntimeOverhead`, which
+takes ~4 ms per token at the client. :func:`simulate_emulated` adds them
+when given a :class:`~fleetserve.experiments.fidelity_overhead.RuntimeOverhead`, which
 :func:`fit_overhead` calibrates from probes of the idle server (never from
 the replay it is compared with); without one the simulation is the
 engine-only one, exactly as before.
@@ -76,9 +76,8 @@ probes see it only as far as it was there while they ran) and the machine's
 own speed drifting during a run (the same decode step varies by ~20-30%
 between minutes here); concurrent requests passing the HTTP server and the
 controller one after another (the model has no queue in front of the
-engine); decode
-attention padding inside a context bucket (the cost model sees the batch's
-total context); the engine reserving pages for one token more than the
+engine); decode attention padding inside a context bucket (the cost model
+sees the batch's total context); the engine reserving pages for one token more than the
 prompt at admission, admitting no prompt in a step that preempted, and
 never splitting a prompt.
 """
@@ -691,8 +690,8 @@ def fit_overhead(
 
     ``fleetserve fidelity`` fits the probes sent alone and only checks the
     model on the bursts: a burst's requests pass the HTTP server and the
-    controller one after another, a queue the model lacks, and fitting them
-    drives the other parameters to explain that wait instead.
+    controller one after another, a queue the model lacks, so the bursts
+    would pull the parameters to stand in for that wait.
 
     Choice: the parameters are fitted to probes, never to the replay they are
     compared with; the grid keeps the fit transparent (and exact for the

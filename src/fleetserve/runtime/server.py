@@ -350,7 +350,10 @@ _ENDPOINTS = {
 
 
 def _usage(t: Tracked) -> dict[str, int]:
-    n_in, n_out = len(t.prompt_ids), len(t.output_ids)
+    return _usage_of(len(t.prompt_ids), len(t.output_ids))
+
+
+def _usage_of(n_in: int, n_out: int) -> dict[str, int]:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
@@ -380,12 +383,7 @@ async def _stream(
     the tokens streamed up to it), and ``usage`` on the finishing chunk too.
     Without it, a token whose text is held back sends nothing.
     """
-    n_in = len(t.prompt_ids)
     n_out = 0  # every token the request makes goes through ``t.events``, from the first
-
-    def so_far() -> dict[str, int]:
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
     try:
         if chat:
             yield _sse(
@@ -412,7 +410,7 @@ async def _stream(
                     choice = {"index": 0, "text": ev[1], "finish_reason": None}
                 obj = _chunk(rid, created, model, chat, logprobs=None, **choice)
                 if per_token:
-                    obj["usage"] = so_far()
+                    obj["usage"] = _usage_of(len(t.prompt_ids), n_out)
                 yield _sse(obj)
             elif ev[0] == "done":
                 last: dict[str, Any] = {"index": 0, "finish_reason": ev[1], "logprobs": None}
