@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fleetserve.errors import ConfigError  # noqa: E402
-from fleetserve.runtime.engine.engine import Engine, EngineRequest  # noqa: E402
+from fleetserve.runtime.engine.engine import Engine, EngineRequest, Forward  # noqa: E402
 from fleetserve.runtime.engine.model import dense_forward, layer_numel  # noqa: E402
 from fleetserve.runtime.engine.sampling import SamplingParams  # noqa: E402
 from fleetserve.runtime.engine.tokenizer import ByteTokenizer  # noqa: E402
@@ -95,6 +95,27 @@ def test_preemption_by_recompute_keeps_the_tokens(
     assert preempted > 0
     for rid, p in rids.items():
         assert eng.pop_finished(rid).output_ids == reference[(A, p)]
+
+
+def test_step_output_describes_each_forward_as_the_cost_model_sees_it() -> None:
+    eng = Engine([A, B], 64 * MiB)
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    a = eng.add_request(A, "abcd", p)
+    n_a = len(eng.requests[a].tokens)
+    out = eng.step()
+    assert out.forwards == [Forward(A, ((n_a, 0),), 0, 0)]
+    b = eng.add_request(B, "xy", p)
+    n_b = len(eng.requests[b].tokens)
+    out = eng.step()  # B's prompt; A decodes its second token, reading n_a + 1 KV tokens
+    assert sorted(out.forwards, key=lambda f: f.model) == [
+        Forward(A, (), 1, n_a + 1),
+        Forward(B, ((n_b, 0),), 0, 0),
+    ]
+    out = eng.step()  # both decode; A's third token ends it
+    assert sorted(out.forwards, key=lambda f: f.model) == [
+        Forward(A, (), 1, n_a + 2),
+        Forward(B, (), 1, n_b + 1),
+    ]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:

@@ -38,6 +38,7 @@ from fleetserve.errors import ConfigError, InputError, UnknownNameError
 from fleetserve.experiments.fidelity import (
     emulated_gpu_for,
     emulated_sim_config,
+    engine_step_check,
     fidelity_markdown,
     fidelity_table,
     load_measured_requests,
@@ -588,3 +589,43 @@ def test_calibration_error_is_reported(tmp_path: Path) -> None:
     assert any(n.startswith(f"calibration fit of {A}") for n in em.notes)
     summary = simulate_emulated(cfg, _profile(tmp_path), tmp_path / "out")
     assert summary["fidelity"]["calibration_error"][A]["decode"]["rows"] == errs["decode"]["rows"]
+
+
+def _step(t: float, dur: float, model: str, chunks: list[list[int]], b: int, ctx: int) -> str:
+    fw = {"model": model, "chunks": chunks, "decode_batch": b, "decode_ctx": ctx}
+    return json.dumps({"worker": 0, "start_s": t, "duration_s": dur, "forwards": [fw]})
+
+
+def test_engine_step_check_measures_the_engines_speed_against_the_cost_model(
+    tmp_path: Path,
+) -> None:
+    em = emulated_sim_config(_config(tmp_path), _profile(tmp_path))
+    bound = em.cost.bind(get_model(A), em.gpu)
+    lines = []
+    for i in range(40):  # 1.25x slower than the model in the first half, as fast after
+        k = 1.25 if i < 20 else 1.0
+        if i % 4 == 0:  # a prompt of 30 with 3 decodes beside it
+            pred = bound.mixed_time([(30, 0)], 3, 120)
+            lines.append(_step(100.0 + i, k * pred, A, [[30, 0]], 3, 120))
+        else:
+            pred = bound.decode_time_scalar(4, 200.0)
+            lines.append(_step(100.0 + i, k * pred, A, [], 4, 200))
+    lines.append(_step(200.0, 1.0, "no-such-model", [], 1, 1))
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    chk = engine_step_check(em, log, windows=2)
+    assert chk["skipped"] == 1
+    assert chk["all"]["steps"] == 40
+    assert chk["all"]["ratio"] == pytest.approx(1.125, rel=0.05)
+    assert (chk["mixed"]["steps"], chk["decode"]["steps"]) == (10, 30)
+    d = chk["decode"]
+    assert (d["p10_ratio"], d["p90_ratio"]) == (pytest.approx(1.0), pytest.approx(1.25))
+    assert [w["ratio"] for w in chk["windows"]] == [pytest.approx(1.25), pytest.approx(1.0)]
+    late = engine_step_check(em, log, span=(120.0, 139.0))
+    assert late["all"]["steps"] == 20 and late["all"]["ratio"] == pytest.approx(1.0)
+    log.write_text(lines[0] + "\n{not json\n")
+    with pytest.raises(InputError, match=r"steps.jsonl:2"):
+        engine_step_check(em, log)
+    log.write_text(json.dumps({"worker": 0, "start_s": 1.0}) + "\n")
+    with pytest.raises(InputError, match=r"steps.jsonl:1.*forwards"):
+        engine_step_check(em, log)

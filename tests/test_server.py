@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,9 +24,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def srv() -> Iterator[Running]:
+def step_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("steps") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def srv(step_log: Path) -> Iterator[Running]:
     cfg = {
-        "serve": {"workers": 3, "gpu_memory_mb": 48, "models": [A, B], "max_queue": 64},
+        "serve": {
+            "workers": 3,
+            "gpu_memory_mb": 48,
+            "models": [A, B],
+            "max_queue": 64,
+            "step_log": str(step_log),
+        },
         "policy": {"stack": "wf"},
     }
     with running_server(cfg, api_key=KEY) as r:
@@ -191,6 +203,22 @@ def test_cluster_and_metrics_endpoints(srv: Running, client: openai.OpenAI) -> N
     assert metric_value(text, "fleetserve_ttft_seconds_count", model=B) >= 1
     assert metric_value(text, "fleetserve_requests_total", model=B, outcome="finished") >= 1
     assert "fleetserve_kv_utilization" in text and "fleetserve_queue_length" in text
+
+
+def test_step_log_records_every_engine_step(client: openai.OpenAI, step_log: Path) -> None:
+    before = step_log.read_text().count("\n") if step_log.exists() else 0
+    r = client.completions.create(model=A, prompt="step log", max_tokens=5, temperature=0)
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    lines = [json.loads(x) for x in step_log.read_text().splitlines()]
+    assert len(lines) >= before + 5  # one prefill and four decodes at least
+    for st in lines:
+        assert st["duration_s"] > 0 and st["forwards"]
+        for f in st["forwards"]:
+            assert f["model"] in (A, B)
+            assert f["decode_ctx"] >= f["decode_batch"] >= 0
+            assert f["chunks"] or f["decode_batch"]
+    mine = [f for st in lines[before:] for f in st["forwards"] if f["model"] == A]
+    assert any(f["chunks"] for f in mine) and any(f["decode_batch"] for f in mine)
 
 
 def test_disconnect_mid_stream_frees_the_kv_at_once(srv: Running) -> None:

@@ -459,6 +459,10 @@ class ServeConfigSection:
             ``migration.epoch_s``).
         max_body_bytes: request bodies larger than this get 413.
         max_tokens_default: ``max_tokens`` when a request does not say.
+        step_log: a JSON-lines file to append every engine step of every
+            worker to (start, duration and the batch: prompt chunks, decode
+            batch and context), one line per step; ``fleetserve fidelity``
+            compares it with the calibrated cost model. None: no log.
     """
 
     workers: int = 2
@@ -473,6 +477,7 @@ class ServeConfigSection:
     tick_s: float = 0.02
     max_body_bytes: int = 1_000_000
     max_tokens_default: int = 16
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "workers", "gpu_memory_mb", "threads_per_worker", "max_queue")

@@ -139,6 +139,11 @@ def _fleetserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "fleetserve.cli.main", *args]
 
 
+STEP_LOG = "steps.jsonl"
+"""The served engines' step log in a fidelity directory (``serve.step_log``)."""
+REPLAY_SPAN = "replay_span.json"
+"""When the replay ran (Unix ``start_s``/``end_s``): its steps in :data:`STEP_LOG`."""
+
 PROFILE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Batch sizes ``fleetserve fidelity`` profiles (up to ``serve.max_running``): dense
 at the small batches where a CPU engine's decode step departs most from the
@@ -302,7 +307,10 @@ def measure(
 
     served = list(cfg.serve.model_names(cfg.model))
     _say(f"[bold]serve[/] {args.config} (log: {out / 'server.log'})")
-    with ServerProcess(args.config, args.set, out / "server.log", args.startup_timeout) as srv:
+    steps = out / STEP_LOG
+    steps.unlink(missing_ok=True)  # the server appends
+    overrides = [*args.set, f"serve.step_log={steps.resolve()}"]
+    with ServerProcess(args.config, overrides, out / "server.log", args.startup_timeout) as srv:
         _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
         model = _first_served_name(srv.url, served)
         cap_p = replay.max_prompt_tokens or 256
@@ -329,7 +337,10 @@ def measure(
             model_weights=cfg.workload.model_weights if len(served) > 1 else None,
             seed=cfg.seed,
         )
+        t_start = time.time()
         bench = run_bench(bench_cfg, _bench_progress())
+        span = {"start_s": t_start, "end_s": time.time()}
+        (out / REPLAY_SPAN).write_text(json.dumps(span) + "\n")
         write_bench(out / "measured", bench)
         # the probes again after the replay, so they see the machine of the whole run
         _say("[bold]probe[/] again after the replay")
@@ -428,6 +439,7 @@ def analyze(
     rows_eng = fidelity_table(eng, measured)
     targets = [r for r in rows if r["target"]]
     ok = sum(1 for r in targets if r["within"])
+    steps = _step_check(cfg, profile_csv, out)
     report = {
         "command": command,
         "tolerance_pct": FIDELITY_TOLERANCE_PCT,
@@ -436,6 +448,7 @@ def analyze(
         "replay": replay.to_dict() if replay is not None else None,
         "overhead": fit.to_dict(),
         "bursts": burst_check,
+        "engine_steps": steps,
         "rows": rows,
         "rows_engine_only": rows_eng,
         "calibration_error": (sim.get("fidelity") or {}).get("calibration_error"),
@@ -448,6 +461,24 @@ def analyze(
     (out / "fidelity.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "fidelity.md").write_text(_markdown(report, fidelity_markdown))
     return report
+
+
+def _step_check(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str, Any] | None:
+    """The engines' speed during the replay against the cost model
+    (:func:`~fleetserve.experiments.fidelity.engine_step_check` on the server's
+    step log, the replay's span only); None without a step log."""
+    from fleetserve.experiments.fidelity import emulated_sim_config, engine_step_check
+
+    log = out / STEP_LOG
+    if not log.is_file() or profile_csv is None:
+        return None
+    em = emulated_sim_config(cfg, profile_csv)
+    span_file = out / REPLAY_SPAN
+    span = None
+    if span_file.is_file():
+        sp = json.loads(span_file.read_text())
+        span = (float(sp["start_s"]), float(sp["end_s"]))
+    return {"replay": engine_step_check(em, log, span=span), "run": engine_step_check(em, log)}
 
 
 def _burst_check(
@@ -471,6 +502,30 @@ def _burst_check(
             "tpot_mean_abs_pct": sum(tpot) / len(tpot) if tpot else None,
         }
     return out
+
+
+def _steps_lines(steps: dict[str, Any] | None) -> list[str]:
+    """The engine-step paragraph of ``fidelity.md`` (empty without a step log)."""
+    rp = (steps or {}).get("replay") or {}
+    if "all" not in rp:
+        return []
+    a = rp["all"]
+
+    def part(key: str, label: str) -> str:
+        st = rp.get(key)
+        return f"{label} x{st['ratio']:.2f} ({st['steps']} steps)" if st else f"no {label}"
+
+    wins = ", ".join(f"{w['ratio']:.2f}" for w in rp["windows"] if w["ratio"] is not None)
+    return [
+        f"Engine steps during the replay (the server's step log, {a['steps']} steps): "
+        f"measured over cost-model time x{a['ratio']:.2f} (median step "
+        f"x{a['median_ratio']:.2f}, P10-P90 x{a['p10_ratio']:.2f}-{a['p90_ratio']:.2f}); "
+        f"{part('decode', 'decode only')}, {part('mixed', 'with prompts')}; by tenth of the "
+        f"replay: {wins}. Above 1 the engine ran slower than its profile said: that share "
+        "of the error is the machine's speed, not the simulated scheduling (a diagnostic; "
+        "the simulation does not use it).",
+        "",
+    ]
 
 
 def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
@@ -511,6 +566,7 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
             f"(engine only {e['tpot_mean_abs_pct']:.1f}%).",
             "",
         ]
+    lines += _steps_lines(report.get("engine_steps"))
     lines += [
         table(report["rows_engine_only"], "Engine only (calibrated cost model alone) vs measured"),
         "",

@@ -104,7 +104,7 @@ from fleetserve.costmodel import (
     load_profile,
     relative_errors,
 )
-from fleetserve.errors import ConfigError, InputError
+from fleetserve.errors import ConfigError, FleetserveError, InputError
 from fleetserve.experiments.fidelity_overhead import (
     ITERATION_GRID_S,
     LAG_GRID,
@@ -901,3 +901,149 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError("expected a JSON object", file=str(path))
     return data
+
+
+# ------------------------------------------------------------------- engine steps
+
+STEP_WINDOWS = 10
+"""Consecutive windows :func:`engine_step_check` splits a step log into (drift)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedStep:
+    """One engine step of a ``serve.step_log`` file and the cost model's time for it."""
+
+    worker: int
+    start_s: float
+    measured_s: float
+    predicted_s: float
+    mixed: bool  # prompts in it (the simulator's mixed iteration), else decode only
+
+
+def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep | None:
+    """One step-log line as a :class:`LoggedStep` (None: a model the cost model lacks)."""
+    file, line = where
+    try:
+        pred = 0.0
+        mixed = False
+        for f in obj["forwards"]:
+            name = str(f["model"])
+            try:
+                spec = get_model(name)
+            except FleetserveError:  # unknown name, unreadable checkpoint config
+                return None
+            bound = em.cost.bind(spec, em.gpu)
+            chunks = [(int(n), int(c)) for n, c in f["chunks"]]
+            b, ctx = int(f["decode_batch"]), int(f["decode_ctx"])
+            if chunks:
+                mixed = True
+                pred += bound.mixed_time(chunks, b, ctx)
+            elif b:
+                pred += bound.decode_time_scalar(b, float(ctx))
+        return LoggedStep(
+            int(obj["worker"]), float(obj["start_s"]), float(obj["duration_s"]), pred, mixed
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(
+            f"a step-log line needs worker, start_s, duration_s and forwards "
+            f"[{{model, chunks, decode_batch, decode_ctx}}]: {type(e).__name__}: {e}",
+            file=file,
+            line=line,
+        ) from None
+
+
+def read_step_log(em: EmulatedSim, path: str | Path) -> tuple[list[LoggedStep], int]:
+    """The steps of a ``serve.step_log`` file with the cost model's time for each.
+
+    Returns:
+        The steps (in file order) and how many were skipped because a model
+        in them has no cost-model spec (a checkpoint the simulator does not know).
+
+    Raises:
+        InputError: unreadable file, a line that is not JSON or lacks a field.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read the step log: {e.strerror or e}", file=str(p)) from None
+    steps: list[LoggedStep] = []
+    skipped = 0
+    for i, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise InputError(f"invalid JSON: {e.msg}", file=str(p), line=i) from None
+        st = _step_line(em, obj, (str(p), i))
+        if st is None:
+            skipped += 1
+        else:
+            steps.append(st)
+    return steps, skipped
+
+
+def _ratio_stats(steps: Sequence[LoggedStep]) -> dict[str, Any]:
+    meas = np.array([s.measured_s for s in steps])
+    pred = np.array([s.predicted_s for s in steps])
+    ok = pred > 0
+    r = meas[ok] / pred[ok]
+    return {
+        "steps": len(steps),
+        "measured_s": float(meas.sum()),
+        "predicted_s": float(pred.sum()),
+        "ratio": float(meas.sum() / pred.sum()) if pred.sum() > 0 else None,
+        "median_ratio": float(np.median(r)) if r.size else None,
+        "p10_ratio": float(np.percentile(r, 10)) if r.size else None,
+        "p90_ratio": float(np.percentile(r, 90)) if r.size else None,
+    }
+
+
+def engine_step_check(
+    em: EmulatedSim,
+    path: str | Path,
+    windows: int = STEP_WINDOWS,
+    span: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """How fast the engines really stepped during a run, against the cost model.
+
+    Reads a ``serve.step_log`` and predicts each step's time as the simulator
+    would charge it (a step with prompts: :meth:`InstanceCost.mixed_time`, the
+    simulator's chunked-prefill iteration; decode only:
+    :meth:`InstanceCost.decode_time_scalar`, with the per-batch correction).
+    ``ratio`` is total measured over total predicted engine time: above 1 the
+    engines ran slower than their profile said. The per-window ratios (the
+    run split into ``windows`` equal spans of wall time) show drift. ``span``:
+    only steps starting within these Unix times (a replay without the probes
+    around it). This is a diagnostic of the cost model's share of a fidelity error; the
+    simulation never uses it.
+
+    Returns:
+        ``{"all", "decode", "mixed"}`` ratio statistics (:func:`_ratio_stats`),
+        ``"windows"`` (``{"t_s", "ratio", "steps"}`` per non-empty window, t
+        from the first step) and ``"skipped"``.
+    """
+    steps, skipped = read_step_log(em, path)
+    if span is not None:
+        steps = [s for s in steps if span[0] <= s.start_s <= span[1]]
+    out: dict[str, Any] = {"skipped": skipped, "windows": []}
+    if not steps:
+        return out
+    out["all"] = _ratio_stats(steps)
+    for key, sel in (("decode", False), ("mixed", True)):
+        mine = [s for s in steps if s.mixed is sel]
+        if mine:
+            out[key] = _ratio_stats(mine)
+    t0 = min(s.start_s for s in steps)
+    length = max(s.start_s for s in steps) - t0
+    width = length / windows if length > 0 else 1.0
+    for k in range(windows):
+        lo, hi = t0 + k * width, t0 + (k + 1) * width
+        mine = [s for s in steps if lo <= s.start_s < hi or (k == windows - 1 and s.start_s == hi)]
+        if mine:
+            st = _ratio_stats(mine)
+            out["windows"].append(
+                {"t_s": (lo + hi) / 2 - t0, "ratio": st["ratio"], "steps": st["steps"]}
+            )
+    return out

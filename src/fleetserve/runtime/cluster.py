@@ -95,6 +95,7 @@ def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[Worker
             max_batch_tokens=sv.max_batch_tokens,
             batching=batching,
             block_size=config.cluster.block_size,
+            step_log=sv.step_log is not None,
         )
         for wid, hosted in enumerate(plan_workers(config, list(source_of), source_of))
     ]

@@ -38,11 +38,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -221,6 +222,13 @@ class Controller:
             self._update_worker_gauges(w)
         self.metrics.workers_alive.set(len(self.workers))
         self.kun = KunRuntime(self, kun) if kun is not None else None
+        self._step_log: IO[str] | None = None
+        if self.serve.step_log is not None:
+            try:
+                self._step_log = open(self.serve.step_log, "a", encoding="utf-8")  # noqa: SIM115
+            except OSError as e:
+                msg = f"serve.step_log: cannot write {e.filename}: {e.strerror}"
+                raise FleetserveError(msg) from None
 
     # --------------------------------------------------------------- clock
     def now(self) -> float:
@@ -244,6 +252,9 @@ class Controller:
         for req in list(self.requests.values()):
             if not req.done:
                 self._fail(req, 503, "the server is shutting down")
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
 
     # --------------------------------------------------------------- state
     def state(self) -> ClusterState:
@@ -484,6 +495,8 @@ class Controller:
 
     def _apply_report(self, w: _Worker, rep: Report) -> None:
         now = self.now()
+        if self._step_log is not None and rep.steps_done:
+            self._write_steps(w.spec.worker_id, rep)
         if rep.snap is not None:
             w.snap = rep.snap
             seen = {s.id for s in rep.snap.seqs}
@@ -515,6 +528,31 @@ class Controller:
             else:
                 self._finish(t, reason, now)
         self._update_queue_gauges()
+
+    def _write_steps(self, wid: int, rep: Report) -> None:
+        """Append the report's engine steps to ``serve.step_log`` (one JSON line each)."""
+        assert self._step_log is not None
+        lines = [
+            json.dumps(
+                {
+                    "worker": wid,
+                    "start_s": round(st.start_s, 6),
+                    "duration_s": round(st.duration_s, 7),
+                    "forwards": [
+                        {
+                            "model": f.model,
+                            "chunks": [list(c) for c in f.chunks],
+                            "decode_batch": f.decode_batch,
+                            "decode_ctx": f.decode_ctx,
+                        }
+                        for f in st.forwards
+                    ],
+                }
+            )
+            for st in rep.steps_done
+        ]
+        self._step_log.write("\n".join(lines) + "\n")
+        self._step_log.flush()
 
     def _token(self, t: Tracked, idx: int, tok: int, piece: str, now: float) -> None:
         have = len(t.output_ids)

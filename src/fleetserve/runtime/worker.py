@@ -42,7 +42,7 @@ from fleetserve.runtime.buddy import (
     stage_forward,
     stage_import,
 )
-from fleetserve.runtime.engine.engine import Engine, EngineRequest
+from fleetserve.runtime.engine.engine import Engine, EngineRequest, Forward
 from fleetserve.runtime.engine.kvpool import PoolFull
 from fleetserve.runtime.engine.migration import (
     ImportHandle,
@@ -80,6 +80,7 @@ class WorkerSpec:
     max_batch_tokens: int = 4096
     batching: str = "fcfs"
     block_size: int = 16
+    step_log: bool = False  # report every local engine step (Report.steps_done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,16 @@ class WorkerSnap:
     group_broken: str | None = None  # why the group it leads stopped stepping
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One local engine step (``WorkerSpec.step_log``): when it started (Unix
+    seconds), how long ``Engine.step`` took, and each model's forward in it."""
+
+    start_s: float
+    duration_s: float
+    forwards: tuple[Forward, ...]
+
+
 @dataclass(slots=True)
 class Report:
     """What a poll returns: tokens and finishes since the last poll, and a snapshot.
@@ -142,6 +153,7 @@ class Report:
     snap: WorkerSnap | None = None
     step_s: float = 0.0
     steps: int = 0
+    steps_done: list[StepRecord] = field(default_factory=list)
 
 
 class WorkerCore:
@@ -461,8 +473,11 @@ class WorkerCore:
     def step(self) -> None:
         t0 = time.perf_counter()
         out = self.engine.step()
-        self._report.step_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._report.step_s += dt
         self._report.steps += 1
+        if self.spec.step_log and out.forwards:
+            self._report.steps_done.append(StepRecord(time.time() - dt, dt, tuple(out.forwards)))
         for rid in out.finished:
             req = self.engine.requests.get(rid)
             if req is not None and req.status == "finished":

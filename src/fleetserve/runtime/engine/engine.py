@@ -260,6 +260,20 @@ class Batch:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """The work of one model's forward in a step, as the cost model sees an
+    iteration: ``chunks`` are ``(new_tokens, tokens_already_cached)`` of each
+    prompt (or recomputed prefix) in it; ``decode_batch`` requests decode one
+    token each, reading ``decode_ctx`` KV tokens in total (the new ones
+    included)."""
+
+    model: str
+    chunks: tuple[tuple[int, int], ...]
+    decode_batch: int
+    decode_ctx: int
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one ``step()`` did."""
@@ -269,6 +283,7 @@ class StepOutput:
     preempted: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     tokens: dict[int, int] = field(default_factory=dict)
+    forwards: list[Forward] = field(default_factory=list)
 
     @property
     def idle(self) -> bool:
@@ -621,6 +636,7 @@ class Engine:
             self._fail_unfittable(out)
             return out
         # 3. one forward per model
+        pre = set(prefills)  # EngineRequest hashes by identity (eq=False)
         by_model: dict[str, list[EngineRequest]] = {}
         for r in [*prefills, *decodes]:
             by_model.setdefault(r.model, []).append(r)
@@ -628,6 +644,15 @@ class Engine:
             starts = [r.n_cached for r in reqs]
             lens = [len(r.tokens) - r.n_cached for r in reqs]
             ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
+            n_pre = sum(1 for r in reqs if r in pre)  # prefills come first in reqs
+            out.forwards.append(
+                Forward(
+                    model,
+                    tuple(zip(lens[:n_pre], starts[:n_pre], strict=True)),
+                    len(reqs) - n_pre,
+                    sum(starts[n_pre:]) + len(reqs) - n_pre,
+                )
+            )
             logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
             # greedy requests: one argmax and one device->host copy for the batch
             greedy = (
