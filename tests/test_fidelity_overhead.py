@@ -29,6 +29,7 @@ from fleetserve.experiments.fidelity_overhead import (
     deliver,
     with_iteration_overhead,
 )
+from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
 
 # ------------------------------------------------------------------------ parameters
@@ -310,3 +311,44 @@ def test_profiles_before_and_after_merge_into_one_calibration_input(tmp_path: Pa
     b.write_text(head + "tiny-llama-a,cpu,1,decode,1,1,64,0.003\n")
     rows = load_profile(merge_profiles([a, b], tmp_path / "profile.csv"))
     assert [r.time_s for r in rows] == [0.002, 0.003]  # both measurements, in order
+
+
+def test_cli_calibrates_in_situ_from_the_probes_step_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg_path = _serve_yaml(tmp_path)
+    cfg = _config(tmp_path)
+    cfg = replace(cfg, serve=replace(cfg.serve, workers=1))
+    prof = _profile(tmp_path)
+    out = tmp_path / "fid"
+    truth = RuntimeOverhead(request_s=0.01, iteration_s=0.0006, delivery_iters=2.0)
+    simulate_emulated(cfg, prof, out / "measured", overhead=truth)
+    probes = _synthetic_probes(cfg, prof, truth)
+    (out / "overhead_probe.json").write_text(json.dumps({"probes": [p.to_dict() for p in probes]}))
+    em = emulated_sim_config(cfg, prof)
+    bound = em.cost.bind(get_model(A), em.gpu)
+    steps = []
+    for i in range(30):  # probe steps 1.3x slower than the profile; replay steps 5x
+        for t, k in ((10.0 + i, 1.3), (1000.0 + i, 5.0)):
+            fw = {"model": A, "chunks": [], "decode_batch": 1, "decode_ctx": 50}
+            dur = k * bound.decode_time_scalar(1, 50.0)
+            steps.append({"worker": 0, "start_s": t, "duration_s": dur, "forwards": [fw]})
+    (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (out / "replay_span.json").write_text(json.dumps({"start_s": 500.0, "end_s": 2000.0}))
+    args = ["fidelity", cfg_path, "--out", out, "--profile", prof, "--analyze-only"]
+    rc, _, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    report = json.loads((out / "fidelity.json").read_text())
+    f = report["in_situ"]["factors"][A]
+    assert f["decode"] == pytest.approx(1.3) and f["decode_steps"] == 30
+    assert f["prefill"] == 1.0 and f["prefill_steps"] == 0  # too few: unchanged
+    assert report["in_situ"]["profile"] == str(out / "profile-in-situ.csv")
+    # the replay's steps, against the rescaled calibration: 5 / 1.3
+    assert report["engine_steps"]["replay"]["all"]["ratio"] == pytest.approx(5 / 1.3, rel=0.03)
+    md = (out / "fidelity.md").read_text()
+    assert "decode x1.30 (30 steps)" in md and "Engine steps during the replay" in md
+    rc, _, err = run_cli(capsys, *args, "--standalone-profile")
+    assert rc == 0, err
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["in_situ"] is None
+    assert report["engine_steps"]["replay"]["all"]["ratio"] == pytest.approx(5.0, rel=0.01)

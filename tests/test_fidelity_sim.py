@@ -41,9 +41,11 @@ from fleetserve.experiments.fidelity import (
     engine_step_check,
     fidelity_markdown,
     fidelity_table,
+    in_situ_factors,
     load_measured_requests,
     operating_rows,
     read_summary,
+    rescale_profile,
     runtime_placement,
     simulate_emulated,
 )
@@ -629,3 +631,46 @@ def test_engine_step_check_measures_the_engines_speed_against_the_cost_model(
     log.write_text(json.dumps({"worker": 0, "start_s": 1.0}) + "\n")
     with pytest.raises(InputError, match=r"steps.jsonl:1.*forwards"):
         engine_step_check(em, log)
+
+
+def test_in_situ_factors_rescale_the_profile_from_the_steps_outside_the_replay(
+    tmp_path: Path,
+) -> None:
+    prof = _profile(tmp_path)
+    em = emulated_sim_config(_config(tmp_path), prof)
+    bound = em.cost.bind(get_model(A), em.gpu)
+    lines = []
+    for i in range(60):  # probes (t < 100 or t > 200): decode 1.4x, prompts 1.2x slower
+        t = 50.0 + i if i < 30 else 250.0 + i
+        if i % 3 == 0:
+            lines.append(_step(t, 1.2 * bound.mixed_time([(40, 0)], 0, 0), A, [[40, 0]], 0, 0))
+        else:
+            lines.append(_step(t, 1.4 * bound.decode_time_scalar(2, 300.0), A, [], 2, 300))
+    for i in range(50):  # the replay: 3x, must not count
+        lines.append(_step(120.0 + i, 3 * bound.decode_time_scalar(1, 99.0), A, [], 1, 99))
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    f = in_situ_factors(em, log, exclude=(100.0, 200.0))[A]
+    assert (f["prefill_steps"], f["decode_steps"]) == (20, 40)
+    assert f["prefill"] == pytest.approx(1.2) and f["decode"] == pytest.approx(1.4)
+    assert in_situ_factors(em, log, exclude=(0.0, 1e9))[A] == {
+        "prefill": 1.0,
+        "decode": 1.0,
+        "prefill_steps": 0,
+        "decode_steps": 0,
+    }  # too few steps: no factor
+    scaled = rescale_profile(prof, {A: f}, tmp_path / "scaled.csv")
+    before, after = load_profile(prof), load_profile(scaled)
+    assert len(before) == len(after)
+    for r0, r1 in zip(before, after, strict=True):
+        k = 1.2 if r0.phase == "prefill" else 1.4
+        assert r1 == replace(r0, time_s=pytest.approx(k * r0.time_s))
+    # the calibration from the rescaled rows predicts the logged probe steps (not
+    # exactly: prefill and decode share the fitted per-iteration overhead, so two
+    # different factors are not a pure rescaling of the fitted parameters)
+    em2 = emulated_sim_config(_config(tmp_path), scaled)
+    chk = engine_step_check(em2, log, span=(0.0, 99.0))
+    assert chk["decode"]["ratio"] == pytest.approx(1.0, rel=0.03)
+    assert chk["mixed"]["ratio"] == pytest.approx(1.0, rel=0.06)
+    chk0 = engine_step_check(em, log, span=(0.0, 99.0))
+    assert abs(chk["mixed"]["ratio"] - 1) < abs(chk0["mixed"]["ratio"] - 1) / 3

@@ -400,9 +400,14 @@ def analyze(
     *,
     command: str = "",
     replay: Replay | None = None,
+    in_situ: bool = True,
 ) -> dict[str, Any]:
     """Step 5: fit the overhead to the probes, simulate ``out/measured``'s
     requests with and without it, write ``fidelity.md`` and ``fidelity.json``.
+
+    With ``in_situ`` (and a step log), the calibration uses the profile
+    rescaled to the speed the engine ran at inside the server during the
+    probes (:func:`_in_situ_profile`).
 
     Returns:
         The ``fidelity.json`` content.
@@ -420,6 +425,9 @@ def analyze(
     measured_dir = out / "measured"
     measured = read_summary(measured_dir)
     reqs = load_measured_requests(measured_dir)
+    situ = _in_situ_profile(cfg, profile_csv, out) if in_situ else None
+    if situ is not None:
+        profile_csv = Path(situ["profile"])
     size = Counter(p.group for p in probes)
     alone = [p for p in probes if size[p.group] == 1]
     _say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
@@ -448,6 +456,7 @@ def analyze(
         "replay": replay.to_dict() if replay is not None else None,
         "overhead": fit.to_dict(),
         "bursts": burst_check,
+        "in_situ": situ,
         "engine_steps": steps,
         "rows": rows,
         "rows_engine_only": rows_eng,
@@ -463,6 +472,53 @@ def analyze(
     return report
 
 
+def _replay_span(out: Path) -> tuple[float, float] | None:
+    """The replay's Unix start and end (:data:`REPLAY_SPAN`), None if not recorded."""
+    path = out / REPLAY_SPAN
+    if not path.is_file():
+        return None
+    try:
+        sp = json.loads(path.read_text(encoding="utf-8"))
+        return float(sp["start_s"]), float(sp["end_s"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise InputError("expected {start_s, end_s} (Unix seconds)", file=str(path)) from None
+
+
+def _in_situ_profile(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str, Any] | None:
+    """The standalone profile rescaled to the engine's speed inside the server.
+
+    A worker's engine shares the machine with the server, Ray and the load
+    generator, and on this project's 2-core machine its steps ran 1.2-1.5x
+    slower in the server than in ``profile-engine`` alone, steadily before,
+    during and after a replay. The factors
+    (:func:`~fleetserve.experiments.fidelity.in_situ_factors`) come from the
+    step log's steps *outside* the replay, i.e. from the probes of the idle
+    server before and after it, never from the replay compared with; the
+    profile rows are multiplied by them (``profile-in-situ.csv``) and the
+    calibration fits those. None without a profile, a step log or the
+    replay's span (``--analyze-only`` on an older directory).
+    """
+    from fleetserve.experiments.fidelity import (
+        emulated_sim_config,
+        in_situ_factors,
+        rescale_profile,
+    )
+
+    log = out / STEP_LOG
+    span = _replay_span(out)
+    if profile_csv is None or span is None or not log.is_file():
+        return None
+    em = emulated_sim_config(cfg, profile_csv)
+    factors = in_situ_factors(em, log, exclude=span)
+    scaled = rescale_profile(profile_csv, factors, out / "profile-in-situ.csv")
+    for m, f in factors.items():
+        _say(
+            f"[bold]in situ[/] {m}: prefill x{f['prefill']:.2f} ({f['prefill_steps']} steps), "
+            f"decode x{f['decode']:.2f} ({f['decode_steps']} steps) against the profile"
+        )
+    return {"factors": factors, "profile": str(scaled), "standalone_profile": str(profile_csv)}
+
+
 def _step_check(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str, Any] | None:
     """The engines' speed during the replay against the cost model
     (:func:`~fleetserve.experiments.fidelity.engine_step_check` on the server's
@@ -473,11 +529,7 @@ def _step_check(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str
     if not log.is_file() or profile_csv is None:
         return None
     em = emulated_sim_config(cfg, profile_csv)
-    span_file = out / REPLAY_SPAN
-    span = None
-    if span_file.is_file():
-        sp = json.loads(span_file.read_text())
-        span = (float(sp["start_s"]), float(sp["end_s"]))
+    span = _replay_span(out)
     return {"replay": engine_step_check(em, log, span=span), "run": engine_step_check(em, log)}
 
 
@@ -521,9 +573,9 @@ def _steps_lines(steps: dict[str, Any] | None) -> list[str]:
         f"measured over cost-model time x{a['ratio']:.2f} (median step "
         f"x{a['median_ratio']:.2f}, P10-P90 x{a['p10_ratio']:.2f}-{a['p90_ratio']:.2f}); "
         f"{part('decode', 'decode only')}, {part('mixed', 'with prompts')}; by tenth of the "
-        f"replay: {wins}. Above 1 the engine ran slower than its profile said: that share "
-        "of the error is the machine's speed, not the simulated scheduling (a diagnostic; "
-        "the simulation does not use it).",
+        f"replay: {wins}. Above 1 the engine ran slower than the calibrated cost model said: "
+        "that share of the error is the engine's speed, not the simulated scheduling (a "
+        "diagnostic; the simulation does not use it).",
         "",
     ]
 
@@ -564,6 +616,20 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
             f"another, a queue the model lacks): TTFT error {f['ttft_mean_abs_pct']:.1f}% "
             f"(engine only {e['ttft_mean_abs_pct']:.1f}%), TPOT {f['tpot_mean_abs_pct']:.1f}% "
             f"(engine only {e['tpot_mean_abs_pct']:.1f}%).",
+            "",
+        ]
+    situ = report.get("in_situ")
+    if situ:
+        parts = [
+            f"{m} prefill x{f['prefill']:.2f} ({f['prefill_steps']} steps), decode "
+            f"x{f['decode']:.2f} ({f['decode_steps']} steps)"
+            for m, f in situ["factors"].items()
+        ]
+        lines += [
+            "Calibrated from the standalone profile rescaled to the engine's speed inside "
+            "the server, measured on the probes' engine steps (before and after the replay, "
+            "never the replay): " + "; ".join(parts) + " (`profile-in-situ.csv`; "
+            "`--standalone-profile` leaves this out).",
             "",
         ]
     lines += _steps_lines(report.get("engine_steps"))
@@ -629,7 +695,15 @@ def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
             after = profile_models(cfg, out, "profile-after")
             profile = merge_profiles([before, after], out / "profile.csv")
     command = "fleetserve " + " ".join(sys.argv[1:]) if sys.argv else ""
-    report = analyze(cfg, profile, probes, out, command=command, replay=replay)
+    report = analyze(
+        cfg,
+        profile,
+        probes,
+        out,
+        command=command,
+        replay=replay,
+        in_situ=not args.standalone_profile,
+    )
     from fleetserve.experiments.fidelity import fidelity_markdown
 
     console.print(fidelity_markdown(report["rows"]), highlight=False, markup=False)
@@ -653,6 +727,12 @@ def add_fidelity_parser(sub: Any) -> None:
     p.add_argument("config", help="YAML config with a serve: section (CPU workers)")
     p.add_argument("--out", required=True, help="result directory")
     p.add_argument("--profile", help="reuse this engine profile CSV (skip profile-engine)")
+    p.add_argument(
+        "--standalone-profile",
+        action="store_true",
+        help="calibrate from the profile as measured, not rescaled to the engine's speed "
+        "inside the server (measured on the probes' steps)",
+    )
     p.add_argument("--trace", help="trace file (default: the config's, else the Azure conv trace)")
     p.add_argument("--format", help="trace format (default: the config's, or detected)")
     p.add_argument(

@@ -103,6 +103,7 @@ from fleetserve.costmodel import (
     calibrate,
     load_profile,
     relative_errors,
+    write_profile,
 )
 from fleetserve.errors import ConfigError, FleetserveError, InputError
 from fleetserve.experiments.fidelity_overhead import (
@@ -918,6 +919,7 @@ class LoggedStep:
     measured_s: float
     predicted_s: float
     mixed: bool  # prompts in it (the simulator's mixed iteration), else decode only
+    models: tuple[str, ...] = ()  # the models of its forwards
 
 
 def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep | None:
@@ -926,8 +928,10 @@ def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep 
     try:
         pred = 0.0
         mixed = False
+        names: list[str] = []
         for f in obj["forwards"]:
             name = str(f["model"])
+            names.append(name)
             try:
                 spec = get_model(name)
             except FleetserveError:  # unknown name, unreadable checkpoint config
@@ -941,7 +945,12 @@ def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep 
             elif b:
                 pred += bound.decode_time_scalar(b, float(ctx))
         return LoggedStep(
-            int(obj["worker"]), float(obj["start_s"]), float(obj["duration_s"]), pred, mixed
+            int(obj["worker"]),
+            float(obj["start_s"]),
+            float(obj["duration_s"]),
+            pred,
+            mixed,
+            tuple(sorted(set(names))),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise InputError(
@@ -1047,3 +1056,69 @@ def engine_step_check(
                 {"t_s": (lo + hi) / 2 - t0, "ratio": st["ratio"], "steps": st["steps"]}
             )
     return out
+
+
+MIN_SITU_STEPS = 20
+"""Fewest logged steps of a kind (per model) :func:`in_situ_factors` derives a factor from."""
+
+
+def in_situ_factors(
+    em: EmulatedSim, path: str | Path, exclude: tuple[float, float] | None = None
+) -> dict[str, dict[str, Any]]:
+    """How much slower (or faster) each served model's engine steps ran in the
+    server than its standalone profile says, from a ``serve.step_log``.
+
+    For every model, over the logged steps of that model alone (a step running
+    two models' forwards cannot be split between them), ``prefill`` is total
+    measured over total predicted time of the steps with prompts and
+    ``decode`` that of the decode-only steps (predictions as in
+    :func:`engine_step_check`, with ``em``'s calibration). A kind with fewer
+    than :data:`MIN_SITU_STEPS` steps gets factor 1. ``exclude``: leave out
+    the steps starting within these Unix times (``fleetserve fidelity``
+    leaves out its replay: the factors come from the probes of the idle
+    server around it, never from the run they are compared with).
+
+    Returns:
+        ``{model: {"prefill": f, "decode": f, "prefill_steps": n, "decode_steps": n}}``.
+    """
+    steps, _ = read_step_log(em, path)
+    if exclude is not None:
+        steps = [s for s in steps if not exclude[0] <= s.start_s <= exclude[1]]
+    out: dict[str, dict[str, Any]] = {}
+    for m in em.kv_blocks:
+        mine = [s for s in steps if s.models == (m,) and s.predicted_s > 0]
+        row: dict[str, Any] = {}
+        for kind, mixed in (("prefill", True), ("decode", False)):
+            sel = [s for s in mine if s.mixed is mixed]
+            pred = sum(s.predicted_s for s in sel)
+            ok = len(sel) >= MIN_SITU_STEPS and pred > 0
+            row[kind] = sum(s.measured_s for s in sel) / pred if ok else 1.0
+            row[f"{kind}_steps"] = len(sel)
+        out[m] = row
+    return out
+
+
+def rescale_profile(
+    profile_csv: Path, factors: Mapping[str, Mapping[str, Any]], out_csv: Path
+) -> Path:
+    """``profile_csv`` with each served model's prefill rows multiplied by its
+    ``prefill`` factor and its decode rows by its ``decode`` factor
+    (:func:`in_situ_factors`): the profile as the engine runs inside the
+    server. The calibration then fits these rows exactly as it fits a
+    standalone profile's. Rows of other models are copied unchanged.
+
+    A step with prompts also carries the running decodes, so its factor is
+    that of mixed iterations; applying it to the pure prefill rows is the
+    approximation (the probes' mixed steps are mostly one prompt alone).
+    """
+    rows = load_profile(profile_csv)
+    write_profile(
+        out_csv,
+        [
+            replace(r, time_s=r.time_s * float(factors[r.model][r.phase]))
+            if r.model in factors
+            else r
+            for r in rows
+        ],
+    )
+    return out_csv
