@@ -5,18 +5,25 @@ One command, five steps (progress on stderr), every artefact under ``DIR``::
     1 profile   fleetserve profile-engine per served model  -> profile-before.csv
                 (or --profile CSV to reuse one)
     2 serve     fleetserve serve CONFIG on a free port (subprocess, log in
-                server.log), wait for /health
+                server.log), wait for /health; every engine step -> steps.jsonl
+                (serve.step_log)
     3 probe     overhead probes on the idle server, before   -> overhead_probe.json
                 and after the replay (the machine's load may change in between)
-    4 replay    bench-serve of the trace                     -> measured/
+    4 replay    bench-serve of the trace                     -> measured/,
+                                                                replay_span.json
                 the server is shut down (also on errors and Ctrl-C)
                 profile-engine again, after the server stops  -> profile-after.csv
                 (both together: profile.csv; this machine's speed
                 drifts by 20-30% within minutes)
-    5 simulate  the same requests on the emulated cluster:
+    5 simulate  in situ: profile.csv rescaled by the probes'  -> profile-in-situ.csv
+                steps' measured/predicted time (the engine runs
+                slower inside the server than alone; not with
+                --standalone-profile), then the overhead fit and
+                the same requests on the emulated cluster:
                 with the fitted serving-path overhead        -> simulated/
                 engine only (cost model alone)               -> simulated-engine-only/
-                and the comparison                           -> fidelity.md, fidelity.json
+                the replay's engine steps against the cost model
+                (a diagnostic) and the comparison             -> fidelity.md, fidelity.json
 
 The workload: ``workload.trace`` of the config (relative to the config file)
 or ``--trace``; without either, the Azure conversation trace of the shared

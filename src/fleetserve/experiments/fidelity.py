@@ -69,12 +69,23 @@ when given a :class:`~fleetserve.experiments.fidelity_overhead.RuntimeOverhead`,
 the replay it is compared with); without one the simulation is the
 engine-only one, exactly as before.
 
+The engine inside the server (:func:`in_situ_factors`, :func:`rescale_profile`,
+:func:`engine_step_check`): with ``serve.step_log`` the server logs every
+engine step's duration and batch. On this project's 2-core machine a step
+ran 1.2-1.5x slower inside the server (which shares the cores with Ray, the
+HTTP server and the load generator) than the same forward in
+``profile-engine`` alone, steadily before, during and after a replay.
+``fleetserve fidelity`` therefore rescales the standalone profile by the
+measured/predicted time of the steps of the probes (the idle server before
+and after the replay, never the replay) before calibrating, and reports the
+replay's own ratio as a diagnostic.
+
 Known differences (not modelled): the runtime's admission queue
 (``serve.max_queue``, HTTP 429 beyond it); CPU contention between the worker
-and the server, the load generator or anything else on the machine (the
-probes see it only as far as it was there while they ran) and the machine's
-own speed drifting during a run (the same decode step varies by ~20-30%
-between minutes here); concurrent requests passing the HTTP server and the
+and the server, the load generator or anything else on the machine beyond
+what the probes saw (the in-situ factors come from the idle server) and the
+machine's own speed drifting during a run (the same decode step varies by
+~20-50% between minutes here); concurrent requests passing the HTTP server and the
 controller one after another (the model has no queue in front of the
 engine); decode attention padding inside a context bucket (the cost model
 sees the batch's total context); the engine reserving pages for one token more than the
