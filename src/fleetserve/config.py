@@ -463,6 +463,12 @@ class ServeConfigSection:
             worker to (start, duration and the batch: prompt chunks, decode
             batch and context), one line per step; ``fleetserve fidelity``
             compares it with the calibrated cost model. None: no log.
+        pin_cores: CPU workers of a local ``serve``: each worker's engine
+            runs on ``threads_per_worker`` cores of its own, and the server,
+            Ray and everything else ``serve`` starts on the remaining ones
+            (Linux CPU affinity), as an engine on a GPU does not share the
+            cores the server runs on. Needs ``workers x threads_per_worker``
+            cores plus at least one.
     """
 
     workers: int = 2
@@ -478,6 +484,7 @@ class ServeConfigSection:
     max_body_bytes: int = 1_000_000
     max_tokens_default: int = 16
     step_log: str | None = None
+    pin_cores: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "workers", "gpu_memory_mb", "threads_per_worker", "max_queue")

@@ -39,6 +39,7 @@ drive with a measurement they make up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -309,60 +310,85 @@ def measure(
         The overhead probes (:class:`~fleetserve.experiments.fidelity_overhead.ProbeRequest`);
         the replay is in ``out/measured``.
     """
-    from fleetserve.runtime.bench_serve import BenchConfig, run_bench, write_bench
-    from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
+    from fleetserve.runtime.cluster import core_plan
 
     served = list(cfg.serve.model_names(cfg.model))
+    # serve.pin_cores: the load generator keeps off the engines' cores too (once the
+    # server runs: a server started from a pinned process would see too few cores)
+    cores = core_plan(cfg)
+    pin = _affinity(cores.server) if cores is not None else contextlib.nullcontext()
     _say(f"[bold]serve[/] {args.config} (log: {out / 'server.log'})")
     steps = out / STEP_LOG
     steps.unlink(missing_ok=True)  # the server appends
     overrides = [*args.set, f"serve.step_log={steps.resolve()}"]
-    with ServerProcess(args.config, overrides, out / "server.log", args.startup_timeout) as srv:
-        _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
-        model = _first_served_name(srv.url, served)
-        cap_p = replay.max_prompt_tokens or 256
-        plan = ProbePlan(
-            model=model,
-            prompts=tuple(sorted({min(p, cap_p) for p in (16, 64, 256)})),
-            burst_prompt=min(64, cap_p),
-            seed=cfg.seed,
-        )
-        probes = run_probe(srv.url, plan)
-        _say(f"{len(probes)} probes; [bold]replay[/] {replay.trace}")
-        bench_cfg = BenchConfig(
-            url=srv.url,
-            trace=replay.trace,
-            fmt=replay.fmt,
-            start_s=replay.start_s,
-            end_s=replay.end_s,
-            max_requests=replay.max_requests,
-            rate_scale=replay.rate_scale,
-            length_scale=replay.length_scale,
-            max_prompt_tokens=replay.max_prompt_tokens,
-            max_output_tokens=replay.max_output_tokens,
-            models=tuple(served) if len(served) > 1 else None,
-            model_weights=cfg.workload.model_weights if len(served) > 1 else None,
-            seed=cfg.seed,
-        )
-        t_start = time.time()
-        bench = run_bench(bench_cfg, _bench_progress())
-        span = {"start_s": t_start, "end_s": time.time()}
-        (out / REPLAY_SPAN).write_text(json.dumps(span) + "\n")
-        write_bench(out / "measured", bench)
-        # the probes again after the replay, so they see the machine of the whole run
-        _say("[bold]probe[/] again after the replay")
-        n0 = 1 + max(p.group for p in probes)
-        probes += [replace(p, group=p.group + n0) for p in run_probe(srv.url, plan)]
-        (out / "overhead_probe.json").write_text(
-            json.dumps(
-                {"plan": _plan_dict(plan), "probes": [p.to_dict() for p in probes]}, indent=1
-            )
-        )
-        r = bench.summary["requests"]
-        _say(
-            f"replayed {r['total']} requests ({r['finished']} finished, {r['rejected']} "
-            f"rejected, {r['unfinished']} unfinished); stopping the server"
-        )
+    with (
+        ServerProcess(args.config, overrides, out / "server.log", args.startup_timeout) as srv,
+        pin,
+    ):
+        return _measure(cfg, srv, replay, out, served)
+
+
+@contextlib.contextmanager
+def _affinity(cpus: Sequence[int]) -> Iterator[None]:
+    """This thread on ``cpus`` for the block (restored after)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _measure(
+    cfg: SimConfig, srv: ServerProcess, replay: Replay, out: Path, served: list[str]
+) -> list[Any]:
+    """:func:`measure` once the server is up."""
+    from fleetserve.runtime.bench_serve import BenchConfig, run_bench, write_bench
+    from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
+
+    _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
+    model = _first_served_name(srv.url, served)
+    cap_p = replay.max_prompt_tokens or 256
+    plan = ProbePlan(
+        model=model,
+        prompts=tuple(sorted({min(p, cap_p) for p in (16, 64, 256)})),
+        burst_prompt=min(64, cap_p),
+        seed=cfg.seed,
+    )
+    probes = run_probe(srv.url, plan)
+    _say(f"{len(probes)} probes; [bold]replay[/] {replay.trace}")
+    bench_cfg = BenchConfig(
+        url=srv.url,
+        trace=replay.trace,
+        fmt=replay.fmt,
+        start_s=replay.start_s,
+        end_s=replay.end_s,
+        max_requests=replay.max_requests,
+        rate_scale=replay.rate_scale,
+        length_scale=replay.length_scale,
+        max_prompt_tokens=replay.max_prompt_tokens,
+        max_output_tokens=replay.max_output_tokens,
+        models=tuple(served) if len(served) > 1 else None,
+        model_weights=cfg.workload.model_weights if len(served) > 1 else None,
+        seed=cfg.seed,
+    )
+    t_start = time.time()
+    bench = run_bench(bench_cfg, _bench_progress())
+    span = {"start_s": t_start, "end_s": time.time()}
+    (out / REPLAY_SPAN).write_text(json.dumps(span) + "\n")
+    write_bench(out / "measured", bench)
+    # the probes again after the replay, so they see the machine of the whole run
+    _say("[bold]probe[/] again after the replay")
+    n0 = 1 + max(p.group for p in probes)
+    probes += [replace(p, group=p.group + n0) for p in run_probe(srv.url, plan)]
+    (out / "overhead_probe.json").write_text(
+        json.dumps({"plan": _plan_dict(plan), "probes": [p.to_dict() for p in probes]}, indent=1)
+    )
+    r = bench.summary["requests"]
+    _say(
+        f"replayed {r['total']} requests ({r['finished']} finished, {r['rejected']} "
+        f"rejected, {r['unfinished']} unfinished); stopping the server"
+    )
     return probes
 
 

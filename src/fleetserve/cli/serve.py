@@ -51,9 +51,20 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     # names and placement checked before Ray starts
     cluster.worker_specs(cfg, cluster.served_models(cfg))
+    cores = cluster.core_plan(cfg)
+    if cores is not None:
+        if args.address is not None:
+            raise FleetserveError("serve.pin_cores pins a local serve; leave out --address")
+        # this process, and the Ray processes it starts, keep off the engines' cores
+        os.sched_setaffinity(0, cores.server)
+        console.print(
+            f"engines pinned to cores {', '.join(str(list(c)) for c in cores.engines)}; "
+            f"server and Ray on {list(cores.server)}",
+            highlight=False,
+        )
 
     async def launch() -> Any:
-        ctl = await cluster.launch(cfg, args.address)
+        ctl = await cluster.launch(cfg, args.address, cores)
         sv = cfg.serve
         models = ", ".join(ctl.models)
         console.print(

@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +78,53 @@ def served_models(config: SimConfig) -> dict[str, ModelInfo]:
     return served
 
 
-def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[WorkerSpec]:
+@dataclass(frozen=True, slots=True)
+class CorePlan:
+    """``serve.pin_cores``: the cores of each worker's engine and the rest."""
+
+    engines: tuple[tuple[int, ...], ...]
+    server: tuple[int, ...]
+
+
+def core_plan(config: SimConfig, available: Sequence[int] | None = None) -> CorePlan | None:
+    """Which cores each CPU worker's engine gets (``serve.pin_cores``): the last
+    ``workers x threads_per_worker`` of ``available`` (default: this
+    process's, ``os.sched_getaffinity``), ``threads_per_worker`` per worker in
+    order; the server, Ray and the rest keep the others. None when the config
+    does not pin (or serves on CUDA).
+
+    Raises:
+        ConfigError: too few cores, or no CPU affinity on this system.
+    """
+    sv = config.serve
+    if not sv.pin_cores or sv.device != "cpu":
+        return None
+    if available is None:
+        if not hasattr(os, "sched_getaffinity"):
+            raise ConfigError("serve.pin_cores needs Linux CPU affinity (sched_setaffinity)")
+        available = sorted(os.sched_getaffinity(0))
+    cores = sorted(available)
+    n = sv.workers * sv.threads_per_worker
+    if len(cores) < n + 1:
+        raise ConfigError(
+            f"serve.pin_cores: {sv.workers} worker(s) x {sv.threads_per_worker} thread(s) need "
+            f"{n} cores plus one for the server; this process may use {len(cores)} "
+            f"({cores})"
+        )
+    eng = cores[len(cores) - n :]
+    t = sv.threads_per_worker
+    return CorePlan(
+        engines=tuple(tuple(eng[i * t : (i + 1) * t]) for i in range(sv.workers)),
+        server=tuple(cores[: len(cores) - n]),
+    )
+
+
+def worker_specs(
+    config: SimConfig, served: dict[str, ModelInfo], cores: CorePlan | None = None
+) -> list[WorkerSpec]:
     """One spec per worker: its models (placement policy; a multi-LLM stack's
-    sharing groups put several on one worker), memory budget, limits."""
+    sharing groups put several on one worker), memory budget, limits, and
+    its engine's cores when ``cores`` pins them."""
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
     batching = runtime_policy_names(config)["batching"]
@@ -96,18 +142,25 @@ def worker_specs(config: SimConfig, served: dict[str, ModelInfo]) -> list[Worker
             batching=batching,
             block_size=config.cluster.block_size,
             step_log=sv.step_log is not None,
+            cpus=cores.engines[wid] if cores is not None else None,
         )
         for wid, hosted in enumerate(plan_workers(config, list(source_of), source_of))
     ]
 
 
-async def launch(config: SimConfig, address: str | None = None) -> Controller:
-    """Start the workers and the controller (call from the server's event loop)."""
+async def launch(
+    config: SimConfig, address: str | None = None, cores: CorePlan | None = None
+) -> Controller:
+    """Start the workers and the controller (call from the server's event loop).
+
+    ``cores`` pins each worker's engine thread to its cores
+    (:func:`core_plan`; ``fleetserve serve`` has pinned itself, and so the
+    Ray processes it starts, to ``cores.server`` before calling this)."""
     import ray
 
     sv = config.serve
     served = served_models(config)
-    specs = worker_specs(config, served)
+    specs = worker_specs(config, served, cores)
     init_ray(address, num_cpus=max(os.cpu_count() or 1, len(specs) * sv.threads_per_worker + 1))
     opts: dict[str, Any] = {"max_restarts": 0}
     if sv.device.startswith("cuda"):

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ class WorkerSpec:
     batching: str = "fcfs"
     block_size: int = 16
     step_log: bool = False  # report every local engine step (Report.steps_done)
+    cpus: tuple[int, ...] | None = None  # the engine thread's cores (serve.pin_cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -778,6 +780,12 @@ class Worker:
 
 def _engine_thread_init(spec: WorkerSpec) -> None:
     """The engine thread's torch settings (intra-op threads are per thread
-    under some OpenMP runtimes)."""
+    under some OpenMP runtimes) and cores (``spec.cpus``: the thread pins
+    itself; intra-op threads it starts inherit the set)."""
+    if spec.cpus:
+        try:
+            os.sched_setaffinity(0, spec.cpus)  # Linux: 0 is the calling thread
+        except (AttributeError, OSError) as e:  # no such cores on this node, not Linux
+            logger.warning("worker %d: cannot pin to cores %s: %s", spec.worker_id, spec.cpus, e)
     if spec.device == "cpu":
         torch.set_num_threads(spec.threads)
