@@ -9,6 +9,10 @@ One command, five steps (progress on stderr), every artefact under ``DIR``::
                 (serve.step_log)
     3 probe     overhead probes on the idle server, before   -> overhead_probe.json
                 and after the replay (the machine's load may change in between)
+      calibrate the trace's next --calibration-requests (60)  -> calibration/
+                requests after the replayed ones, served before
+                the replay, never compared: the engine's speed
+                under load for the in-situ calibration
     4 replay    bench-serve of the trace                     -> measured/,
                                                                 replay_span.json
                 the server is shut down (also on errors and Ctrl-C)
@@ -42,6 +46,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import signal
 import socket
@@ -134,6 +139,37 @@ def replay_settings(cfg: SimConfig, config_path: str, args: argparse.Namespace) 
 
 
 # ----------------------------------------------------------------------- measure
+
+
+CALIBRATION_REQUESTS = 60
+"""Requests of the held-out calibration load (``--calibration-requests``)."""
+
+
+def calibration_replay(replay: Replay, n: int) -> Replay | None:
+    """The calibration load: the ``n`` requests of the trace that follow the
+    replayed ones (same window end, scaling and caps), so the engine's speed
+    under load is measured on requests the comparison never sees. None when
+    ``n`` is 0 or the trace has nothing after the replay."""
+    from fleetserve.runtime.bench_serve import BenchConfig, load_bench_workload
+
+    if n <= 0:
+        return None
+    raw = BenchConfig(
+        url="http://unused",
+        trace=replay.trace,
+        fmt=replay.fmt,
+        start_s=replay.start_s,
+        end_s=replay.end_s,
+    )
+    reqs = load_bench_workload(raw).requests  # window only: trace seconds from its start
+    k = replay.max_requests
+    if k is None:
+        return None
+    last = reqs[k - 1].arrival_s if 0 < k <= len(reqs) else math.inf
+    later = [r.arrival_s for r in reqs[k:] if r.arrival_s > last]  # ties stay replayed
+    if not later:
+        return None
+    return replace(replay, start_s=(replay.start_s or 0.0) + later[0], max_requests=n)
 
 
 def free_port() -> int:
@@ -303,8 +339,10 @@ def measure(
     args: argparse.Namespace,
     replay: Replay,
     out: Path,
+    calibration: Replay | None = None,
 ) -> list[Any]:
-    """Steps 2-4: start the server, probe it, replay the trace, stop it.
+    """Steps 2-4: start the server, probe it, run the calibration load (when
+    given: ``out/calibration``), replay the trace, probe again, stop it.
 
     Returns:
         The overhead probes (:class:`~fleetserve.experiments.fidelity_overhead.ProbeRequest`);
@@ -325,7 +363,7 @@ def measure(
         ServerProcess(args.config, overrides, out / "server.log", args.startup_timeout) as srv,
         pin,
     ):
-        return _measure(cfg, srv, replay, out, served)
+        return _measure(cfg, srv, replay, out, served, calibration)
 
 
 @contextlib.contextmanager
@@ -339,26 +377,11 @@ def _affinity(cpus: Sequence[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _measure(
-    cfg: SimConfig, srv: ServerProcess, replay: Replay, out: Path, served: list[str]
-) -> list[Any]:
-    """:func:`measure` once the server is up."""
-    from fleetserve.runtime.bench_serve import BenchConfig, run_bench, write_bench
-    from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
+def _bench_config(cfg: SimConfig, url: str, replay: Replay, served: list[str]) -> Any:
+    from fleetserve.runtime.bench_serve import BenchConfig
 
-    _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
-    model = _first_served_name(srv.url, served)
-    cap_p = replay.max_prompt_tokens or 256
-    plan = ProbePlan(
-        model=model,
-        prompts=tuple(sorted({min(p, cap_p) for p in (16, 64, 256)})),
-        burst_prompt=min(64, cap_p),
-        seed=cfg.seed,
-    )
-    probes = run_probe(srv.url, plan)
-    _say(f"{len(probes)} probes; [bold]replay[/] {replay.trace}")
-    bench_cfg = BenchConfig(
-        url=srv.url,
+    return BenchConfig(
+        url=url,
         trace=replay.trace,
         fmt=replay.fmt,
         start_s=replay.start_s,
@@ -372,6 +395,39 @@ def _measure(
         model_weights=cfg.workload.model_weights if len(served) > 1 else None,
         seed=cfg.seed,
     )
+
+
+def _measure(
+    cfg: SimConfig,
+    srv: ServerProcess,
+    replay: Replay,
+    out: Path,
+    served: list[str],
+    calibration: Replay | None,
+) -> list[Any]:
+    """:func:`measure` once the server is up."""
+    from fleetserve.runtime.bench_serve import run_bench, write_bench
+    from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
+
+    _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
+    model = _first_served_name(srv.url, served)
+    cap_p = replay.max_prompt_tokens or 256
+    plan = ProbePlan(
+        model=model,
+        prompts=tuple(sorted({min(p, cap_p) for p in (16, 64, 256)})),
+        burst_prompt=min(64, cap_p),
+        seed=cfg.seed,
+    )
+    probes = run_probe(srv.url, plan)
+    if calibration is not None:
+        _say(
+            f"{len(probes)} probes; [bold]calibration load[/]: the {calibration.max_requests} "
+            f"requests after the replay's (trace from {calibration.start_s:.0f} s)"
+        )
+        cal = run_bench(_bench_config(cfg, srv.url, calibration, served), _bench_progress())
+        write_bench(out / "calibration", cal)
+    _say(f"[bold]replay[/] {replay.trace}")
+    bench_cfg = _bench_config(cfg, srv.url, replay, served)
     t_start = time.time()
     bench = run_bench(bench_cfg, _bench_progress())
     span = {"start_s": t_start, "end_s": time.time()}
@@ -523,10 +579,12 @@ def _in_situ_profile(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dic
     A worker's engine shares the machine with the server, Ray and the load
     generator, and on this project's 2-core machine its steps ran 1.2-1.5x
     slower in the server than in ``profile-engine`` alone, steadily before,
-    during and after a replay. The factors
-    (:func:`~fleetserve.experiments.fidelity.in_situ_factors`) come from the
-    step log's steps *outside* the replay, i.e. from the probes of the idle
-    server before and after it, never from the replay compared with; the
+    during and after a replay (with ``serve.pin_cores`` about as fast as
+    alone on the idle server, but ~1.15x slower under the replay's load). The
+    factors (:func:`~fleetserve.experiments.fidelity.in_situ_factors`) come
+    from the step log's steps *outside* the replay: the probes before and
+    after it and the calibration load (the trace's requests after the
+    replayed ones, :func:`calibration_replay`), never the replay; the
     profile rows are multiplied by them (``profile-in-situ.csv``) and the
     calibration fits those. None without a profile, a step log or the
     replay's span (``--analyze-only`` on an older directory).
@@ -660,8 +718,9 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
         ]
         lines += [
             "Calibrated from the standalone profile rescaled to the engine's speed inside "
-            "the server, measured on the probes' engine steps (before and after the replay, "
-            "never the replay): " + "; ".join(parts) + " (`profile-in-situ.csv`; "
+            "the server, measured on its steps outside the replay (the probes before and "
+            "after it and the calibration load of the trace's next requests; never the "
+            "replay): " + "; ".join(parts) + " (`profile-in-situ.csv`; "
             "`--standalone-profile` leaves this out).",
             "",
         ]
@@ -706,6 +765,10 @@ def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
             raise InputError("profile not found", file=str(profile))
         emulated_sim_config(cfg, profile)  # the profile is checked before anything runs
     replay = replay_settings(cfg, args.config, args)
+    if args.calibration_requests < 0:
+        raise FleetserveError(
+            f"--calibration-requests must be >= 0, got {args.calibration_requests}"
+        )
     out = Path(args.out)
     if args.analyze_only:
         raw = json.loads((out / "overhead_probe.json").read_text())
@@ -720,7 +783,8 @@ def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
         own_profile = profile is None
         if own_profile:
             before = profile_models(cfg, out, "profile-before")
-        probes = measure(cfg, args, replay, out)
+        cal = calibration_replay(replay, args.calibration_requests)
+        probes = measure(cfg, args, replay, out, cal)
         if own_profile:
             # profiled again after the replay, like the probes: this machine's speed
             # drifts by 20-30% within minutes, and the calibration should see the
@@ -765,6 +829,15 @@ def add_fidelity_parser(sub: Any) -> None:
         action="store_true",
         help="calibrate from the profile as measured, not rescaled to the engine's speed "
         "inside the server (measured on the probes' steps)",
+    )
+    p.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=CALIBRATION_REQUESTS,
+        metavar="N",
+        help="before the replay, serve the N requests of the trace that follow it (never "
+        "compared) to measure the engine's speed under load for the in-situ calibration "
+        f"(default {CALIBRATION_REQUESTS}; 0: probes only)",
     )
     p.add_argument("--trace", help="trace file (default: the config's, else the Azure conv trace)")
     p.add_argument("--format", help="trace format (default: the config's, or detected)")
