@@ -352,3 +352,42 @@ def test_cli_calibrates_in_situ_from_the_probes_step_log(
     report = json.loads((out / "fidelity.json").read_text())
     assert report["in_situ"] is None
     assert report["engine_steps"]["replay"]["all"]["ratio"] == pytest.approx(5.0, rel=0.01)
+
+
+def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path) -> None:
+    from fleetserve.cli.fidelity import Replay, calibration_replay
+    from fleetserve.runtime.bench_serve import BenchConfig, load_bench_workload
+
+    trace = tmp_path / "t.jsonl"
+    arrivals = [0.0, 1.0, 2.0, 3.0, 3.0, 4.0, 5.5, 6.0, 7.0, 8.0]  # a tie at 3.0
+    trace.write_text(
+        "".join(
+            json.dumps({"arrival_s": a, "prompt_tokens": 10 + i, "output_tokens": 4}) + "\n"
+            for i, a in enumerate(arrivals)
+        )
+    )
+
+    def prompts(r: Replay) -> list[int]:
+        cfg = BenchConfig(
+            url="http://x",
+            trace=r.trace,
+            fmt=r.fmt,
+            start_s=r.start_s,
+            end_s=r.end_s,
+            max_requests=r.max_requests,
+            rate_scale=r.rate_scale,
+        )
+        return [q.prompt_tokens for q in load_bench_workload(cfg).requests]
+
+    base = Replay(str(trace), "jsonl", 1.0, None, 2, 0.5, 1.0, None, None)
+    cal = calibration_replay(base, 2)
+    assert prompts(base) == [11, 12]
+    assert cal is not None and cal.start_s == 3.0 and prompts(cal) == [13, 14]
+    assert (cal.rate_scale, cal.max_requests, cal.end_s) == (0.5, 2, None)
+    # a request tied with the last replayed one is in neither (a window cannot split a tie)
+    tie = replace(base, max_requests=3)  # 11, 12, 13; 14 arrives with 13 at 3.0
+    cal = calibration_replay(tie, 2)
+    assert prompts(tie) == [11, 12, 13]
+    assert cal is not None and cal.start_s == 4.0 and prompts(cal) == [15, 16]
+    assert calibration_replay(base, 0) is None
+    assert calibration_replay(replace(base, max_requests=9), 5) is None  # nothing after it

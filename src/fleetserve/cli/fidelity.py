@@ -166,7 +166,8 @@ def calibration_replay(replay: Replay, n: int) -> Replay | None:
     if k is None:
         return None
     last = reqs[k - 1].arrival_s if 0 < k <= len(reqs) else math.inf
-    later = [r.arrival_s for r in reqs[k:] if r.arrival_s > last]  # ties stay replayed
+    # a request tied with the last replayed one is skipped: a window cannot split a tie
+    later = [r.arrival_s for r in reqs[k:] if r.arrival_s > last]
     if not later:
         return None
     return replace(replay, start_s=(replay.start_s or 0.0) + later[0], max_requests=n)
