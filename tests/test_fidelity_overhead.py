@@ -196,6 +196,22 @@ def test_fit_recovers_a_known_overhead(tmp_path: Path) -> None:
     assert fit.to_dict()["overhead"]["delivery_iters"] == 4.0
 
 
+def test_fit_with_a_measured_iteration_cost_fits_the_request_latency_alone(
+    tmp_path: Path,
+) -> None:
+    cfg = replace(_config(tmp_path), serve=replace(_config(tmp_path).serve, workers=1))
+    prof = _profile(tmp_path)
+    truth = RuntimeOverhead(request_s=0.011, iteration_s=0.0014, delivery_iters=0.0)
+    probes = _synthetic_probes(cfg, prof, truth)
+    fit = fit_overhead(cfg, prof, probes, iteration_grid=(0.0014,), lag_grid=(0.0,))
+    assert fit.overhead.request_s == pytest.approx(0.011, abs=1e-9)
+    assert (fit.overhead.iteration_s, fit.overhead.delivery_iters) == (0.0014, 0.0)
+    assert fit.ttft_mean_abs_pct < 1e-6 and fit.engine_only_ttft_mean_abs_pct > 5
+    # a wrong fixed iteration cost is kept as given, and it shows in the error
+    off = fit_overhead(cfg, prof, probes, iteration_grid=(0.004,), lag_grid=(0.0,))
+    assert off.overhead.iteration_s == 0.004 and off.tpot_mean_abs_pct > 5
+
+
 def test_fit_needs_usable_probes(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     with pytest.raises(FleetserveError, match="no usable overhead probes"):
@@ -339,6 +355,7 @@ def test_cli_calibrates_in_situ_from_the_probes_step_log(
     rc, _, err = run_cli(capsys, *args)
     assert rc == 0, err
     report = json.loads((out / "fidelity.json").read_text())
+    assert report["handoff"] is None  # no 'more' in these lines: the three-way fit
     f = report["in_situ"]["factors"][A]
     assert f["decode"] == pytest.approx(1.3) and f["decode_steps"] == 30
     assert f["prefill"] == 1.0 and f["prefill_steps"] == 0  # too few: unchanged
@@ -391,3 +408,40 @@ def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path
     assert cal is not None and cal.start_s == 4.0 and prompts(cal) == [15, 16]
     assert calibration_replay(base, 0) is None
     assert calibration_replay(replace(base, max_requests=9), 5) is None  # nothing after it
+
+
+def test_cli_measures_the_iteration_cost_from_the_step_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg_path = _serve_yaml(tmp_path)
+    cfg = _config(tmp_path)
+    cfg = replace(cfg, serve=replace(cfg.serve, workers=1))
+    prof = _profile(tmp_path)
+    out = tmp_path / "fid"
+    truth = RuntimeOverhead(request_s=0.01, iteration_s=0.0015, delivery_iters=0.0)
+    simulate_emulated(cfg, prof, out / "measured", overhead=truth)
+    probes = _synthetic_probes(cfg, prof, truth)
+    (out / "overhead_probe.json").write_text(json.dumps({"probes": [p.to_dict() for p in probes]}))
+    em = emulated_sim_config(cfg, prof)
+    dur = em.cost.bind(get_model(A), em.gpu).decode_time_scalar(1, 50.0)
+    fw = {"model": A, "chunks": [], "decode_batch": 1, "decode_ctx": 50}
+    steps, t = [], 10.0
+    for i in range(40):  # steps at the profile's speed, 1.5 ms apart while work is left
+        steps.append(
+            {"worker": 0, "start_s": t, "duration_s": dur, "more": i % 10 != 9, "forwards": [fw]}
+        )
+        t += dur + (0.0015 if i % 10 != 9 else 3.0)
+    (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (out / "replay_span.json").write_text(json.dumps({"start_s": 500.0, "end_s": 600.0}))
+    rc, stdout, err = run_cli(
+        capsys, "fidelity", cfg_path, "--out", out, "--profile", prof, "--analyze-only"
+    )
+    assert rc == 0, err
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["handoff"]["gaps"] == 36
+    assert report["handoff"]["seconds"] == pytest.approx(0.0015, abs=1e-6)
+    o = report["overhead"]["overhead"]
+    assert o["iteration_s"] == report["handoff"]["seconds"] and o["delivery_iters"] == 0.0
+    assert o["request_s"] == pytest.approx(0.01, abs=2e-4)
+    assert "4 of 4 target metrics within 15%" in stdout
+    assert "per engine iteration measured" in (out / "fidelity.md").read_text()

@@ -674,3 +674,31 @@ def test_in_situ_factors_rescale_the_profile_from_the_steps_outside_the_replay(
     assert chk["mixed"]["ratio"] == pytest.approx(1.0, rel=0.06)
     chk0 = engine_step_check(em, log, span=(0.0, 99.0))
     assert abs(chk["mixed"]["ratio"] - 1) < abs(chk0["mixed"]["ratio"] - 1) / 3
+
+
+def test_step_handoff_is_the_wait_between_steps_while_work_was_left(tmp_path: Path) -> None:
+    from fleetserve.experiments.fidelity import step_handoff_s
+
+    em = emulated_sim_config(_config(tmp_path), _profile(tmp_path))
+
+    def line(w: int, t: float, dur: float, more: bool) -> str:
+        obj = json.loads(_step(t, dur, A, [], 1, 10))
+        return json.dumps({**obj, "worker": w, "more": more})
+
+    log = tmp_path / "steps.jsonl"
+    rows = [
+        line(0, 10.000, 0.010, True),  # next starts 2 ms after its end
+        line(1, 10.001, 0.010, True),  # worker 1 interleaved: 4 ms
+        line(0, 10.012, 0.010, False),  # idle after: the 5 s wait does not count
+        line(1, 10.015, 0.010, False),
+        line(0, 15.000, 0.010, True),  # 1 ms
+        line(0, 15.011, 0.010, False),
+        line(0, 50.000, 0.010, True),  # inside the excluded span: 9 ms, left out
+        line(0, 50.019, 0.010, False),
+    ]
+    log.write_text("\n".join(rows) + "\n")
+    sec, n = step_handoff_s(em, log, exclude=(40.0, 60.0)) or (0.0, 0)
+    assert n == 3 and sec == pytest.approx((0.002 + 0.004 + 0.001) / 3)
+    assert step_handoff_s(em, log)[1] == 4  # type: ignore[index]
+    log.write_text(_step(1.0, 0.01, A, [], 1, 10) + "\n")  # an older log: no 'more'
+    assert step_handoff_s(em, log) is None

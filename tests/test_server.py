@@ -212,7 +212,7 @@ def test_step_log_records_every_engine_step(client: openai.OpenAI, step_log: Pat
     lines = [json.loads(x) for x in step_log.read_text().splitlines()]
     assert len(lines) >= before + 5  # one prefill and four decodes at least
     for st in lines:
-        assert st["duration_s"] > 0 and st["forwards"]
+        assert st["duration_s"] > 0 and st["forwards"] and isinstance(st["more"], bool)
         for f in st["forwards"]:
             assert f["model"] in (A, B)
             assert f["decode_ctx"] >= f["decode_batch"] >= 0

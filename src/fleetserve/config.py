@@ -460,9 +460,10 @@ class ServeConfigSection:
         max_body_bytes: request bodies larger than this get 413.
         max_tokens_default: ``max_tokens`` when a request does not say.
         step_log: a JSON-lines file to append every engine step of every
-            worker to (start, duration and the batch: prompt chunks, decode
-            batch and context), one line per step; ``fleetserve fidelity``
-            compares it with the calibrated cost model. None: no log.
+            worker to, one line per step (start, duration, the batch: prompt
+            chunks, decode batch and context, and whether work was left);
+            ``fleetserve fidelity`` compares it with the calibrated cost
+            model. None: no log.
         pin_cores: CPU workers of a local ``serve``: each worker's engine
             runs on ``threads_per_worker`` cores of its own, and the server,
             Ray and everything else ``serve`` starts on the remaining ones

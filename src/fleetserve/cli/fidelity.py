@@ -520,8 +520,17 @@ def analyze(
         profile_csv = Path(situ["profile"])
     size = Counter(p.group for p in probes)
     alone = [p for p in probes if size[p.group] == 1]
-    _say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
-    fit = fit_overhead(cfg, profile_csv, alone)
+    handoff = _measured_handoff(cfg, profile_csv, out) if situ is not None else None
+    if handoff is not None:
+        _say(
+            f"[bold]fit[/] the per-request overhead to {len(alone)} probes sent alone (per "
+            f"iteration: the measured hand-off, {handoff[0] * 1e3:.2f} ms over {handoff[1]} "
+            "steps; delivery lag 0)"
+        )
+        fit = fit_overhead(cfg, profile_csv, alone, iteration_grid=(handoff[0],), lag_grid=(0.0,))
+    else:
+        _say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
+        fit = fit_overhead(cfg, profile_csv, alone)
     bursts = [p for p in probes if size[p.group] > 1]
     burst_check = _burst_check(cfg, profile_csv, bursts, fit.overhead) if bursts else None
     ov = fit.overhead
@@ -547,6 +556,7 @@ def analyze(
         "overhead": fit.to_dict(),
         "bursts": burst_check,
         "in_situ": situ,
+        "handoff": {"seconds": handoff[0], "gaps": handoff[1]} if handoff else None,
         "engine_steps": steps,
         "rows": rows,
         "rows_engine_only": rows_eng,
@@ -609,6 +619,27 @@ def _in_situ_profile(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dic
             f"decode x{f['decode']:.2f} ({f['decode_steps']} steps) against the profile"
         )
     return {"factors": factors, "profile": str(scaled), "standalone_profile": str(profile_csv)}
+
+
+def _measured_handoff(
+    cfg: SimConfig, profile_csv: Path | None, out: Path
+) -> tuple[float, int] | None:
+    """The engine's measured hand-off between steps outside the replay
+    (:func:`~fleetserve.experiments.fidelity.step_handoff_s`), None without one.
+
+    Choice: with a step log, the overhead model's per-iteration cost is this
+    measurement and its delivery lag 0 (the worker's engine thread hands each
+    step's tokens to the waiting poll as the step ends); only the fixed
+    per-request latency is fitted to the probes. Fitting all three on the
+    probes left them poorly identified once the engine's own time was
+    calibrated in situ (a lag of half a step and a request latency of 0 ms
+    fitted one run as well as the ~9 ms traced path)."""
+    from fleetserve.experiments.fidelity import emulated_sim_config, step_handoff_s
+
+    log = out / STEP_LOG
+    if profile_csv is None or not log.is_file():
+        return None
+    return step_handoff_s(emulated_sim_config(cfg, profile_csv), log, exclude=_replay_span(out))
 
 
 def _step_check(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str, Any] | None:
@@ -687,13 +718,22 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
             f"{rp['max_output_tokens']} tokens.",
             "",
         ]
+    ho = report.get("handoff")
+    how = (
+        f"{o['request_s'] * 1e3:.2f} ms per request fitted to {ov['probes']} probes of the "
+        f"idle server (never to the replay); {o['iteration_s'] * 1e3:.2f} ms per engine "
+        f"iteration measured (the engine's wait between steps while it had work, "
+        f"{ho['gaps']} steps outside the replay); tokens delivered as they are made"
+        if ho
+        else f"fitted to {ov['probes']} probes of the idle server (never to the replay): "
+        f"{o['request_s'] * 1e3:.2f} ms per request, {o['iteration_s'] * 1e3:.2f} ms per "
+        f"engine iteration, tokens delivered {o['delivery_iters']:g} iterations after they "
+        "are made"
+    )
     lines += [
         table(report["rows"], "Simulated (cost model + serving-path overhead) vs measured"),
         "",
-        f"Serving-path overhead, fitted to {ov['probes']} probes of the idle server (never "
-        f"to the replay): {o['request_s'] * 1e3:.2f} ms per request, "
-        f"{o['iteration_s'] * 1e3:.2f} ms per engine iteration, tokens delivered "
-        f"{o['delivery_iters']:g} iterations after they are made. On the probes: TTFT "
+        f"Serving-path overhead, {how}. On the probes: TTFT "
         f"error {ov['ttft_mean_abs_pct']:.1f}% (engine only "
         f"{ov['engine_only_ttft_mean_abs_pct']:.1f}%), TPOT {ov['tpot_mean_abs_pct']:.1f}% "
         f"(engine only {ov['engine_only_tpot_mean_abs_pct']:.1f}%).",

@@ -96,6 +96,7 @@ never splitting a prompt.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import math
@@ -684,7 +685,12 @@ def simulate_probes(
 
 
 def fit_overhead(
-    cfg: SimConfig, profile_csv: Path | None, probes: Sequence[ProbeRequest]
+    cfg: SimConfig,
+    profile_csv: Path | None,
+    probes: Sequence[ProbeRequest],
+    *,
+    iteration_grid: Sequence[float] = ITERATION_GRID_S,
+    lag_grid: Sequence[float] = LAG_GRID,
 ) -> OverheadFit:
     """Calibrate the serving path's overhead from probes of the running server.
 
@@ -707,7 +713,11 @@ def fit_overhead(
 
     Choice: the parameters are fitted to probes, never to the replay they are
     compared with; the grid keeps the fit transparent (and exact for the
-    fixed latency, which only shifts an isolated group).
+    fixed latency, which only shifts an isolated group). ``iteration_grid``
+    and ``lag_grid`` narrow the grids, e.g. to one measured value each
+    (``fleetserve fidelity`` with a step log: the measured hand-off between
+    steps, :func:`step_handoff_s`, and lag 0), leaving ``request_s`` alone
+    to fit.
 
     Raises:
         InputError: no probe with a finite TTFT, or probes for a model the
@@ -730,7 +740,10 @@ def fit_overhead(
     config = replace(em.config, macro_steps=False)
     best: tuple[float, float, float, float] | None = None  # loss, it, lag, request_s
     engine_only: tuple[float, float] = (math.nan, math.nan)
-    for it in ITERATION_GRID_S:
+    its, lags = set(iteration_grid), set(lag_grid)
+    if not its or not lags:
+        raise ConfigError("fit_overhead: empty iteration or lag grid")
+    for it in sorted(its | {0.0}):  # 0 and 0: the engine-only errors
         timelines: dict[int, Timeline] = {}
         sim = _PlacedSimulator(
             config,
@@ -740,7 +753,7 @@ def fit_overhead(
             cost=with_iteration_overhead(em.cost, it),
         )
         records = sim.run().records  # in request-id order = probe order
-        for lag in LAG_GRID:
+        for lag in sorted(lags | {0.0}):
             ttft: list[float] = []
             tpot: list[float | None] = []
             for rec in records:
@@ -770,6 +783,8 @@ def fit_overhead(
                     _mean_abs_pct(ttft, meas_ttft),
                     _mean_abs_pct([tpot[i] or 0.0 for i in with_tpot], meas_tpot),
                 )
+            if it not in its or lag not in lags:
+                continue
             if best is None or loss < best[0] - 1e-15:
                 best = (loss, it, lag, req_s)
                 fitted = (
@@ -931,6 +946,7 @@ class LoggedStep:
     predicted_s: float
     mixed: bool  # prompts in it (the simulator's mixed iteration), else decode only
     models: tuple[str, ...] = ()  # the models of its forwards
+    more: bool | None = None  # work was left after it (None: an older log)
 
 
 def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep | None:
@@ -962,6 +978,7 @@ def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep 
             pred,
             mixed,
             tuple(sorted(set(names))),
+            bool(obj["more"]) if "more" in obj else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise InputError(
@@ -1133,3 +1150,28 @@ def rescale_profile(
         ],
     )
     return out_csv
+
+
+def step_handoff_s(
+    em: EmulatedSim, path: str | Path, exclude: tuple[float, float] | None = None
+) -> tuple[float, int] | None:
+    """The mean time a worker's engine waited between two steps while it had
+    work (the step ended with ``more`` set): the worker's per-iteration
+    hand-off (the engine lock, the polls' reports, the event loop), measured
+    rather than fitted. ``exclude``: as in :func:`in_situ_factors`.
+
+    Returns:
+        ``(seconds, gaps)``, or None when the log has no such pair of steps
+        (or predates the ``more`` field).
+    """
+    steps, _ = read_step_log(em, path)
+    by_worker: dict[int, list[LoggedStep]] = {}
+    for s in steps:
+        by_worker.setdefault(s.worker, []).append(s)
+    gaps: list[float] = []
+    for mine in by_worker.values():
+        mine.sort(key=lambda s: s.start_s)
+        for a, b in itertools.pairwise(mine):
+            if a.more and not (exclude is not None and exclude[0] <= a.start_s <= exclude[1]):
+                gaps.append(max(0.0, b.start_s - (a.start_s + a.measured_s)))
+    return (float(np.mean(gaps)), len(gaps)) if gaps else None

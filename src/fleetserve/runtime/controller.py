@@ -538,6 +538,7 @@ class Controller:
                     "worker": wid,
                     "start_s": round(st.start_s, 6),
                     "duration_s": round(st.duration_s, 7),
+                    "more": st.more,
                     "forwards": [
                         {
                             "model": f.model,

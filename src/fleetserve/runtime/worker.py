@@ -138,6 +138,7 @@ class StepRecord:
     start_s: float
     duration_s: float
     forwards: tuple[Forward, ...]
+    more: bool = False  # work was left for a next step (its start - this end: a hand-off)
 
 
 @dataclass(slots=True)
@@ -479,7 +480,9 @@ class WorkerCore:
         self._report.step_s += dt
         self._report.steps += 1
         if self.spec.step_log and out.forwards:
-            self._report.steps_done.append(StepRecord(time.time() - dt, dt, tuple(out.forwards)))
+            self._report.steps_done.append(
+                StepRecord(time.time() - dt, dt, tuple(out.forwards), self.engine.has_work())
+            )
         for rid in out.finished:
             req = self.engine.requests.get(rid)
             if req is not None and req.status == "finished":
