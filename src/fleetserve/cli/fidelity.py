@@ -19,12 +19,14 @@ One command, five steps (progress on stderr), every artefact under ``DIR``::
                 profile-engine again, after the server stops  -> profile-after.csv
                 (both together: profile.csv; this machine's speed
                 drifts by 20-30% within minutes)
-    5 simulate  in situ: profile.csv rescaled by the probes'  -> profile-in-situ.csv
-                steps' measured/predicted time (the engine runs
-                slower inside the server than alone; not with
-                --standalone-profile), then the overhead fit and
+    5 simulate  in situ: profile.csv rescaled by the measured/ -> profile-in-situ.csv
+                predicted time of the engine steps outside the
+                replay (the engine runs slower inside the server
+                than alone; not with --standalone-profile), the
+                overhead (per iteration: the step log's hand-offs;
+                per request: fitted to the probes), then
                 the same requests on the emulated cluster:
-                with the fitted serving-path overhead        -> simulated/
+                with the serving-path overhead                -> simulated/
                 engine only (cost model alone)               -> simulated-engine-only/
                 the replay's engine steps against the cost model
                 (a diagnostic) and the comparison             -> fidelity.md, fidelity.json
