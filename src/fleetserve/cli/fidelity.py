@@ -634,8 +634,8 @@ def _measured_handoff(
     step's tokens to the waiting poll as the step ends); only the fixed
     per-request latency is fitted to the probes. Fitting all three on the
     probes left them poorly identified once the engine's own time was
-    calibrated in situ (a lag of half a step and a request latency of 0 ms
-    fitted one run as well as the ~9 ms traced path)."""
+    calibrated in situ (one run's fit: a lag of half a step and a request
+    latency of 0 ms, where the traced per-request path takes ~12 ms)."""
     from fleetserve.experiments.fidelity import emulated_sim_config, step_handoff_s
 
     log = out / STEP_LOG
