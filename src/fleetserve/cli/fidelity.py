@@ -871,7 +871,7 @@ def add_fidelity_parser(sub: Any) -> None:
         "--standalone-profile",
         action="store_true",
         help="calibrate from the profile as measured, not rescaled to the engine's speed "
-        "inside the server (measured on the probes' steps)",
+        "inside the server (measured on the steps of the probes and the calibration load)",
     )
     p.add_argument(
         "--calibration-requests",
