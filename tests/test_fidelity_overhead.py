@@ -237,19 +237,27 @@ def _serve_yaml(tmp_path: Path, **extra: object) -> Path:
     return path
 
 
-def test_cli_analyze_only_writes_the_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _measured_run(tmp_path: Path, truth: RuntimeOverhead) -> tuple[Path, SimConfig, Path, Path]:
+    """A fidelity directory whose "measurement" is the simulation plus ``truth``,
+    and probes of that same server: (config file, config, profile, directory)."""
     cfg_path = _serve_yaml(tmp_path)
     cfg = _config(tmp_path)
     cfg = replace(cfg, serve=replace(cfg.serve, workers=1))
     prof = _profile(tmp_path)
     out = tmp_path / "fid"
-    truth = RuntimeOverhead(request_s=0.01, iteration_s=0.0006, delivery_iters=2.0)
-    # the "measurement": the simulation plus a known overhead, and probes of the same server
     simulate_emulated(cfg, prof, out / "measured", overhead=truth)
     probes = _synthetic_probes(cfg, prof, truth)
     (out / "overhead_probe.json").write_text(json.dumps({"probes": [p.to_dict() for p in probes]}))
+    return cfg_path, cfg, prof, out
+
+
+def test_cli_analyze_only_writes_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the "measurement": the simulation plus a known overhead, and probes of the same server
+    cfg_path, _, prof, out = _measured_run(
+        tmp_path, RuntimeOverhead(request_s=0.01, iteration_s=0.0006, delivery_iters=2.0)
+    )
     rc, stdout, err = run_cli(
         capsys, "fidelity", cfg_path, "--out", out, "--profile", prof, "--analyze-only"
     )
@@ -332,15 +340,9 @@ def test_profiles_before_and_after_merge_into_one_calibration_input(tmp_path: Pa
 def test_cli_calibrates_in_situ_from_the_probes_step_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg_path = _serve_yaml(tmp_path)
-    cfg = _config(tmp_path)
-    cfg = replace(cfg, serve=replace(cfg.serve, workers=1))
-    prof = _profile(tmp_path)
-    out = tmp_path / "fid"
-    truth = RuntimeOverhead(request_s=0.01, iteration_s=0.0006, delivery_iters=2.0)
-    simulate_emulated(cfg, prof, out / "measured", overhead=truth)
-    probes = _synthetic_probes(cfg, prof, truth)
-    (out / "overhead_probe.json").write_text(json.dumps({"probes": [p.to_dict() for p in probes]}))
+    cfg_path, cfg, prof, out = _measured_run(
+        tmp_path, RuntimeOverhead(request_s=0.01, iteration_s=0.0006, delivery_iters=2.0)
+    )
     em = emulated_sim_config(cfg, prof)
     bound = em.cost.bind(get_model(A), em.gpu)
     steps = []
@@ -372,10 +374,10 @@ def test_cli_calibrates_in_situ_from_the_probes_step_log(
 
 
 def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path) -> None:
-    from fleetserve.cli.fidelity import Replay, calibration_replay
-    from fleetserve.runtime.bench_serve import BenchConfig, load_bench_workload
+    from fleetserve.cli.fidelity import Replay, _bench_config, calibration_replay
+    from fleetserve.runtime.bench_serve import load_bench_workload
 
-    trace = tmp_path / "t.jsonl"
+    trace = tmp_path / "cal.jsonl"  # _config writes t.jsonl
     arrivals = [0.0, 1.0, 2.0, 3.0, 3.0, 4.0, 5.5, 6.0, 7.0, 8.0]  # a tie at 3.0
     trace.write_text(
         "".join(
@@ -384,17 +386,11 @@ def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path
         )
     )
 
-    def prompts(r: Replay) -> list[int]:
-        cfg = BenchConfig(
-            url="http://x",
-            trace=r.trace,
-            fmt=r.fmt,
-            start_s=r.start_s,
-            end_s=r.end_s,
-            max_requests=r.max_requests,
-            rate_scale=r.rate_scale,
-        )
-        return [q.prompt_tokens for q in load_bench_workload(cfg).requests]
+    cfg = _config(tmp_path)
+
+    def prompts(r: Replay) -> list[int]:  # what bench-serve replays of r
+        bench = _bench_config(cfg, "http://x", r, [A])
+        return [q.prompt_tokens for q in load_bench_workload(bench).requests]
 
     base = Replay(str(trace), "jsonl", 1.0, None, 2, 0.5, 1.0, None, None)
     cal = calibration_replay(base, 2)
@@ -413,15 +409,9 @@ def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path
 def test_cli_measures_the_iteration_cost_from_the_step_log(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg_path = _serve_yaml(tmp_path)
-    cfg = _config(tmp_path)
-    cfg = replace(cfg, serve=replace(cfg.serve, workers=1))
-    prof = _profile(tmp_path)
-    out = tmp_path / "fid"
-    truth = RuntimeOverhead(request_s=0.01, iteration_s=0.0015, delivery_iters=0.0)
-    simulate_emulated(cfg, prof, out / "measured", overhead=truth)
-    probes = _synthetic_probes(cfg, prof, truth)
-    (out / "overhead_probe.json").write_text(json.dumps({"probes": [p.to_dict() for p in probes]}))
+    cfg_path, cfg, prof, out = _measured_run(
+        tmp_path, RuntimeOverhead(request_s=0.01, iteration_s=0.0015, delivery_iters=0.0)
+    )
     em = emulated_sim_config(cfg, prof)
     dur = em.cost.bind(get_model(A), em.gpu).decode_time_scalar(1, 50.0)
     fw = {"model": A, "chunks": [], "decode_batch": 1, "decode_ctx": 50}

@@ -700,5 +700,17 @@ def test_step_handoff_is_the_wait_between_steps_while_work_was_left(tmp_path: Pa
     sec, n = step_handoff_s(em, log, exclude=(40.0, 60.0)) or (0.0, 0)
     assert n == 3 and sec == pytest.approx((0.002 + 0.004 + 0.001) / 3)
     assert step_handoff_s(em, log)[1] == 4  # type: ignore[index]
+    # a step of a model the simulator does not know still times the hand-offs
+    other = json.dumps(
+        {
+            **json.loads(line(0, 1.012, 0.010, True)),
+            "forwards": [
+                {"model": "no-such-model", "chunks": [], "decode_batch": 1, "decode_ctx": 5}
+            ],
+        }
+    )
+    log.write_text("\n".join([line(0, 1.0, 0.010, True), other, line(0, 1.025, 0.01, False)]))
+    sec, n = step_handoff_s(em, log) or (0.0, 0)
+    assert n == 2 and sec == pytest.approx(0.0025)
     log.write_text(_step(1.0, 0.01, A, [], 1, 10) + "\n")  # an older log: no 'more'
     assert step_handoff_s(em, log) is None

@@ -506,6 +506,7 @@ def analyze(
     """
     from fleetserve.experiments.fidelity import (
         FIDELITY_TOLERANCE_PCT,
+        emulated_sim_config,
         fidelity_markdown,
         fidelity_table,
         fit_overhead,
@@ -522,7 +523,13 @@ def analyze(
         profile_csv = Path(situ["profile"])
     size = Counter(p.group for p in probes)
     alone = [p for p in probes if size[p.group] == 1]
-    handoff = _measured_handoff(cfg, profile_csv, out) if situ is not None else None
+    # the calibrated simulation's view of the step log (None without one)
+    em = (
+        emulated_sim_config(cfg, profile_csv)
+        if profile_csv is not None and (out / STEP_LOG).is_file()
+        else None
+    )
+    handoff = _measured_handoff(em, out) if situ is not None else None
     if handoff is not None:
         _say(
             f"[bold]fit[/] the per-request overhead to {len(alone)} probes sent alone (per "
@@ -548,7 +555,7 @@ def analyze(
     rows_eng = fidelity_table(eng, measured)
     targets = [r for r in rows if r["target"]]
     ok = sum(1 for r in targets if r["within"])
-    steps = _step_check(cfg, profile_csv, out)
+    steps = _step_check(em, out)
     report = {
         "command": command,
         "tolerance_pct": FIDELITY_TOLERANCE_PCT,
@@ -623,9 +630,7 @@ def _in_situ_profile(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dic
     return {"factors": factors, "profile": str(scaled), "standalone_profile": str(profile_csv)}
 
 
-def _measured_handoff(
-    cfg: SimConfig, profile_csv: Path | None, out: Path
-) -> tuple[float, int] | None:
+def _measured_handoff(em: Any, out: Path) -> tuple[float, int] | None:
     """The engine's measured hand-off between steps outside the replay
     (:func:`~fleetserve.experiments.fidelity.step_handoff_s`), None without one.
 
@@ -636,26 +641,26 @@ def _measured_handoff(
     probes left them poorly identified once the engine's own time was
     calibrated in situ (one run's fit: a lag of half a step and a request
     latency of 0 ms, where the traced per-request path takes ~12 ms)."""
-    from fleetserve.experiments.fidelity import emulated_sim_config, step_handoff_s
+    from fleetserve.experiments.fidelity import step_handoff_s
 
-    log = out / STEP_LOG
-    if profile_csv is None or not log.is_file():
+    if em is None:
         return None
-    return step_handoff_s(emulated_sim_config(cfg, profile_csv), log, exclude=_replay_span(out))
+    return step_handoff_s(em, out / STEP_LOG, exclude=_replay_span(out))
 
 
-def _step_check(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dict[str, Any] | None:
-    """The engines' speed during the replay against the cost model
+def _step_check(em: Any, out: Path) -> dict[str, Any] | None:
+    """The engines' speed during the replay against the cost model ``em``
     (:func:`~fleetserve.experiments.fidelity.engine_step_check` on the server's
     step log, the replay's span only); None without a step log."""
-    from fleetserve.experiments.fidelity import emulated_sim_config, engine_step_check
+    from fleetserve.experiments.fidelity import engine_step_check
 
-    log = out / STEP_LOG
-    if not log.is_file() or profile_csv is None:
+    if em is None:
         return None
-    em = emulated_sim_config(cfg, profile_csv)
-    span = _replay_span(out)
-    return {"replay": engine_step_check(em, log, span=span), "run": engine_step_check(em, log)}
+    log = out / STEP_LOG
+    return {
+        "replay": engine_step_check(em, log, span=_replay_span(out)),
+        "run": engine_step_check(em, log),
+    }
 
 
 def _burst_check(

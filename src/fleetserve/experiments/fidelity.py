@@ -949,8 +949,12 @@ class LoggedStep:
     more: bool | None = None  # work was left after it (None: an older log)
 
 
-def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep | None:
-    """One step-log line as a :class:`LoggedStep` (None: a model the cost model lacks)."""
+def _step_line(
+    em: EmulatedSim, obj: Any, where: tuple[str, int], bound: dict[str, Any]
+) -> LoggedStep:
+    """One step-log line as a :class:`LoggedStep`; ``predicted_s`` is NaN when
+    a model in it has no cost-model spec. ``bound``: each model's
+    :class:`InstanceCost`, filled as models appear (None: unknown)."""
     file, line = where
     try:
         pred = 0.0
@@ -959,18 +963,21 @@ def _step_line(em: EmulatedSim, obj: Any, where: tuple[str, int]) -> LoggedStep 
         for f in obj["forwards"]:
             name = str(f["model"])
             names.append(name)
-            try:
-                spec = get_model(name)
-            except FleetserveError:  # unknown name, unreadable checkpoint config
-                return None
-            bound = em.cost.bind(spec, em.gpu)
+            if name not in bound:
+                try:
+                    bound[name] = em.cost.bind(get_model(name), em.gpu)
+                except FleetserveError:  # unknown name, unreadable checkpoint config
+                    bound[name] = None
+            cost = bound[name]
             chunks = [(int(n), int(c)) for n, c in f["chunks"]]
             b, ctx = int(f["decode_batch"]), int(f["decode_ctx"])
-            if chunks:
-                mixed = True
-                pred += bound.mixed_time(chunks, b, ctx)
+            mixed = mixed or bool(chunks)
+            if cost is None:
+                pred = math.nan
+            elif chunks:
+                pred += cost.mixed_time(chunks, b, ctx)
             elif b:
-                pred += bound.decode_time_scalar(b, float(ctx))
+                pred += cost.decode_time_scalar(b, float(ctx))
         return LoggedStep(
             int(obj["worker"]),
             float(obj["start_s"]),
@@ -993,8 +1000,10 @@ def read_step_log(em: EmulatedSim, path: str | Path) -> tuple[list[LoggedStep], 
     """The steps of a ``serve.step_log`` file with the cost model's time for each.
 
     Returns:
-        The steps (in file order) and how many were skipped because a model
-        in them has no cost-model spec (a checkpoint the simulator does not know).
+        Every step (in file order) and how many of them have no prediction
+        (``predicted_s`` NaN) because a model in them has no cost-model spec
+        (a checkpoint the simulator does not know); their timing still counts
+        for :func:`step_handoff_s`.
 
     Raises:
         InputError: unreadable file, a line that is not JSON or lacks a field.
@@ -1005,7 +1014,7 @@ def read_step_log(em: EmulatedSim, path: str | Path) -> tuple[list[LoggedStep], 
     except OSError as e:
         raise InputError(f"cannot read the step log: {e.strerror or e}", file=str(p)) from None
     steps: list[LoggedStep] = []
-    skipped = 0
+    bound: dict[str, Any] = {}
     for i, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -1013,12 +1022,8 @@ def read_step_log(em: EmulatedSim, path: str | Path) -> tuple[list[LoggedStep], 
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             raise InputError(f"invalid JSON: {e.msg}", file=str(p), line=i) from None
-        st = _step_line(em, obj, (str(p), i))
-        if st is None:
-            skipped += 1
-        else:
-            steps.append(st)
-    return steps, skipped
+        steps.append(_step_line(em, obj, (str(p), i), bound))
+    return steps, sum(1 for s in steps if math.isnan(s.predicted_s))
 
 
 def _ratio_stats(steps: Sequence[LoggedStep]) -> dict[str, Any]:
@@ -1062,6 +1067,7 @@ def engine_step_check(
         from the first step) and ``"skipped"``.
     """
     steps, skipped = read_step_log(em, path)
+    steps = [s for s in steps if not math.isnan(s.predicted_s)]
     if span is not None:
         steps = [s for s in steps if span[0] <= s.start_s <= span[1]]
     out: dict[str, Any] = {"skipped": skipped, "windows": []}
