@@ -62,8 +62,13 @@ from fleetserve.runtime.engine.migration import (
     scatter_pages,
     snapshot_detok,
 )
-from fleetserve.runtime.engine.pipeline import PipelineRequest, append_token
-from fleetserve.runtime.engine.sampling import SamplingParams, request_generator, sample_one
+from fleetserve.runtime.engine.pipeline import PipelineRequest
+from fleetserve.runtime.engine.sampling import (
+    SamplingParams,
+    append_token,
+    request_generator,
+    sample_token,
+)
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
 __all__ = [
@@ -459,12 +464,13 @@ class GroupRunner:
         with torch.inference_mode():
             hb = Batch.build(self.model, list(keys), list(starts), list(lens), self.engine.device)
             logits = self.engine.head(hb, h)
+        eos = self.cfg.eos_token_ids
         for i, req in enumerate(batch):
             if req.id not in self.requests:
                 continue  # aborted while the stages ran
+            tok = sample_token(logits[i], req.params, req.generator, req.tokens, req.generated, eos)
             req.n_cached = len(req.tokens)
-            tok = sample_one(logits[i], req.params, req.generator)
-            piece, reason = append_token(req, tok, self.cfg.eos_token_ids)
+            piece, reason = append_token(req, tok, eos)
             self._emit(req.id, req.generated, tok, piece)
             if reason is not None:
                 self._end(req, reason, notify=True)

@@ -11,8 +11,10 @@ KV cache of every request. ``step()`` is one iteration:
    (queue order) through an admission budget (free pages, batch limits);
 3. per model, one forward over its prefills and decodes (linear layers on the
    packed tokens, attention on a padded batch gathered from the paged KV);
-4. each request samples its next token with its own generator, streams it,
-   and stops on EOS, a stop string or ``max_tokens``.
+4. each request samples its next token with its own generator (after its
+   logits processing: ``logit_bias``, ``min_tokens``, ``repetition_penalty``),
+   streams it, and stops on EOS, a stop token id, a stop string or
+   ``max_tokens`` (:func:`~.sampling.append_token`).
 
 Layer ranges and remote attention (KunServe): :meth:`Engine.run_layers` runs
 layers ``[a, b)`` of a batch whose hidden states come from elsewhere; the KV
@@ -64,9 +66,12 @@ from fleetserve.runtime.engine.model import (
 )
 from fleetserve.runtime.engine.sampling import (
     SamplingParams,
-    apply_stop_strings,
+    StopMatcher,
+    append_token,
+    needs_logits_processing,
     request_generator,
     sample_one,
+    sample_token,
 )
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from fleetserve.runtime.engine.weights import WeightSource, layer_tensors, load_weight_source
@@ -106,6 +111,17 @@ class EngineRequest:
     on_token: TokenCallback | None = None
     on_finish: FinishCallback | None = None
     _held: str = ""  # text held back while it may be the start of a stop string
+    # the stop strings' automata, rebuilt from ``_held`` when that is set elsewhere
+    stop_matcher: StopMatcher | None = field(default=None, repr=False)
+
+    @property
+    def held(self) -> str:
+        """Text held back while it may be the start of a stop string."""
+        return self._held
+
+    @held.setter
+    def held(self, value: str) -> None:
+        self._held = value
 
     # --- SeqView --------------------------------------------------------
     @property
@@ -531,6 +547,7 @@ class Engine:
         vocab = m.cfg.spec.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        p.check_vocab(vocab)
         limit = m.cfg.spec.max_context
         if len(ids) + p.max_tokens > limit:
             raise ConfigError(
@@ -654,14 +671,25 @@ class Engine:
                 )
             )
             logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
-            # greedy requests: one argmax and one device->host copy for the batch
+            eos = self.models[model].cfg.eos_token_ids
+            # requests whose logits are processed (logit_bias, min_tokens,
+            # repetition_penalty) sample from their processed row
+            raw = [not needs_logits_processing(r.params, r.generated) for r in reqs]
+            # the other greedy ones: one argmax and one device->host copy for the batch
             greedy = (
-                logits.argmax(-1).tolist() if any(r.params.temperature == 0 for r in reqs) else []
+                logits.argmax(-1).tolist()
+                if any(ok and r.params.temperature == 0 for ok, r in zip(raw, reqs, strict=True))
+                else []
             )
             for i, r in enumerate(reqs):
-                r.n_cached = len(r.tokens)
                 p = r.params
-                tok = greedy[i] if p.temperature == 0 else sample_one(logits[i], p, r.generator)
+                if not raw[i]:
+                    tok = sample_token(logits[i], p, r.generator, r.tokens, r.generated, eos)
+                elif p.temperature == 0:
+                    tok = greedy[i]
+                else:
+                    tok = sample_one(logits[i], p, r.generator)
+                r.n_cached = len(r.tokens)
                 out.tokens[r.id] = tok
                 self._append(r, tok)
                 if r.status == FINISHED:
@@ -703,35 +731,13 @@ class Engine:
         logger.debug("engine %d: preempted request %d", self.engine_id, req.id)
 
     def _append(self, req: EngineRequest, tok: int) -> None:
-        """Record a sampled token; stream it; check the stop conditions."""
-        req.tokens.append(tok)
-        m = self.models[req.model]
-        p = req.params
-        if tok in m.cfg.eos_token_ids and not p.ignore_eos:
-            # text held back for a stop string that did not come is output
-            self._emit(req, tok, req._held + req.detok.flush(), final=True)
-            self._finish(req, "stop")
-            return
-        piece = req.detok.push(tok)
-        if p.stop:
-            piece, held, stopped = apply_stop_strings(req.text, req._held, piece, p.stop)
-            if stopped:
-                self._emit(req, tok, piece, final=True)
-                self._finish(req, "stop")
-                return
-            req._held = held
-        if req.generated >= p.max_tokens:
-            self._emit(req, tok, piece + req._held + req.detok.flush(), final=True)
-            self._finish(req, "length")
-            return
-        self._emit(req, tok, piece)
-
-    def _emit(self, req: EngineRequest, tok: int, piece: str, final: bool = False) -> None:
-        req.text += piece
-        if final:
-            req._held = ""
+        """Record a sampled token; stream it; check the stop conditions
+        (:func:`~.sampling.append_token`, the rules pipeline groups share)."""
+        piece, reason = append_token(req, tok, self.models[req.model].cfg.eos_token_ids)
         if req.on_token is not None:
             req.on_token(req, tok, piece)
+        if reason is not None:
+            self._finish(req, reason)
 
     def _finish(self, req: EngineRequest, reason: str) -> None:
         req.finish_reason = reason

@@ -177,7 +177,8 @@ class RequestState:
         n_cached: tokens in the KV cache on the source (``len(tokens) - 1``
             for a running or paused request, 0 for a waiting one).
         text: text streamed so far.
-        held: text held back because it may start a stop string.
+        held: text held back because it may start a stop string (the stop
+            matcher's state is rebuilt from it alone: ``StopMatcher(stop, held)``).
         detok: the incremental detokenizer's state.
         arrival_s: the request's arrival time.
         preemptions: times it was preempted so far.

@@ -66,9 +66,10 @@ from fleetserve.runtime.engine.engine import Batch, Engine, RemoteAttention
 from fleetserve.runtime.engine.kvpool import PoolFull
 from fleetserve.runtime.engine.sampling import (
     SamplingParams,
-    apply_stop_strings,
+    StopMatcher,
+    append_token,
     request_generator,
-    sample_one,
+    sample_token,
 )
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
 
@@ -236,6 +237,8 @@ class PipelineRequest:
     held: str = ""  # text held back: it may begin a stop string
     finish_reason: str | None = None
     engines: list[Engine] = field(default_factory=list)  # those holding a table of it
+    # the stop strings' automata, rebuilt from ``held`` when that is set elsewhere
+    stop_matcher: StopMatcher | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -250,45 +253,15 @@ class PipelineRequest:
         return self.tokens[self.prompt_len :]
 
 
-def append_token(
-    req: PipelineRequest, tok: int, eos_token_ids: Iterable[int]
-) -> tuple[str, str | None]:
-    """Record a sampled token of ``req`` (the engine's rules, text held back alike).
-
-    Returns the text this token releases to the client and the finish reason
-    (``stop`` on EOS or a stop string, ``length`` at ``max_tokens``; None:
-    the request goes on). The caller frees a finished request's pages and
-    sets ``finish_reason``.
-    """
-    req.tokens.append(tok)
-    p = req.params
-    if tok in eos_token_ids and not p.ignore_eos:
-        piece = req.held + req.detok.flush()
-        req.text += piece
-        req.held = ""
-        return piece, "stop"
-    piece = req.detok.push(tok)
-    if p.stop:
-        piece, req.held, stopped = apply_stop_strings(req.text, req.held, piece, p.stop)
-        if stopped:
-            req.text += piece
-            return piece, "stop"
-    if req.generated >= p.max_tokens:
-        piece += req.held + req.detok.flush()
-        req.held = ""
-        req.text += piece
-        return piece, "length"
-    req.text += piece
-    return piece, None
-
-
 class PipelineGroup:
     """One model split across engines by layer ranges, with optional remote KV.
 
-    Requests run greedily or with sampling (``sample_one``, one generator per
-    request seeded with ``params.seed``, else the request's id, as the engine
-    does; ids count from 0, so a fresh group and a fresh engine given the same
-    prompts in the same order sample alike). Batching is kept simple: every
+    Requests run greedily or with sampling (``sample_token``: the request's
+    logits processing, then one generator per request seeded with
+    ``params.seed``, else the request's id, as the engine does; ids count
+    from 0, so a fresh group and a fresh engine given the same prompts in
+    the same order sample alike); tokens are appended by the engine's rules
+    (:func:`~.sampling.append_token`). Batching is kept simple: every
     live request is in every step (new ones prefill, the others decode), and
     finished ones leave at once, their pages freed on every engine. There is
     no preemption: when an engine lacks the pages for a step, :meth:`step`
@@ -424,6 +397,7 @@ class PipelineGroup:
         s = self.cfg.spec
         if any(not 0 <= t < s.vocab_size for t in ids):
             raise ConfigError(f"prompt token ids must be in [0, {s.vocab_size})")
+        p.check_vocab(s.vocab_size)
         if len(ids) + p.max_tokens > s.max_context:
             raise ConfigError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
@@ -521,9 +495,10 @@ class PipelineGroup:
         logits = last.head(batch_on(last.device), h)
         # 3. sample, stop, free the finished
         out: dict[int, int] = {}
+        eos = self.cfg.eos_token_ids
         for i, req in enumerate(reqs):
+            tok = sample_token(logits[i], req.params, req.generator, req.tokens, req.generated, eos)
             req.n_cached = len(req.tokens)
-            tok = sample_one(logits[i], req.params, req.generator)
             out[req.id] = tok
             self._append(req, tok)
         self._live = [r for r in reqs if not r.finished]
