@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetserve.cli.main import main
 from fleetserve.errors import ConfigError, InputError
-from fleetserve.runtime.engine.config import EngineModelConfig, builtin_config
+from fleetserve.runtime.engine.config import BUILTIN_MODELS, EngineModelConfig, builtin_config
 from fleetserve.runtime.engine.tokenizer import (
+    BYTE_HF_SPECIAL_TOKENS,
+    HF_TOKENIZER_FILES,
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
     Tokenizer,
+    _byte_level_chars,
+    _utf8_incomplete_tail,
+    build_byte_hf_tokenizer,
+    byte_hf_tokenizer_config,
+    export_hf_tokenizer,
+    hf_tokenizer_dir,
     load_tokenizer,
 )
 from fleetserve.spec.types import ModelSpec
@@ -67,18 +83,121 @@ def test_incremental_after_prompt() -> None:
     assert "".join(pieces) == "€b"
 
 
-def test_incremental_flushes_incomplete_bytes() -> None:
+def test_incremental_flush_drops_an_incomplete_last_character() -> None:
+    """vLLM's rule: a character cut short by the end of generation is not
+    streamed as U+FFFD (a client re-tokenizing the text would count 3 bytes)."""
     tok = ByteTokenizer()
     det = IncrementalDetokenizer(tok)
     assert det.push(ord("x")) == "x"
     assert det.push(0xF0) == ""
     assert det.push(0x9F) == ""
-    assert det.flush() == "\ufffd"
-    assert det.text == "x\ufffd"
+    assert det.flush() == ""
+    assert det.text == "x" and tok.decode([ord("x"), 0xF0, 0x9F]) == "x\ufffd"
     # an invalid byte followed by text comes out with the text
     det = IncrementalDetokenizer(tok)
     assert det.push(0xFF) == ""
     assert det.push(ord("a")) == "\ufffda"
+
+
+@pytest.mark.parametrize(
+    ("ids", "pieces"),
+    [
+        ([*b"ab", 0xE2, 0x82], ["a", "b", "", "", ""]),  # incomplete '€': dropped
+        ([*b"a", 0xFF], ["a", "", "\ufffd"]),  # invalid, can never complete: kept
+        ([*b"a", 0xEF, 0xBF, 0xBD], ["a", "", "", "", "\ufffd"]),  # a generated U+FFFD: kept
+        ([0xE2, 0xFF, 0xF0], ["", "", "", "\ufffd\ufffd"]),  # E2 and FF invalid, F0 incomplete
+        ([0xED, 0xA0], ["", "", "\ufffd\ufffd"]),  # a surrogate's bytes never complete
+        ([0xF4, 0x8F, 0xBF], ["", "", "", ""]),  # U+10FFFF cut short
+        ([0xF4, 0x90], ["", "", "\ufffd\ufffd"]),  # past U+10FFFF
+        ([0xE2, 0x82, 257, 0xAC], ["", "", "", "€", ""]),  # ids >= 256 are skipped
+    ],
+)
+def test_incremental_flush_cases(ids: list[int], pieces: list[str]) -> None:
+    assert stream(ByteTokenizer(), ids) == pieces
+
+
+def test_incremental_flush_after_a_prompt_ending_mid_character() -> None:
+    tok = ByteTokenizer()
+    euro = "€".encode()
+    # the prompt's first two bytes of '€' and one generated: still incomplete
+    assert stream(tok, [euro[2]], [*b"a", euro[0]]) == ["", ""]
+    assert stream(tok, [euro[1]], [*b"a", euro[0]]) == ["", ""]
+    assert stream(tok, [euro[1], euro[2]], [*b"a", euro[0]]) == ["", "€", ""]
+
+
+def _brute_incomplete(data: bytes) -> bool:
+    """Some continuation bytes turn the last U+FFFD of ``data`` into a character."""
+    text = data.decode("utf-8", "replace")
+    if not text.endswith("\ufffd"):
+        return False
+    conts = (0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF)
+    for n in (1, 2, 3):
+        for c in itertools.product(conts, repeat=n):
+            done = (data + bytes(c)).decode("utf-8", "replace")
+            if done[:-1] == text[:-1] and done[-1] != "\ufffd":
+                return True
+    return False
+
+
+UTF8_BITS = st.sampled_from([0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC2, 0xDF, 0xE0, 0xED, 0xEF])
+BYTE_IDS = st.lists(
+    st.one_of(
+        st.lists(st.integers(0, 255), max_size=4),
+        st.lists(st.sampled_from([0xC0, 0xC1, 0xF0, 0xF4, 0xF5, 0xFF]) | UTF8_BITS, max_size=4),
+        st.text(max_size=4).map(lambda t: list(t.encode("utf-8"))),
+        st.text(min_size=1, max_size=2).map(lambda t: list(t.encode("utf-8"))[:-1]),
+    ),
+    max_size=6,
+).map(lambda chunks: [b for c in chunks for b in c])
+"""Byte ids, rich in UTF-8 structure: valid characters, cut-short ones, stray bytes."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(BYTE_IDS)
+def test_utf8_incomplete_tail_is_exact(ids: list[int]) -> None:
+    data = bytes(ids)
+    k = _utf8_incomplete_tail(data)
+    assert (k > 0) == _brute_incomplete(data)
+    assert ByteTokenizer().ends_mid_character(ids) == (k > 0)
+    if k:  # the tail is the last U+FFFD, and only it
+        text = data.decode("utf-8", "replace")
+        assert data[:-k].decode("utf-8", "replace") == text[:-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(BYTE_IDS, st.sampled_from(["", "日本", "ab\xe9"]))
+def test_streamed_text_is_the_decoded_text_less_an_incomplete_tail(
+    ids: list[int], prompt_text: str
+) -> None:
+    tok = ByteTokenizer()
+    prompt = tok.encode(prompt_text) if prompt_text else None
+    pieces = stream(tok, ids, prompt)
+    whole = tok.decode(ids)
+    joined = "".join(pieces)
+    if _utf8_incomplete_tail(bytes(ids)):
+        assert whole == joined + "\ufffd"
+    else:
+        assert joined == whole
+    # no push emits the U+FFFD of bytes a later id could complete
+    det = IncrementalDetokenizer(tok, prompt)
+    for n, i in enumerate(ids, 1):
+        det.push(i)
+        so_far = tok.decode(ids[:n])
+        if _utf8_incomplete_tail(bytes(ids[:n])):
+            so_far = so_far[:-1]
+        assert so_far.startswith(det.text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=20), st.text(min_size=1, max_size=3))
+def test_client_recount_never_exceeds_the_generated_tokens(text: str, cut: str) -> None:
+    """Valid text cut inside a character (max_tokens): re-encoding the
+    streamed text gives no more tokens than were generated."""
+    tok = ByteTokenizer()
+    ids = tok.encode(text + cut, add_bos=False)[:-1]
+    streamed = "".join(stream(tok, ids))
+    assert len(tok.encode(streamed, add_bos=False)) <= len(ids)
+    assert "\ufffd" not in streamed or "\ufffd" in text + cut
 
 
 # --- HF tokenizer.json ------------------------------------------------------------------
@@ -182,3 +301,248 @@ def test_load_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"259"):
         load_tokenizer(None, _cfg(100))
     assert isinstance(load_tokenizer(None, _cfg(259)), ByteTokenizer)
+
+
+# --- the byte tokenizer as a Hugging Face folder ----------------------------------------
+
+SPECIAL_TEXTS = ["<s>", "</s>", "<pad>", "<unused0>", "<unk>", " <s> ", "<s"]
+ASTRAL = ["🙂", "🚀", "👩\u200d💻", "𝔘", "\U0010ffff", "\U00020000", "\ufffd", "\x00", "\r\n"]
+TEXTS = st.lists(
+    st.one_of(
+        st.text(st.characters(codec="utf-8")),  # every code point but lone surrogates
+        st.sampled_from(SPECIAL_TEXTS + ASTRAL),
+    ),
+    max_size=6,
+).map("".join)
+"""Any text UTF-8 can encode (lone surrogates cannot), with special-token
+look-alikes and astral characters mixed in."""
+
+DECODE_IDS = st.lists(
+    st.one_of(BYTE_IDS, st.lists(st.integers(0, 259), max_size=6)), max_size=4
+).map(lambda chunks: [i for c in chunks for i in c])
+"""Any valid ids: bytes (valid or not as UTF-8) and the four special ids."""
+
+
+@functools.cache
+def _hf_raw(folder: str) -> Any:
+    """``tokenizers.Tokenizer.from_file``, as a client without transformers loads it
+    (with ``encode_special_tokens``: tokenizer.json cannot store it)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    return tok
+
+
+@functools.cache
+def _hf_auto(folder: str) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_hf_tokenizer("small-llama", tmp_path_factory.mktemp("tok") / "small-llama")
+
+
+def _folders(exported: Path) -> list[str]:
+    return [str(hf_tokenizer_dir("tiny-llama-a")), str(exported)]
+
+
+def test_shipped_folder_is_what_the_builder_writes() -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = hf_tokenizer_dir("tiny-llama-a")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(HF_TOKENIZER_FILES)
+    shipped = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert shipped.to_str() == build_byte_hf_tokenizer().to_str()
+    raw = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    assert raw["model"]["type"] == "BPE" and raw["model"]["merges"] == []
+    assert raw["pre_tokenizer"] == {**raw["pre_tokenizer"], "type": "ByteLevel"}
+    assert raw["pre_tokenizer"]["use_regex"] is False
+    assert raw["pre_tokenizer"]["add_prefix_space"] is False
+    assert sorted(raw["model"]["vocab"].values()) == list(range(256))
+    assert {t["content"]: t["id"] for t in raw["added_tokens"]} == BYTE_HF_SPECIAL_TOKENS
+    assert all(t["special"] for t in raw["added_tokens"])
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert config == byte_hf_tokenizer_config(4096)
+    special = json.loads((folder / "special_tokens_map.json").read_text(encoding="utf-8"))
+    assert special == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    # one folder serves every built-in model: same tokenizer, same context
+    for name, cfg in BUILTIN_MODELS.items():
+        assert hf_tokenizer_dir(name) == folder
+        assert cfg.spec.max_context == config["model_max_length"]
+        assert cfg.spec.vocab_size == ByteTokenizer.VOCAB == len(BYTE_HF_SPECIAL_TOKENS) + 256
+    with pytest.raises(ConfigError, match=r"'tiny-llama'.*Did you mean.*tiny-llama-a"):
+        hf_tokenizer_dir("tiny-llama")
+
+
+def test_byte_level_table_is_the_pre_tokenizer_alphabet() -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    chars = _byte_level_chars()
+    assert sorted(chars) == list(range(256))
+    assert set(chars.values()) == set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_hf_special_tokens(exported: Path) -> None:
+    for folder in _folders(exported):
+        tok = _hf_auto(folder)
+        assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+        assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
+        assert tok.convert_tokens_to_ids(list(BYTE_HF_SPECIAL_TOKENS)) == [256, 257, 258, 259]
+        assert len(tok) == ByteTokenizer.VOCAB and tok.vocab_size == 256
+        assert tok.model_max_length == 4096
+        # written out in a text, a special token is plain bytes (split_special_tokens)
+        assert tok.encode("<s></s>", add_special_tokens=False) == list(b"<s></s>")
+        raw = _hf_raw(folder)
+        assert [raw.token_to_id(t) for t in BYTE_HF_SPECIAL_TOKENS] == [256, 257, 258, 259]
+        # tokenizer.json alone matches them unless told not to (transformers' default)
+        plain = type(raw).from_file(str(Path(folder) / "tokenizer.json"))
+        assert plain.encode("a<s>", add_special_tokens=False).ids == [97, 256]
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXTS)
+def test_hf_encode_equals_byte_tokenizer(exported: Path, text: str) -> None:
+    byte = ByteTokenizer()
+    want = byte.encode(text, add_bos=False)
+    for folder in _folders(exported):
+        raw = _hf_raw(folder)
+        assert raw.encode(text, add_special_tokens=False).ids == want
+        assert raw.encode(text).ids == [256, *want]
+        auto = _hf_auto(folder)
+        assert auto.encode(text, add_special_tokens=False) == want
+        assert auto(text)["input_ids"] == byte.encode(text)  # BOS first, as the engine
+        assert auto.decode(want) == text
+
+
+@settings(max_examples=300, deadline=None)
+@given(DECODE_IDS)
+def test_hf_decode_equals_byte_tokenizer(exported: Path, ids: list[int]) -> None:
+    """Any ids, invalid UTF-8 included: the ByteLevel decoder replaces bad
+    bytes as Python's ``decode("utf-8", "replace")`` does (one U+FFFD per
+    maximal ill-formed subpart), and skips the special ids."""
+    want = ByteTokenizer().decode(ids)
+    for folder in _folders(exported):
+        assert _hf_raw(folder).decode(ids, skip_special_tokens=True) == want
+        assert _hf_auto(folder).decode(ids, skip_special_tokens=True) == want
+
+
+def test_hf_decode_keeps_special_tokens_when_asked(exported: Path) -> None:
+    tok = _hf_auto(str(exported))
+    assert tok.decode([256, *b"a .", 257, 259]) == "<s>a .</s><unused0>"
+
+
+def _load_exported(folder: Path) -> HFTokenizer:
+    tok = load_tokenizer(folder, builtin_config("small-llama"))
+    assert isinstance(tok, HFTokenizer)
+    return tok
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXTS, DECODE_IDS)
+def test_load_tokenizer_of_an_exported_folder_is_the_byte_tokenizer(
+    exported: Path, text: str, ids: list[int]
+) -> None:
+    tok = _load_exported(exported)
+    byte = ByteTokenizer()
+    assert (tok.bos_id, tok.eos_ids, tok.vocab_size) == (256, (257,), 260)
+    assert tok.encode(text) == byte.encode(text)
+    assert tok.encode(text, add_bos=False) == byte.encode(text, add_bos=False)
+    assert tok.decode(ids) == byte.decode(ids)
+    # streaming: the same text, but for the trailing U+FFFD rule (see flush())
+    pieces, want = stream(tok, ids), stream(byte, ids)
+    whole = byte.decode(ids)
+    assert "".join(pieces) == (whole[:-1] if whole.endswith("\ufffd") else whole)
+    assert "".join(want) in (whole, whole[:-1])
+
+
+def test_hf_flush_drops_any_trailing_replacement(exported: Path) -> None:
+    """Without the bytes, :class:`HFTokenizer` cannot tell a cut-short character
+    from an invalid byte: any trailing U+FFFD is dropped, as vLLM does."""
+    tok = _load_exported(exported)
+    assert stream(tok, [*b"a", 0xFF]) == ["a", "", ""]
+    assert stream(tok, [*b"a", 0xF0, 0x9F]) == ["a", "", "", ""]
+    assert stream(tok, [0xFF, *b"a"]) == ["", "\ufffda", ""]
+
+
+def test_export_checkpoint_folders(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 260,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+    }
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    # no tokenizer.json: the engine serves it with the byte tokenizer, so it exports
+    out = export_hf_tokenizer(str(ckpt), tmp_path / "tok")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == byte_hf_tokenizer_config(2048)
+    # its own tokenizer.json: the error names it
+    (ckpt / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"own tokenizer .*ckpt/tokenizer.json"):
+        export_hf_tokenizer(str(ckpt), tmp_path / "tok2")
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**hf, "vocab_size": 100}))
+    with pytest.raises(ConfigError, match=r"vocabulary of 100"):
+        export_hf_tokenizer(str(small), tmp_path / "tok3")
+    with pytest.raises(ConfigError, match=r"neither a built-in model nor a checkpoint"):
+        export_hf_tokenizer("no-such-model", tmp_path / "tok4")
+
+
+def test_export_does_not_clobber_another_tokenizer(tmp_path: Path) -> None:
+    out = export_hf_tokenizer("tiny-llama-a", tmp_path / "t")
+    assert export_hf_tokenizer("tiny-llama-b", out) == out  # same files: rewritten
+    (out / "tokenizer.json").write_text('{"other": true}')
+    with pytest.raises(ConfigError, match=r"another tokenizer"):
+        export_hf_tokenizer("tiny-llama-a", out)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"not a folder"):
+        export_hf_tokenizer("tiny-llama-a", tmp_path / "file")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_tokenizer_writes_a_loadable_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "300")
+    out = tmp_path / "tiny-a tok"
+    rc, stdout, err = _cli(capsys, "tokenizer", "tiny-llama-a", "--out", str(out))
+    assert rc == 0, err
+    where = str(out.resolve())
+    assert where in stdout
+    for flag in (f"--processor {where}", f"--tokenizer {where}", "guidellm", "aiperf", "vllm"):
+        assert flag in stdout
+    assert sorted(p.name for p in out.iterdir()) == sorted(HF_TOKENIZER_FILES)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.encode("héllo 🚀", add_special_tokens=False) == list("héllo 🚀".encode())
+    assert tok.eos_token_id == 257
+
+
+def test_cli_tokenizer_bad_model_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "300")
+    rc, out, err = _cli(capsys, "tokenizer", "tiny-llama-c", "--out", str(tmp_path / "t"))
+    assert rc == 2 and "Traceback" not in out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    assert "'tiny-llama-c'" in lines[0] and "tiny-llama-a" in lines[0]
+    assert not (tmp_path / "t").exists()

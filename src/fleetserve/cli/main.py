@@ -647,10 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.cli.bench import add_bench_serve_parser
     from fleetserve.cli.fidelity import add_fidelity_parser
     from fleetserve.cli.serve import add_serve_parser
+    from fleetserve.cli.tokenizer import add_tokenizer_parser
 
     add_serve_parser(sub)
     add_bench_serve_parser(sub)
     add_fidelity_parser(sub)
+    add_tokenizer_parser(sub)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)
