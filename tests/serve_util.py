@@ -7,6 +7,8 @@ its own event loop, which also runs the controller.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 import threading
 import time
@@ -19,7 +21,7 @@ from fleetserve.cli.serve import serve_config_dict
 from fleetserve.config import config_from_dict
 from fleetserve.runtime import cluster
 from fleetserve.runtime.controller import Controller
-from fleetserve.runtime.server import create_app
+from fleetserve.runtime.server import build_server
 
 
 def ensure_ray() -> None:
@@ -41,8 +43,6 @@ class Running:
 @contextmanager
 def running_server(data: dict[str, Any], api_key: str | None = None) -> Iterator[Running]:
     """Start a runtime for config ``data``; yield its base URL and controller."""
-    import uvicorn
-
     ensure_ray()
     cfg = config_from_dict(serve_config_dict(data))
     holder: dict[str, Controller] = {}
@@ -51,12 +51,9 @@ def running_server(data: dict[str, Any], api_key: str | None = None) -> Iterator
         holder["ctl"] = await cluster.launch(cfg)
         return holder["ctl"]
 
-    app = create_app(
-        launch, cluster.shutdown, api_key=api_key, max_body_bytes=cfg.serve.max_body_bytes
-    )
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = build_server(
+        launch, cluster.shutdown, cfg.serve, host="127.0.0.1", port=port, api_key=api_key
     )
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
@@ -100,3 +97,74 @@ def reference_text(model: str, prompt: str | list[int], n: int, arena_mb: float 
     while eng.has_work():
         eng.step()
     return eng.requests[rid].text
+
+
+def _descendants(root: int) -> set[int]:
+    """``root`` and every process under it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return out
+
+
+def _listen_inodes() -> dict[int, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """Listening TCP sockets of the machine by inode: (address, port)."""
+    out = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] != "0A":  # LISTEN
+                continue
+            hexip, hexport = parts[1].split(":")
+            raw = bytes.fromhex(hexip)
+            # /proc stores each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = ipaddress.ip_address(words)
+            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+                addr = addr.ipv4_mapped
+            out[int(parts[9])] = (addr, int(hexport, 16))
+    return out
+
+
+def listening_sockets(
+    root: int,
+) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
+    """(address, port, pid) of every TCP socket listened on by ``root`` or a
+    process under it (Ray's GCS, raylet and workers descend from the process
+    that started Ray)."""
+    inodes = _listen_inodes()
+    found = []
+    for pid in _descendants(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                ino = int(link[8:-1])
+                if ino in inodes:
+                    found.append((*inodes[ino], pid))
+    return found

@@ -457,8 +457,26 @@ class ServeConfigSection:
         tick_s: how often the controller observes the cluster and runs the
             periodic policies (migration epochs run every
             ``migration.epoch_s``).
-        max_body_bytes: request bodies larger than this get 413.
-        max_tokens_default: ``max_tokens`` when a request does not say.
+        max_body_bytes: request bodies larger than this get 413 (enforced
+            while the body is read, chunked uploads included).
+        max_tokens_default: ``max_tokens`` when a request does not say; None
+            (default): the rest of the model's context window, as vLLM.
+        max_stop_chars: most characters of all of a request's ``stop``
+            strings together (more: 400).
+        max_stop_strings: most ``stop`` strings (and ``stop_token_ids``) of
+            a request (more: 400).
+        header_timeout_s: a connection must send a request's complete
+            headers within this many seconds of its first byte (or of the
+            connection opening); else 408 and the connection is closed.
+        body_timeout_s: a request's whole body must arrive within this many
+            seconds of its headers; else 408.
+        max_connections: open HTTP connections at most; one more is
+            answered 503 and closed at once.
+        drain_timeout_s: on SIGTERM or SIGINT the server stops admitting
+            (503 with ``Retry-After``), lets the requests in flight finish for
+            up to this many seconds, ends the rest with an error, and exits 0.
+        restart_workers: respawn a worker actor that died (a new actor with
+            the same spec, once its requests were resumed elsewhere).
         step_log: a JSON-lines file to append every engine step of every
             worker to, one line per step (start, duration, the batch: prompt
             chunks, decode batch and context, and whether work was left);
@@ -483,14 +501,24 @@ class ServeConfigSection:
     max_batch_tokens: int = 4096
     tick_s: float = 0.02
     max_body_bytes: int = 1_000_000
-    max_tokens_default: int = 16
+    max_tokens_default: int | None = None
     step_log: str | None = None
     pin_cores: bool = False
+    max_stop_chars: int = 16_384
+    max_stop_strings: int = 16
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+    drain_timeout_s: float = 30.0
+    restart_workers: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "workers", "gpu_memory_mb", "threads_per_worker", "max_queue")
         _positive(self, "max_running", "max_batch_tokens", "tick_s", "max_body_bytes")
-        _positive(self, "max_tokens_default")
+        _positive(self, "max_tokens_default", "max_stop_chars", "max_stop_strings")
+        _positive(self, "header_timeout_s", "body_timeout_s", "max_connections")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"serve.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.dtype not in SERVE_DTYPES:
             raise ConfigError(
                 f"serve.dtype must be one of {', '.join(SERVE_DTYPES)}, got {self.dtype!r}"

@@ -40,10 +40,8 @@ def load_serve_config(path: str | None, overrides: list[str]) -> SimConfig:
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     require_modules("serve", "runtime", "torch", "ray", "fastapi", "uvicorn")
-    import uvicorn
-
     from fleetserve.runtime import cluster
-    from fleetserve.runtime.server import API_KEY_ENV, create_app
+    from fleetserve.runtime.server import API_KEY_ENV, build_server
 
     cfg = load_serve_config(args.config, args.set)
     if args.port is not None and not 0 < args.port < 65536:
@@ -75,10 +73,13 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
         )
         return ctl
 
-    app = create_app(
-        launch, cluster.shutdown, api_key=api_key, max_body_bytes=cfg.serve.max_body_bytes
+    server = build_server(
+        launch, cluster.shutdown, cfg.serve, host=args.host, port=args.port, api_key=api_key
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
+    if not server.started:
+        raise FleetserveError(f"the server did not start on {args.host}:{args.port} (see above)")
+    console.print("stopped", highlight=False)
     return 0
 
 

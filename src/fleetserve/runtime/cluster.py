@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
-from collections.abc import Sequence
+import secrets
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,24 +51,107 @@ def model_info(name: str) -> ModelInfo:
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Join ``address``, or start a local Ray instance (no dashboard)."""
+    """Join ``address``, or start a local Ray instance (no dashboard).
+
+    A local instance (no ``address``) is reachable from this machine only:
+    Ray's node address is the loopback one, so the GCS, the raylet, the
+    object manager and every worker bind 127.0.0.1 (Ray treats the node as it
+    treats a single-machine cluster on macOS), and Ray's token authentication
+    is on with a random token of this process (its children inherit it; it
+    is never written to disk). Joining a cluster (``address``) is an explicit
+    choice: Ray's token authentication is on (``RAY_AUTH_MODE=token``; the
+    token comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``, as ``ray start`` wrote it) unless the environment
+    says ``RAY_AUTH_MODE=disabled`` and ``FLEETSERVE_ALLOW_INSECURE_RAY=1``.
+
+    Raises:
+        FleetserveError: Ray could not start or join, or a local instance
+            did not come up on the loopback address.
+    """
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-    if address is None:
-        kw["num_cpus"] = num_cpus
-        try:
-            ray.init(**kw)
-        except Exception as e:  # pragma: no cover - environment problems
-            raise FleetserveError(f"could not start a local Ray instance: {e}") from None
-    else:
-        try:
-            ray.init(address=address, **kw)
-        except Exception as e:
-            raise FleetserveError(f"could not join the Ray cluster at {address!r}: {e}") from None
+    with _keep_sigterm_handler():
+        if address is None:
+            _local_ray_env()
+            kw["num_cpus"] = num_cpus
+            try:
+                ray.init(**kw)
+            except Exception as e:  # pragma: no cover - environment problems
+                raise FleetserveError(f"could not start a local Ray instance: {e}") from None
+            ip = ray.util.get_node_ip_address()
+            if not ipaddress.ip_address(ip).is_loopback:
+                ray.shutdown()
+                raise FleetserveError(
+                    f"the local Ray instance came up on {ip}, not on the loopback address; "
+                    "refusing to serve with Ray reachable from the network"
+                )
+        else:
+            _cluster_ray_env()
+            try:
+                ray.init(address=address, **kw)
+            except Exception as e:
+                raise FleetserveError(
+                    f"could not join the Ray cluster at {address!r}: {_first_line(e)} (Ray's "
+                    "token authentication is on: give the cluster's token in RAY_AUTH_TOKEN or "
+                    "RAY_AUTH_TOKEN_PATH; see the README's 'Security' section)"
+                ) from None
+
+
+RAY_INSECURE_ENV = "FLEETSERVE_ALLOW_INSECURE_RAY"
+"""Set to 1 to join a Ray cluster whose token authentication is off."""
+
+
+def _local_ray_env() -> None:
+    """Environment of a local, loopback-only Ray instance with token auth."""
+    import ray._private.ray_constants as rc
+
+    # Ray resolves a loopback ``_node_ip_address`` back to the machine's
+    # address unless single-machine mode is on (read at import, so set both).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    rc.ENABLE_RAY_CLUSTER = False
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _set_ray_auth_mode("token")
+
+
+def _set_ray_auth_mode(mode: str) -> None:
+    """``RAY_AUTH_MODE`` for this process and its children. Ray reads its
+    config when first imported; reload it (and the token cache) so a mode set
+    after ``import ray`` takes effect here too."""
+    from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+    from ray._raylet import Config  # type: ignore[attr-defined]
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _cluster_ray_env() -> None:
+    """Environment for joining a cluster: Ray's token authentication on."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
+    if mode != "token" and os.environ.get(RAY_INSECURE_ENV) != "1":
+        raise FleetserveError(
+            f"RAY_AUTH_MODE={mode}: joining a Ray cluster without its token authentication "
+            "lets anyone who reaches it run code on every node; start the cluster with "
+            f"RAY_AUTH_MODE=token, or set {RAY_INSECURE_ENV}=1 to accept the risk"
+        )
+    _set_ray_auth_mode(mode)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` installs a SIGTERM handler that exits at once; the
+    server's own (graceful drain) must stay."""
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and prev is not None:
+            signal.signal(signal.SIGTERM, prev)
 
 
 def served_models(config: SimConfig) -> dict[str, ModelInfo]:
@@ -190,6 +277,17 @@ async def launch(
     )
     # a multi-LLM stack: report its own name and placement (plan.py)
     ctl.policy_names.update(runtime_policy_names(config))
+
+    async def respawn(spec: WorkerSpec) -> tuple[Any, WorkerSnap]:
+        h = actor_cls.options(**opts).remote(spec)
+        try:
+            return h, await h.start.remote()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+            raise
+
+    ctl.respawn = respawn
     await ctl.start()
     return ctl
 

@@ -42,6 +42,9 @@ import json
 import logging
 import math
 import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -79,6 +82,48 @@ OBJECT_STORE_BW = 1e9
 # Re-prefill tokens per second of one CPU worker, for the mechanism's compute
 # budget (tiny models prefill several thousand tokens/s on one core).
 REPREFILL_TOKENS_S = 5000.0
+
+
+DRAIN_WINDOW_S = 30.0
+"""How far back the drain rate behind ``Retry-After`` looks."""
+
+
+def retry_after_s(queue: int, done_times: deque[float], now: float, oldest_wait_s: float) -> int:
+    """``Retry-After`` seconds for a request refused because ``queue``
+    requests wait for their first token: the time the measured drain rate
+    (requests that left the system — finished, aborted or failed — in the last
+    :data:`DRAIN_WINDOW_S`, or since the start when sooner) needs to serve the
+    queue and this request. With nothing finished in the window, the time the
+    oldest waiting request has waited so far (a lower bound of what it takes).
+    Clamped to 1..600. Forgets finish times older than the window.
+    """
+    while done_times and done_times[0] < now - DRAIN_WINDOW_S:
+        done_times.popleft()
+    span = min(DRAIN_WINDOW_S, now)
+    wait = (queue + 1) * span / len(done_times) if done_times and span > 0 else oldest_wait_s
+    return int(min(600, max(1, math.ceil(wait))))
+
+
+def worker_error(e: BaseException, what: str) -> tuple[int, str]:
+    """The status and client-safe message of a worker-side exception.
+
+    One of fleetserve's own errors (a request the engine refuses, e.g. a
+    ConfigError) is the client's fault: 400 with its first line. Anything
+    else is logged here in full under an id and the client gets a 500 naming
+    only that id: no traceback, path, PID or address ever leaves the server.
+    """
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, FleetserveError):
+        return 400, _one_line(cause)
+    err_id = uuid.uuid4().hex[:12]
+    logger.error("%s: internal error %s: %s", what, err_id, e)
+    return 500, f"internal error while running the request (logged as {err_id})"
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class ServeError(FleetserveError):
@@ -216,6 +261,8 @@ class Controller:
         self._move_tasks: set[asyncio.Task[Any]] = set()
         self._refs: dict[int, int] = {}
         self._stopping = False
+        self._done_times: deque[float] = deque()  # when requests left the system (Retry-After)
+        self.respawn: Callable[[WorkerSpec], Awaitable[tuple[Any, WorkerSnap]]] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.migration_log: list[dict[str, Any]] = []
         for w in self.workers.values():
@@ -306,6 +353,27 @@ class Controller:
         """Admitted requests still waiting for their first token."""
         return sum(1 for t in self.requests.values() if not t.done and t.t_first is None)
 
+    def models_ready(self) -> dict[str, bool]:
+        """Per served model: whether a live worker hosts it (readiness)."""
+        return {
+            m: any(self.workers[self.inst_of[i][0]].alive for i in self._instances_of(m))
+            for m in self.models
+        }
+
+    def end_in_flight(self, message: str) -> int:
+        """End every unfinished request with a 503 ``message`` (a drain's
+        deadline); their workers abort them. Returns how many."""
+        n = 0
+        for t in list(self.requests.values()):
+            if not t.done:
+                if t.instance is not None:
+                    w = self.workers[self.inst_of[t.instance][0]]
+                    if w.alive:
+                        self._spawn(self._call_quietly(w.handle.abort.remote(t.id)))
+                self._fail(t, 503, message)
+                n += 1
+        return n
+
     # ------------------------------------------------------------- arrival
     def model_info(self, model: str) -> ModelInfo:
         """The served model ``model``; a 404 :class:`ServeError` naming the served ones."""
@@ -365,13 +433,12 @@ class Controller:
         return [i for i, (_w, m) in self.inst_of.items() if m == model]
 
     def _retry_after(self) -> int:
-        """Seconds a client should wait: the queue over the recent finish rate, 1..60."""
+        """Seconds a client should wait (:func:`retry_after_s` over the requests
+        that left in the last :data:`DRAIN_WINDOW_S`)."""
         now = self.now()
-        recent = sum(
-            1 for t in self.requests.values() if t.t_done is not None and t.t_done > now - 10
-        )
-        rate = recent / 10
-        return int(min(60, max(1, math.ceil(self.queue_length() / rate)) if rate > 0 else 1))
+        waiting = [t.arrival for t in self.requests.values() if not t.done and t.t_first is None]
+        oldest = now - min(waiting) if waiting else 0.0
+        return retry_after_s(self.queue_length(), self._done_times, now, oldest)
 
     def _request_of(self, t: Tracked) -> Request:
         return Request(
@@ -445,7 +512,7 @@ class Controller:
                 if self._is_actor_death(e):
                     return  # the poll loop handles the dead worker
                 self.workers[wid].pending.pop(t.id, None)
-                self._fail(t, 400, f"worker {wid} refused the request: {e}")
+                self._fail(t, *worker_error(e, f"worker {wid} refused request {t.id}"))
 
         self._spawn(check())
 
@@ -595,6 +662,7 @@ class Controller:
         self._finished(t)
 
     def _finished(self, t: Tracked) -> None:
+        self._done_times.append(self.now())
         if t.instance is not None:
             self.migration.on_finish(t.id, t.instance, self.now())
             wid, _m = self.inst_of[t.instance]
@@ -625,6 +693,8 @@ class Controller:
         for iid in w.instances.values():
             self.active.discard(iid)
             self.migration.on_release(iid, self.now())
+        if self.serve.restart_workers and self.respawn is not None and not self._stopping:
+            self._spawn(self._restart(wid))
         if self.kun is not None and self.kun.on_worker_dead(wid):
             return  # a buddy group's member: its recovery resumes the group's requests
         for t in list(self.requests.values()):
@@ -633,6 +703,51 @@ class Controller:
             if t.moving == "import":
                 continue  # the move holds its state and resumes it (see _move)
             self._resume(t)
+
+    RESTART_ATTEMPTS = 5
+    RESTART_BACKOFF_S = 1.0
+
+    async def _restart(self, wid: int) -> None:
+        """Respawn dead worker ``wid``: a new actor with the same spec (its
+        engine loads the weights again); its instances serve again once it has
+        started. Tries :attr:`RESTART_ATTEMPTS` times with doubling backoff."""
+        import ray
+
+        w = self.workers[wid]
+        assert self.respawn is not None
+        with contextlib.suppress(Exception):
+            ray.kill(w.handle)  # a hung actor must not linger beside its successor
+        delay = self.RESTART_BACKOFF_S
+        for attempt in range(1, self.RESTART_ATTEMPTS + 1):
+            try:
+                handle, snap = await self.respawn(w.spec)
+                break
+            except Exception as e:
+                logger.warning("worker %d: restart %d failed: %s", wid, attempt, _one_line(e))
+                self.metrics.worker_restarts.labels("failed").inc()
+                await asyncio.sleep(delay)
+                delay *= 2
+        else:
+            logger.error("worker %d: not restarted after %d tries", wid, self.RESTART_ATTEMPTS)
+            return
+        if self._stopping:
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+            return
+        w.handle, w.snap, w.alive = handle, snap, True
+        w.pending.clear()
+        self.metrics.worker_restarts.labels("done").inc()
+        self.metrics.workers_alive.set(sum(x.alive for x in self.workers.values()))
+        self._update_worker_gauges(w)
+        for iid in w.instances.values():
+            if not self.elastic:
+                self.active.add(iid)
+        if self.kun is not None:
+            self.kun.on_worker_back(wid)
+        logger.warning("worker %d restarted", wid)
+        assert self.loop is not None
+        self._tasks.append(self.loop.create_task(self._poll_loop(wid)))
+        self._redispatch_deferred()
 
     def _resume(self, t: Tracked) -> None:
         """Dispatch ``t`` again from the controller's record (re-prefill)."""

@@ -224,6 +224,7 @@ class KunRuntime:
             self._add_replica(iid)
         self.log: list[dict[str, Any]] = []
         self._restoring: dict[int, asyncio.Task[Any]] = {}  # group key -> its restore step
+        self._reborn: set[int] = set()  # dead group members respawned before the group split
 
     # ------------------------------------------------------------ executors
     def _add_replica(self, iid: int) -> KunExec:
@@ -440,8 +441,18 @@ class KunRuntime:
         self.execs.pop(e.key, None)
         self.policy.forget(e.key)
         for m in e.members:
-            if m not in e.dead and self.ctl.workers[self.wid_of[m]].alive:
+            if (m not in e.dead or m in self._reborn) and self.ctl.workers[self.wid_of[m]].alive:
                 self._add_replica(m)
+            self._reborn.discard(m)
+
+    def on_worker_back(self, wid: int) -> None:
+        """A dead worker was respawned (full layers, empty KV): a replica
+        again, now or, while its old group still recovers, when it splits."""
+        iid = self.iid_of[wid]
+        if self.exec_of(iid) is None:
+            self._add_replica(iid)
+        else:
+            self._reborn.add(iid)
 
     # ------------------------------------------------------------- failures
     def on_worker_dead(self, wid: int) -> bool:

@@ -121,6 +121,12 @@ class RuntimeMetrics:
         self.worker_failures = Counter(
             "fleetserve_worker_failures_total", "Worker actors found dead", registry=r
         )
+        self.worker_restarts = Counter(
+            "fleetserve_worker_restarts_total",
+            "Dead worker actors respawned, by outcome (done, failed attempt)",
+            ["outcome"],
+            registry=r,
+        )
         self.resumed = Counter(
             "fleetserve_resumed_requests_total",
             "Requests re-prefilled on another worker after their worker failed",
