@@ -534,3 +534,69 @@ def test_retry_after_follows_the_measured_drain_rate() -> None:
     assert retry_after_s(4, deque(), 100.0, 7.2) == 8  # nothing left yet: the oldest wait
     assert retry_after_s(10**6, done, 100.0, 0) == 600
     assert retry_after_s(0, deque([99.9] * 100), 100.0, 0) == 1
+
+
+def test_an_unhandled_exception_is_an_openai_500_and_counted() -> None:
+    import asyncio
+
+    from fleetserve.runtime.http import GuardMiddleware, ServeGate
+
+    counted: list[tuple[str, int]] = []
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("secret at /work/main/src/x.py")
+
+    app = GuardMiddleware(
+        broken,
+        api_key=None,
+        max_body_bytes=100,
+        body_timeout_s=1,
+        gate=ServeGate(),
+        count=lambda e, s: counted.append((e, s)),
+        known=frozenset({"/v1/completions"}),
+    )
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json={"a": 1})
+
+    r = asyncio.run(go())
+    err = assert_openai_error(r.status_code, r.content, 500)
+    assert err["type"] == "internal_error"
+    assert counted == [("/v1/completions", 500)]
+
+
+def test_a_dead_worker_makes_its_model_unready_until_it_is_respawned() -> None:
+    import ray
+
+    cfg = {
+        "serve": {"workers": 2, "gpu_memory_mb": 48, "models": [A, B]},
+        "policy": {"stack": "wf"},
+    }
+    with running_server(cfg) as r:
+        ctl = r.controller
+        wid = next(w for w, x in ctl.workers.items() if A in x.spec.served)
+        assert B not in ctl.workers[wid].spec.served
+        ray.kill(ctl.workers[wid].handle)
+        deadline = time.monotonic() + 30
+        while True:
+            ready = httpx.get(r.url + "/ready")
+            if ready.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "the dead worker's model stayed ready"
+            time.sleep(0.02)
+        assert ready.json()["models"] == {A: False, B: True}
+        assert any(A in reason for reason in ready.json()["reasons"])
+        assert httpx.get(r.url + "/health").status_code == 200  # alive, not ready
+        cards = {m["id"]: m["ready"] for m in httpx.get(r.url + "/v1/models").json()["data"]}
+        assert cards[B] is True  # A is False, or already back
+        deadline = time.monotonic() + 120
+        while httpx.get(r.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the worker was not respawned"
+            time.sleep(0.1)
+        text = httpx.get(r.url + "/metrics").text
+        assert metric_value(text, "fleetserve_worker_failures_total") == 1
+        assert metric_value(text, "fleetserve_worker_restarts_total", outcome="done") == 1
+        body = {"model": A, "prompt": "back", "max_tokens": 3}
+        assert httpx.post(r.url + "/v1/completions", json=body, timeout=60).status_code == 200
