@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-engine serve-overload venv clean
+.PHONY: run test lint bench bench-engine serve-overload bench-client venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,5 +46,25 @@ bench-engine: $(STAMP)
 serve-overload: $(STAMP)
 	$(BIN)/python benchmarks/serve_overload.py
 
+# A third-party load generator (NVIDIA AIPerf, pinned, in its own venv without torch)
+# against `fleetserve serve configs/serve-tiny.yaml` with an API key: a request-rate
+# sweep; report in results/bench-client/. Not part of `make test` (1 min install).
+AIPERF_VERSION := 0.13.0
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-aiperf-$(AIPERF_VERSION)
+
+$(BENCH_STAMP):
+	rm -rf $(BENCH_VENV)
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet aiperf==$(AIPERF_VERSION)
+	touch $@
+
+BENCH_CLIENT_ARGS ?=
+
+bench-client: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python benchmarks/bench_client.py --client $(BENCH_VENV)/bin/aiperf \
+	  --out results/bench-client $(BENCH_CLIENT_ARGS)
+
 clean:
-	rm -rf $(VENV) results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) results .pytest_cache .mypy_cache .ruff_cache

@@ -527,7 +527,13 @@ def test_cli_tokenizer_writes_a_loadable_folder(
     assert rc == 0, err
     where = str(out.resolve())
     assert where in stdout
-    for flag in (f"--processor {where}", f"--tokenizer {where}", "guidellm", "aiperf", "vllm"):
+    for flag in (
+        f"kind=hf_auto,model={where}",
+        f"--tokenizer {where}",
+        "guidellm",
+        "aiperf",
+        "vllm",
+    ):
         assert flag in stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(HF_TOKENIZER_FILES)
     tok = transformers.AutoTokenizer.from_pretrained(str(out))

@@ -25,7 +25,8 @@ def cmd_tokenizer(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"wrote the byte tokenizer of {model} to {out} ({', '.join(HF_TOKENIZER_FILES)})\n"
         "use it with (the rest of each command as usual):\n"
-        f"  guidellm benchmark --target http://HOST:PORT --model {model} --processor {out} ...\n"
+        "  guidellm run --backend kind=openai_http,target=http://HOST:PORT,"
+        f"model={model} --tokenizer kind=hf_auto,model={out} ...  (guidellm 0.8)\n"
         f"  aiperf profile --url http://HOST:PORT --model {model} --tokenizer {out} ...\n"
         f"  vllm bench serve --base-url http://HOST:PORT --model {model} --tokenizer {out} ...\n"
         f"or in Python: transformers.AutoTokenizer.from_pretrained({str(out)!r})",
@@ -43,8 +44,8 @@ def add_tokenizer_parser(sub: Any) -> None:
         description="Write the byte tokenizer of a built-in model (or of a checkpoint folder "
         "without a tokenizer.json) as a Hugging Face tokenizer folder: tokenizer.json, "
         "tokenizer_config.json, special_tokens_map.json. AutoTokenizer.from_pretrained(DIR) "
-        "loads it offline; give DIR to guidellm (--processor DIR), aiperf (--tokenizer DIR) "
-        "or vllm bench serve (--tokenizer DIR).",
+        "loads it offline; give DIR to aiperf (--tokenizer DIR), vllm bench serve "
+        "(--tokenizer DIR) or guidellm 0.8 (--tokenizer kind=hf_auto,model=DIR).",
     )
     p.add_argument(
         "model", metavar="MODEL", help="built-in model (tiny-llama-a, ...) or checkpoint folder"
