@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_killed_worker_requests_resume_elsewhere_every_token_once() -> None:
+    # the resume path alone: no respawn (test_server_hardening checks restarts)
     cfg = {
-        "serve": {"workers": 2, "gpu_memory_mb": 32, "models": [A]},
+        "serve": {"workers": 2, "gpu_memory_mb": 32, "models": [A], "restart_workers": False},
         "policy": {"stack": "vllm"},
     }
     n = 400

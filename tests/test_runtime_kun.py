@@ -245,6 +245,50 @@ def test_member_loss_recovers_from_host_copy() -> None:
     asyncio.run(main())
 
 
+def test_group_member_respawned_serves_again_as_a_replica() -> None:
+    """A group's member dies and the controller respawns it (a fresh worker
+    with every layer): every request finishes exactly as the greedy reference,
+    and the respawned worker serves again (a replica after the group's
+    recovery, or a member of a group the policy forms anew)."""
+    prompts = _prompts(24, 120)
+    ref = _reference(prompts, 96)
+
+    async def main() -> None:
+        ctl, handles = await _start(_config())
+        respawned: list[int] = []
+
+        async def respawn(spec: Any) -> tuple[Any, Any]:
+            h = LocalHandle(Worker(spec))
+            respawned.append(spec.worker_id)
+            return h, await h.worker.start()
+
+        ctl.respawn = respawn
+        try:
+            ts = await _burst(ctl, prompts, 96)
+            tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
+            await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
+            await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
+            g = _groups(ctl)[0]
+            assert ctl.kun is not None
+            victim = ctl.kun.wid_of[g.members[1]]
+            await handles[victim].worker.stop()
+            handles[victim].dead = True
+            outs = await asyncio.gather(*tasks)
+            assert [o[0] for o in outs] == ref
+            # back as a replica, or (the burst's requests resumed) in a new group
+            vi = g.members[1]
+            await _wait(lambda: ctl.workers[victim].alive and ctl.kun.exec_of(vi) is not None)
+            assert respawned == [victim]
+            assert ctl.metrics.worker_restarts.labels("done")._value.get() == 1
+            assert ctl.kun.exec_of(vi).phase != "recovering"  # type: ignore[union-attr]
+            assert any(x["event"] == "recovered" for x in ctl.kun.log)
+            assert ctl.models_ready() == {MODEL: True}
+        finally:
+            await ctl.stop()
+
+    asyncio.run(main())
+
+
 def test_kun_baseline_stacks_are_refused() -> None:
     from dataclasses import replace
 

@@ -715,8 +715,9 @@ class Controller:
 
         w = self.workers[wid]
         assert self.respawn is not None
-        with contextlib.suppress(Exception):
-            ray.kill(w.handle)  # a hung actor must not linger beside its successor
+        if ray.is_initialized():  # (never start Ray here: tests drive in-process workers)
+            with contextlib.suppress(Exception):
+                ray.kill(w.handle)  # a hung actor must not linger beside its successor
         delay = self.RESTART_BACKOFF_S
         for attempt in range(1, self.RESTART_ATTEMPTS + 1):
             try:
@@ -731,8 +732,9 @@ class Controller:
             logger.error("worker %d: not restarted after %d tries", wid, self.RESTART_ATTEMPTS)
             return
         if self._stopping:
-            with contextlib.suppress(Exception):
-                ray.kill(handle)
+            if ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    ray.kill(handle)
             return
         w.handle, w.snap, w.alive = handle, snap, True
         w.pending.clear()
