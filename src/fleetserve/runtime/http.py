@@ -157,7 +157,8 @@ def guarded_protocol(
     request on a kept-alive connection from its first byte, until its
     headers are complete; a connection past it gets 408 and is closed. A
     connection opened while ``max_connections`` are open gets 503 and is
-    closed. ``count(endpoint, status)`` records both (endpoint
+    closed. A request h11 cannot parse gets an OpenAI-shaped 400 (uvicorn's
+    is plain text). ``count(endpoint, status)`` records all three (endpoint
     ``"connection"``).
     """
 
@@ -199,8 +200,15 @@ def guarded_protocol(
                     f"the request's headers did not arrive within {header_timeout_s:g} s",
                 )
 
+        def send_400_response(self, msg: str) -> None:
+            # an unparsable request line or headers (or headers over h11's size
+            # limit): the same OpenAI-shaped body as every other error
+            self._refuse(400, "Bad Request", f"malformed HTTP request: {msg}")
+
         def _refuse(self, status: int, reason: str, message: str) -> None:
-            type_ = "timeout_error" if status == 408 else "service_unavailable"
+            type_ = {400: "invalid_request_error", 408: "timeout_error"}.get(
+                status, "service_unavailable"
+            )
             body = error_body(status, message, type_)
             extra = "retry-after: 1\r\n" if status == 503 else ""
             if not self.transport.is_closing():
