@@ -519,14 +519,21 @@ def test_ray_refuses_a_client_without_the_token(srv: Running) -> None:
 
     gcs = ray.get_runtime_context().gcs_address
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
-    env["RAY_AUTH_MODE"] = "disabled"
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    env["RAY_gcs_server_port_wait_time_s"] = "2"  # give up after 2 tries, not 20
     code = f"import ray; ray.init(address={gcs!r}, log_to_driver=False); print('JOINED')"
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert "JOINED" not in r.stdout
-    assert r.returncode != 0
+
+    def join(**extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-c", code]
+        return subprocess.run(cmd, env=env | extra, capture_output=True, text=True, timeout=120)
+
+    without = join(RAY_AUTH_MODE="disabled")
+    assert "JOINED" not in without.stdout and without.returncode != 0
+    assert "InvalidAuthToken" in without.stderr
+    wrong = join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
+    assert "JOINED" not in wrong.stdout and "InvalidAuthToken" in wrong.stderr
+    right = join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ["RAY_AUTH_TOKEN"])
+    assert "JOINED" in right.stdout, right.stderr[-2000:]  # the control: the token is the key
 
 
 # ------------------------------------------------------------------ helpers
