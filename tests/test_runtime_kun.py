@@ -211,6 +211,23 @@ def test_group_restores_when_demand_falls() -> None:
     asyncio.run(main())
 
 
+async def _lose_member(
+    ctl: Controller, handles: list[LocalHandle], prompts: list[list[int]], n: int
+) -> tuple[Any, int, list[tuple[list[int], str]]]:
+    """Burst ``prompts`` until a buddy group serves, kill its second stage
+    mid-generation; return the group, the killed worker and every output."""
+    ts = await _burst(ctl, prompts, n)
+    tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
+    await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
+    await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
+    g = _groups(ctl)[0]
+    assert ctl.kun is not None
+    victim = ctl.kun.wid_of[g.members[1]]
+    await handles[victim].worker.stop()
+    handles[victim].dead = True
+    return g, victim, list(await asyncio.gather(*tasks))
+
+
 def test_member_loss_recovers_from_host_copy() -> None:
     """A group's second stage dies mid-generation: the survivor leaves the
     group, reloads its dropped layers from the host copy, and every request
@@ -221,15 +238,7 @@ def test_member_loss_recovers_from_host_copy() -> None:
     async def main() -> None:
         ctl, handles = await _start(_config())
         try:
-            ts = await _burst(ctl, prompts, 96)
-            tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
-            await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
-            await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
-            g = _groups(ctl)[0]
-            victim = ctl.kun.wid_of[g.members[1]]  # type: ignore[union-attr]
-            await handles[victim].worker.stop()
-            handles[victim].dead = True
-            outs = await asyncio.gather(*tasks)
+            g, _victim, outs = await _lose_member(ctl, handles, prompts, 96)
             assert [o[0] for o in outs] == ref
             survivor = handles[ctl.kun.wid_of[g.members[0]]]  # type: ignore[union-attr]
             assert survivor.worker.core.engine.held_layers(MODEL) == [0, 1, 2, 3]
@@ -264,17 +273,9 @@ def test_group_member_respawned_serves_again_as_a_replica() -> None:
 
         ctl.respawn = respawn
         try:
-            ts = await _burst(ctl, prompts, 96)
-            tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
-            await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
-            await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
-            g = _groups(ctl)[0]
-            assert ctl.kun is not None
-            victim = ctl.kun.wid_of[g.members[1]]
-            await handles[victim].worker.stop()
-            handles[victim].dead = True
-            outs = await asyncio.gather(*tasks)
+            g, victim, outs = await _lose_member(ctl, handles, prompts, 96)
             assert [o[0] for o in outs] == ref
+            assert ctl.kun is not None
             # back as a replica, or (the burst's requests resumed) in a new group
             vi = g.members[1]
             await _wait(lambda: ctl.workers[victim].alive and ctl.kun.exec_of(vi) is not None)

@@ -84,6 +84,17 @@ def raw(srv: Running, data: bytes, timeout: float = 30) -> tuple[int, dict[str, 
     return status, _headers(head), body
 
 
+def read_head(s: socket.socket, buf: bytes, timeout: float) -> bytes:
+    """Read from ``s`` until a response's headers are complete (or it closes)."""
+    s.settimeout(timeout)
+    while b"\r\n\r\n" not in buf:
+        more = s.recv(65536)
+        if not more:
+            break
+        buf += more
+    return buf
+
+
 def _headers(head: bytes) -> dict[str, str]:
     out = {}
     for line in head.split(b"\r\n")[1:]:
@@ -290,12 +301,7 @@ def test_chunked_upload_is_cut_at_the_limit_while_reading(srv: Running) -> None:
                     pass
         except (BrokenPipeError, ConnectionResetError):
             pass
-        s.settimeout(10)
-        while b"\r\n\r\n" not in reply:
-            more = s.recv(65536)
-            if not more:
-                break
-            reply += more
+        reply = read_head(s, reply, 10)
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert sent < 5_000_000  # refused while reading, not after reading all of it
 
@@ -330,12 +336,7 @@ def test_slow_headers_get_408_and_the_connection_closes(srv: Running) -> None:
                     break
             except TimeoutError:
                 pass
-        s.settimeout(5)
-        while b"\r\n\r\n" not in buf:
-            got = s.recv(4096)
-            if not got:
-                break
-            buf += got
+        buf = read_head(s, buf, 5)
     assert buf.startswith(b"HTTP/1.1 408"), buf[:200]
     assert_openai_error(408, buf.partition(b"\r\n\r\n")[2], 408)
 

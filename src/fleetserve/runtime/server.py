@@ -347,6 +347,11 @@ def create_app(
     )
     app.state.count = count
 
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServeError)
+        return error_response(exc)
+
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
         return error_response(
@@ -422,10 +427,7 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         c = ctl()
-        try:
-            c.model_info(model_id)
-        except ServeError as e:
-            return error_response(e)
+        c.model_info(model_id)  # a 404 naming the served models
         return JSONResponse(model_card(c, model_id, c.models_ready()[model_id]))
 
     async def read_body(request: Request, cls: type[BaseModel]) -> tuple[Any, list[str]]:
@@ -545,57 +547,43 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            body, ignored = await read_body(request, CompletionBody)
-            c = ctl()
-            ids = tokens_of(c, body.model, body.prompt)
-            return await run(request, body, ids, body.max_tokens, False, ignored)
-        except ServeError as e:
-            return error_response(e)
+        body, ignored = await read_body(request, CompletionBody)
+        c = ctl()
+        ids = tokens_of(c, body.model, body.prompt)
+        return await run(request, body, ids, body.max_tokens, False, ignored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            body, ignored = await read_body(request, ChatBody)
-            c = ctl()
-            ids = tokens_of(c, body.model, chat_prompt(body.messages))
-            mt = body.max_completion_tokens or body.max_tokens
-            return await run(request, body, ids, mt, True, ignored)
-        except ServeError as e:
-            return error_response(e)
+        body, ignored = await read_body(request, ChatBody)
+        c = ctl()
+        ids = tokens_of(c, body.model, chat_prompt(body.messages))
+        mt = body.max_completion_tokens or body.max_tokens
+        return await run(request, body, ids, mt, True, ignored)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        try:
-            body, _ = await read_body(request, TokenizeBody)
-            c = ctl()
-            model = model_of(c, body.model)
-            info = c.models[model]
-            if (body.prompt is None) == (body.messages is None):
-                raise _bad("give either prompt or messages", "prompt")
-            text = (
-                body.prompt
-                if body.prompt is not None
-                else chat_prompt(body.messages or [], body.add_generation_prompt)
-            )
-            ids = list(info.tokenizer.encode(text, add_bos=body.add_special_tokens))
-            return JSONResponse(
-                {"count": len(ids), "max_model_len": info.max_context, "tokens": ids}
-            )
-        except ServeError as e:
-            return error_response(e)
+        body, _ = await read_body(request, TokenizeBody)
+        c = ctl()
+        model = model_of(c, body.model)
+        info = c.models[model]
+        if (body.prompt is None) == (body.messages is None):
+            raise _bad("give either prompt or messages", "prompt")
+        text = (
+            body.prompt
+            if body.prompt is not None
+            else chat_prompt(body.messages or [], body.add_generation_prompt)
+        )
+        ids = list(info.tokenizer.encode(text, add_bos=body.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": info.max_context, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        try:
-            body, _ = await read_body(request, DetokenizeBody)
-            c = ctl()
-            info = c.models[model_of(c, body.model)]
-            if any(not 0 <= i < info.vocab_size for i in body.tokens):
-                raise _bad(f"tokens: ids must be in [0, {info.vocab_size})", "tokens")
-            return JSONResponse({"prompt": info.tokenizer.decode(body.tokens)})
-        except ServeError as e:
-            return error_response(e)
+        body, _ = await read_body(request, DetokenizeBody)
+        c = ctl()
+        info = c.models[model_of(c, body.model)]
+        if any(not 0 <= i < info.vocab_size for i in body.tokens):
+            raise _bad(f"tokens: ids must be in [0, {info.vocab_size})", "tokens")
+        return JSONResponse({"prompt": info.tokenizer.decode(body.tokens)})
 
     return app
 
