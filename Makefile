@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-engine serve-overload bench-client venv clean
+.PHONY: run test lint bench bench-engine serve-overload bench-client fingerprint venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,12 @@ bench: $(STAMP)
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py
+
+# The simulator's results against the recorded pre-refactor baseline (every
+# reproduce --quick grid and a compare run, ~3.5 min): lists each changed field.
+fingerprint: $(STAMP)
+	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
+	  --check benchmarks/fingerprints/baseline.json.gz
 
 # The server at 2x its measured capacity for 60 s (issue 7 acceptance).
 serve-overload: $(STAMP)
