@@ -26,6 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/pytest -q
@@ -45,6 +46,7 @@ bench-engine: $(STAMP)
 # The simulator's results against the recorded pre-refactor baseline (every
 # reproduce --quick grid and a compare run, ~3.5 min): lists each changed field.
 fingerprint: $(STAMP)
+	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
 	  --check benchmarks/fingerprints/baseline.json.gz
 
@@ -73,4 +75,4 @@ bench-client: $(STAMP) $(BENCH_STAMP)
 	  --out results/bench-client $(BENCH_CLIENT_ARGS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) results .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
