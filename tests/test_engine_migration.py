@@ -350,7 +350,7 @@ def test_streamed_text_is_the_final_text_with_every_token_once(mode: str) -> Non
     for _ in range(30):  # in the middle of a run of 'm's: text is held back
         e1.step()
         e2.step()
-    assert e1.requests[rid]._held
+    assert e1.requests[rid].held
     st = MODES[mode](e1, e2, rid)
     run_all(e1, e2)
     req = final(e1, e2, rid, st)

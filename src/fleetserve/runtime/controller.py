@@ -97,11 +97,16 @@ def retry_after_s(queue: int, done_times: deque[float], now: float, oldest_wait_
     oldest waiting request has waited so far (a lower bound of what it takes).
     Clamped to 1..600. Forgets finish times older than the window.
     """
-    while done_times and done_times[0] < now - DRAIN_WINDOW_S:
-        done_times.popleft()
+    forget_before(done_times, now - DRAIN_WINDOW_S)
     span = min(DRAIN_WINDOW_S, now)
     wait = (queue + 1) * span / len(done_times) if done_times and span > 0 else oldest_wait_s
     return int(min(600, max(1, math.ceil(wait))))
+
+
+def forget_before(times: deque[float], t: float) -> None:
+    """Drop the times (ascending) earlier than ``t``."""
+    while times and times[0] < t:
+        times.popleft()
 
 
 def worker_error(e: BaseException, what: str) -> tuple[int, str]:
@@ -662,9 +667,11 @@ class Controller:
         self._finished(t)
 
     def _finished(self, t: Tracked) -> None:
-        self._done_times.append(self.now())
+        now = self.now()
+        self._done_times.append(now)
+        forget_before(self._done_times, now - DRAIN_WINDOW_S)  # bounded on a long-lived server
         if t.instance is not None:
-            self.migration.on_finish(t.id, t.instance, self.now())
+            self.migration.on_finish(t.id, t.instance, now)
             wid, _m = self.inst_of[t.instance]
             self.workers[wid].pending.pop(t.id, None)
         self._update_queue_gauges()
@@ -737,7 +744,6 @@ class Controller:
                     ray.kill(handle)
             return
         w.handle, w.snap, w.alive = handle, snap, True
-        w.pending.clear()
         self.metrics.worker_restarts.labels("done").inc()
         self.metrics.workers_alive.set(sum(x.alive for x in self.workers.values()))
         self._update_worker_gauges(w)

@@ -110,18 +110,9 @@ class EngineRequest:
     preemptions: int = 0
     on_token: TokenCallback | None = None
     on_finish: FinishCallback | None = None
-    _held: str = ""  # text held back while it may be the start of a stop string
-    # the stop strings' automata, rebuilt from ``_held`` when that is set elsewhere
+    held: str = ""  # text held back while it may be the start of a stop string
+    # the stop strings' automata, rebuilt from ``held`` when that is set elsewhere
     stop_matcher: StopMatcher | None = field(default=None, repr=False)
-
-    @property
-    def held(self) -> str:
-        """Text held back while it may be the start of a stop string."""
-        return self._held
-
-    @held.setter
-    def held(self, value: str) -> None:
-        self._held = value
 
     # --- SeqView --------------------------------------------------------
     @property
@@ -1098,7 +1089,7 @@ class Engine:
             preemptions=state.preemptions,
             on_token=state.on_token,
             on_finish=state.on_finish,
-            _held=state.held,
+            held=state.held,
         )
 
     def precommit_import(self, handle: ImportHandle, state: RequestState) -> int:
@@ -1186,7 +1177,7 @@ class Engine:
             raise ValueError(f"request state {state.id}: token ids outside [0, {vocab})")
         req.tokens.extend(new)
         req.generator.set_state(state.generator_state)
-        req.text, req._held = state.text, state.held
+        req.text, req.held = state.text, state.held
         req.detok = restore_detok(self.models[req.model].tokenizer, state.detok)
         req.n_cached = state.n_cached
         req.preemptions = state.preemptions
@@ -1253,7 +1244,7 @@ class Engine:
             generator_state=req.generator.get_state(),
             n_cached=req.n_cached,
             text=req.text,
-            held=req._held,
+            held=req.held,
             detok=snapshot_detok(req.detok),
             arrival_s=req.arrival_s,
             preemptions=req.preemptions,
