@@ -1,29 +1,34 @@
-"""The event heap: ``(time, priority, seq, kind, payload)`` with a per-simulation counter.
+"""Every simulation event kind, and its place in the event order.
 
-Event order is defined here and only here. At equal times, lower priority
-values run first:
+Event order is defined here and only here. Handlers return the events they
+cause as ``(time, kind, payload)``; the kernel (:mod:`fleetserve.sim.kernel`)
+gives each its kind's priority and a sequence number. At equal times, lower
+priority values run first, and events of equal priority in the order they
+were caused:
 
-1. iteration ends (an instance's state at an instant is the one after every
-   iteration ending then; the lazy "as of now" views count such an iteration
-   as complete, so both agree);
-2. migration transfers ending (a stage, a final KV copy or token ids
-   arriving): they see the instances after their iteration ends, as the
-   lazy views do, and an arrival at the same instant sees their effect;
-3. arrivals (an arrival at the instant an iteration ends sees the batch that
-   starts then);
-4. migration epochs: the migration policy's plan sees every arrival of its
-   instant (Mell allocates the requests that arrived up to the epoch
-   boundary) and every iteration end and transfer;
-5. time-series samples last (they see the state after everything at that
-   instant, a plan included).
-
-Handlers return the events they cause as ``(time, priority, kind, payload)``;
-the loop pushes them.
+0. ``ITER_END``, ``GROUP_READY``, ``KV_ARRIVED``: an instance's iteration (or
+   a sharing group's job) ends, a group finishes loading its weights, a moved
+   request's KV lands on its new group. An instance's state at an instant is
+   the one after every iteration ending then; the lazy "as of now" views count
+   such an iteration as complete, so both agree.
+1. ``TRANSFER``, ``ATTACH``: a migration stage, a final KV copy, token ids or
+   a link transfer ends; a request attaches after its stall. They see the
+   instances after their iteration ends, as the lazy views do, and an arrival
+   at the same instant sees their effect.
+2. arrivals (:data:`P_ARRIVAL`; they come from the sorted request list, not
+   the heap, and are merged by the kernel): an arrival at the instant an
+   iteration ends sees the batch that starts then.
+3. ``EPOCH``: a periodic policy decision (a migration epoch, KunServe's
+   monitor). The plan sees every arrival of its instant (Mell allocates the
+   requests that arrived up to the epoch boundary) and every iteration end
+   and transfer.
+4. ``SAMPLE``, ``REPLACE``: time-series samples (they see the state after
+   everything at that instant, a plan included) and SeaLLM's re-placement
+   checks. At one instant these two run in the order they were caused.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 P_ITER_END = 0
@@ -32,38 +37,39 @@ P_ARRIVAL = 2
 P_EPOCH = 3
 P_SAMPLE = 4
 
-# event kinds
+# event kinds (indexes into PRIORITY and NAMES)
 ITER_END = 0
-SAMPLE = 1
-TRANSFER = 2
-EPOCH = 3
+GROUP_READY = 1
+KV_ARRIVED = 2
+TRANSFER = 3
+ATTACH = 4
+EPOCH = 5
+SAMPLE = 6
+REPLACE = 7
 
-Event = tuple[float, int, int, Any]
-"""``(time, priority, kind, payload)``, as handlers return them."""
+PRIORITY: tuple[int, ...] = (
+    P_ITER_END,  # ITER_END
+    P_ITER_END,  # GROUP_READY
+    P_ITER_END,  # KV_ARRIVED
+    P_TRANSFER,  # TRANSFER
+    P_TRANSFER,  # ATTACH
+    P_EPOCH,  # EPOCH
+    P_SAMPLE,  # SAMPLE
+    P_SAMPLE,  # REPLACE
+)
+"""Each kind's priority, by kind."""
 
+NAMES: tuple[str, ...] = (
+    "iter_end",
+    "group_ready",
+    "kv_arrived",
+    "transfer",
+    "attach",
+    "epoch",
+    "sample",
+    "replace",
+)
+"""Each kind's name, by kind (for messages and tests)."""
 
-class EventQueue:
-    """Min-heap of events; ``seq`` breaks ties in insertion order.
-
-    Attributes:
-        heap: the heap list; callers may peek at ``heap[0]`` but change it only
-            through :meth:`push` and :meth:`pop`.
-    """
-
-    __slots__ = ("_seq", "heap")
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, int, int, int, Any]] = []
-        self._seq = 0
-
-    def push(self, time: float, priority: int, kind: int, payload: Any) -> None:
-        """Add an event."""
-        self._seq += 1
-        heapq.heappush(self.heap, (time, priority, self._seq, kind, payload))
-
-    def pop(self) -> tuple[float, int, int, int, Any]:
-        """Remove and return the earliest event."""
-        return heapq.heappop(self.heap)
-
-    def __len__(self) -> int:
-        return len(self.heap)
+Event = tuple[float, int, Any]
+"""``(time, kind, payload)``, as handlers return them."""

@@ -75,7 +75,6 @@ Blocks of migrations are part of ``used``::
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -84,6 +83,7 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.sim.finish import FinishQueue
 
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
@@ -280,7 +280,7 @@ class Instance:
         self.waiting: deque[Seq] = deque()
         self.reserved_blocks = 0
         self.running: dict[int, Seq] = {}
-        self._fheap: list[tuple[int, int]] = []
+        self._finishing = FinishQueue()
         self.steps = 0
         self._hist = [0] * block_size
         self._sum_base = 0
@@ -469,7 +469,7 @@ class Instance:
         self.running[s.id] = s
         self._hist[base % self.block_size] += 1
         self._sum_base += base
-        heapq.heappush(self._fheap, (s.finish_step, s.id))
+        self._finishing.add(s.finish_step, s.id)
 
     def schedule(self, now: float) -> float | None:
         """Start the next iteration at ``now``; its end time, or None when idle."""
@@ -599,14 +599,7 @@ class Instance:
         if n_exh == 0:
             self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
             return None
-        fheap = self._fheap
-        running = self.running
-        while True:
-            step, sid = fheap[0]
-            s_run = running.get(sid)
-            if s_run is not None and s_run.finish_step == step:
-                break
-            heapq.heappop(fheap)
+        step = self._finishing.earliest(self.running)
         n = min(step - D, n_exh)
         if not self.macro:
             n = 1
@@ -653,15 +646,9 @@ class Instance:
             self.used += self._grown(n - 1)
             self.steps += n
             steps = self.steps
-            fheap = self._fheap
             running = self.running
-            while fheap and fheap[0][0] <= steps:
-                step, sid = heapq.heappop(fheap)
-                fin = running.get(sid)
-                if fin is None or fin.finish_step != step:
-                    continue
-                s = fin
-                del running[sid]
+            for s in self._finishing.due(steps, running):
+                del running[s.id]
                 kv = s.base + steps
                 s.running = False
                 s.gen_saved = s.output_tokens

@@ -103,12 +103,11 @@ summarizes them, per request in ``victim_records``.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -143,7 +142,9 @@ from fleetserve.policy.actions import (
 from fleetserve.policy.dispatch import WorstFit
 from fleetserve.policy.kunserve import ExecutorLoad, max_batch, rebalance, split_layers
 from fleetserve.policy.llumnix import Llumnix
-from fleetserve.sim.events import P_ARRIVAL, P_EPOCH, P_ITER_END, P_SAMPLE, P_TRANSFER, EventQueue
+from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
+from fleetserve.sim.finish import FinishQueue
+from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kun_parts import Channel, KSeq, KunSettings, Piece, Transfer
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
@@ -151,10 +152,7 @@ from fleetserve.workload.request import Request, check_run_order
 logger = logging.getLogger(__name__)
 
 IDLE, PREFILL, DECODE = 0, 1, 2
-K_ITER, K_XFER, K_ATTACH, K_MONITOR, K_SAMPLE = range(5)
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
-
-ProgressFn = Callable[[float, int, int], None]
 
 
 class Executor:
@@ -197,7 +195,7 @@ class Executor:
         self.sum_base = 0
         self.static = 0  # KV tokens of requests not running (prefill, stalled, reserved in)
         self.inflight = 0  # tokens the decode iteration in flight is adding
-        self._fheap: list[tuple[int, int]] = []
+        self.finishing = FinishQueue()
         self.phase = IDLE
         self.version = 0
         self.frozen = False
@@ -345,7 +343,7 @@ class Executor:
         s.finish_step = self.steps + (s.req.output_tokens - (kv - s.prompt + 1))
         self.running[s.id] = s
         self.sum_base += s.base
-        heapq.heappush(self._fheap, (s.finish_step, s.id))
+        self.finishing.add(s.finish_step, s.id)
 
     def unrun(self, s: KSeq) -> int:
         """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
@@ -540,7 +538,7 @@ class KunSimulator:
         self._mean_ctx = mean_ctx
         self._max_batch: dict[tuple[int, ...], int] = {}
 
-        self.events = EventQueue()
+        self._out: list[Event] = []  # events caused by the handler running now
         self.records = [
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.requests
@@ -564,7 +562,20 @@ class KunSimulator:
         self._chunk_sum = 0.0
         self._chunk_n = 0
         self._wd_done = 0
-        self.n_events = 0
+        self.kernel = Kernel(
+            self.requests,
+            {
+                ITER_END: self._ev_iter_end,
+                TRANSFER: self._ev_xfer_end,
+                ATTACH: self._ev_attach,
+                EPOCH: self._ev_monitor,
+                SAMPLE: self._ev_sample,
+            },
+            max_time_s=self.max_time_s,
+            check=self.check,
+            progress=self.progress,
+            progress_every=self.progress_every,
+        )
         self.n_done = 0
         self.timeseries = TimeSeries(sample_interval_s)
         self.migrations: list[MigrationRecord] = []
@@ -690,67 +701,59 @@ class KunSimulator:
     def run(self) -> RunResult:
         """Run to completion (or ``max_time_s``) and return the results."""
         wall0 = time.perf_counter()
-        reqs = self.requests
-        n = len(reqs)
-        ev = self.events
-        heap = ev.heap
-        max_t = self.max_time_s if self.max_time_s is not None else float("inf")
-        ai = 0
-        ev.push(0.0, P_SAMPLE, K_SAMPLE, None)
-        ev.push(0.0, P_EPOCH, K_MONITOR, None)
-        inf = float("inf")
-        end_s = 0.0
-        progress, every = self.progress, self.progress_every
-        while True:
-            ta = reqs[ai].arrival_s if ai < n else inf
-            if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
-                t = heap[0][0]
-                if t > max_t:
-                    break
-                t, _p, _s, kind, payload = ev.pop()
-                if kind == K_ITER:
-                    exe, version = payload
-                    if exe.version != version or exe.id not in self.execs:
-                        continue
-                    self._on_iter_end(exe, t)
-                elif kind == K_XFER:
-                    ch, version = payload
-                    if ch.version != version:
-                        continue
-                    self._on_xfer_end(ch, t)
-                elif kind == K_ATTACH:
-                    self._on_attach(payload, t)
-                elif kind == K_MONITOR:
-                    self._on_monitor(t, ai < n)
-                else:
-                    self._on_sample(t, ai < n)
-            elif ai < n:
-                if ta > max_t:
-                    break
-                t = ta
-                self._on_arrival(reqs[ai], t)
-                ai += 1
-            else:
-                break
-            end_s = t
-            self.n_events += 1
-            if self.check:
-                self.check_integrity(ai)
-            if progress is not None and self.n_events % every == 0:
-                progress(t, self.n_events, self.n_done)
-        if self.max_time_s is not None and (heap or ai < n):
-            end_s = max(end_s, self.max_time_s)
+        k = self.kernel
+        k.push(self._caused())  # anything set up before the run
+        k.push([(0.0, SAMPLE, None), (0.0, EPOCH, None)])
+        end_s = k.run(self)
         self._sample(end_s)
-        if progress is not None:
-            progress(end_s, self.n_events, self.n_done)
+        if self.progress is not None:
+            self.progress(end_s, k.n_events, self.n_done)
         return self._result(end_s, time.perf_counter() - wall0)
 
+    @property
+    def n_events(self) -> int:
+        """Events handled so far."""
+        return self.kernel.n_events
+
+    # ---------------------------------------------------------------- events
+    # Handlers collect the events they cause in ``_out`` (transfer callbacks
+    # and helpers deep in a handler add to it) and return them to the kernel.
+    def _caused(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _ev_iter_end(self, payload: tuple[Executor, int], now: float) -> list[Event] | None:
+        exe, version = payload
+        if exe.version != version or exe.id not in self.execs:
+            return None  # superseded
+        self._on_iter_end(exe, now)
+        return self._caused()
+
+    def _ev_xfer_end(self, payload: tuple[Channel, int], now: float) -> list[Event] | None:
+        ch, version = payload
+        if ch.version != version:
+            return None  # superseded
+        self._on_xfer_end(ch, now)
+        return self._caused()
+
+    def _ev_attach(self, payload: KSeq, now: float) -> list[Event]:
+        self._on_attach(payload, now)
+        return self._caused()
+
+    def _ev_monitor(self, payload: None, now: float) -> list[Event]:
+        self._on_monitor(now, self.kernel.arrivals_left)
+        return self._caused()
+
+    def _ev_sample(self, payload: None, now: float) -> list[Event]:
+        self._on_sample(now, self.kernel.arrivals_left)
+        return self._caused()
+
     def _push_iter(self, exe: Executor, end: float) -> None:
-        self.events.push(end, P_ITER_END, K_ITER, (exe, exe.version))
+        self._out.append((end, ITER_END, (exe, exe.version)))
 
     def _push_xfer(self, ch: Channel, end: float | None) -> None:
         if end is not None:
-            self.events.push(end, P_TRANSFER, K_XFER, (ch, ch.version))
+            self._out.append((end, TRANSFER, (ch, ch.version)))
 
     def _work_left(self, arrivals_left: bool) -> bool:
         """Arrivals, requests somewhere, or transfers under way."""
@@ -764,6 +767,11 @@ class KunSimulator:
         )
 
     # ------------------------------------------------------------- arrivals
+    def on_arrival(self, req: Request, now: float) -> list[Event]:
+        """A request arrives: admitted to an executor, queued or rejected."""
+        self._on_arrival(req, now)
+        return self._caused()
+
     def _on_arrival(self, req: Request, now: float) -> None:
         rec = self.records[req.id]
         limit = int(self.replica_tokens * (1 - self.watermark))
@@ -1015,13 +1023,7 @@ class KunSimulator:
             exe.inflight = 0
             exe.steps += 1
             steps = exe.steps
-            fheap = exe._fheap
-            running = exe.running
-            while fheap and fheap[0][0] <= steps:
-                step, sid = heapq.heappop(fheap)
-                fin = running.get(sid)
-                if fin is None or fin.finish_step != step:
-                    continue
+            for fin in exe.finishing.due(steps, exe.running):
                 exe.unrun(fin)
                 fin.gen = fin.req.output_tokens
                 self._finish(exe, fin, now)
@@ -1184,7 +1186,7 @@ class KunSimulator:
         self._retry_channels(now)
         if self._work_left(arrivals_left):
             self._watchdog(now)
-            self.events.push(now + st.monitor_interval_s, P_EPOCH, K_MONITOR, None)
+            self._out.append((now + st.monitor_interval_s, EPOCH, None))
 
     def _watchdog(self, now: float) -> None:
         """Fail loudly instead of ticking forever when requests wait but nothing
@@ -1563,7 +1565,7 @@ class KunSimulator:
             self.migrations.append(
                 MigrationRecord(now + stall, s.id, exe.id, dst.id, "kv", kv * self.kv_tok_bytes, 1)
             )
-            self.events.push(now + stall, P_TRANSFER, K_ATTACH, s)
+            self._out.append((now + stall, ATTACH, s))
 
     def _cancel_migration(self, s: KSeq) -> None:
         mig = s.mig
@@ -1578,7 +1580,7 @@ class KunSimulator:
     def _on_sample(self, now: float, arrivals_left: bool) -> None:
         self._sample(now)
         if self._work_left(arrivals_left):
-            self.events.push(now + self.sample_interval_s, P_SAMPLE, K_SAMPLE, None)
+            self._out.append((now + self.sample_interval_s, SAMPLE, None))
 
     def _sample(self, now: float) -> None:
         used = cap = queued = running = waiting_tok = 0

@@ -87,7 +87,7 @@ from fleetserve.cluster.state import blocks_for
 from fleetserve.costmodel.transfer import Link, intra_node_link, network_link, transfer_time
 from fleetserve.metrics.records import MigrationRecord
 from fleetserve.policy.mechanism import MODES, MechanismContext, MigrationMechanism, PendingMove
-from fleetserve.sim.events import ITER_END, P_ITER_END, P_TRANSFER, TRANSFER, Event
+from fleetserve.sim.events import ITER_END, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq
 
 if TYPE_CHECKING:
@@ -320,7 +320,7 @@ class Migrations:
         t.sent = done
         t.stages += 1
         t.phase = STAGE
-        ev.append((now + cost.kv_transfer_time(tokens, t.link), P_TRANSFER, TRANSFER, (t, STAGE)))
+        ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, STAGE)))
 
     def _stop_and_copy(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
         kv = t.seq.kv_tokens  # what it holds once the iteration in flight ends
@@ -349,7 +349,7 @@ class Migrations:
         t.bytes = nbytes
         t.phase = TRANSIT
         self.transit[seq.id] = t
-        ev.append((now + transfer_time(nbytes, t.link), P_TRANSFER, TRANSFER, (t, TRANSIT)))
+        ev.append((now + transfer_time(nbytes, t.link), TRANSFER, (t, TRANSIT)))
 
     # --------------------------------------------------------------- events
     def on_event(self, payload: tuple[MigrationTask, str], now: float) -> list[Event]:
@@ -422,9 +422,7 @@ class Migrations:
         t.bytes += cost.kv_bytes(tokens)
         t.sent = kv
         t.phase = FINAL_COPY
-        ev.append(
-            (now + cost.kv_transfer_time(tokens, t.link), P_TRANSFER, TRANSFER, (t, FINAL_COPY))
-        )
+        ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, FINAL_COPY)))
 
     def _attach(self, t: MigrationTask, now: float) -> None:
         t.dst.attach(t.seq, t.held_tokens, t.reserved)
@@ -519,7 +517,7 @@ def _ignore(request_id: int) -> None:
 
 def _iter_end(inst: Instance, end: float | None, ev: list[Event]) -> None:
     if end is not None:
-        ev.append((end, P_ITER_END, ITER_END, (inst, inst.version)))
+        ev.append((end, ITER_END, (inst, inst.version)))
 
 
 def _remove(d: dict[int, list[MigrationTask]], key: int, t: MigrationTask) -> None:

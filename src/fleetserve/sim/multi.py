@@ -42,7 +42,6 @@ depend on the placement under test.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +62,9 @@ from fleetserve.metrics.records import (
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
-from fleetserve.sim.events import P_ARRIVAL, P_ITER_END, P_SAMPLE, EventQueue
+from fleetserve.sim.events import GROUP_READY, ITER_END, KV_ARRIVED, REPLACE, SAMPLE, Event
 from fleetserve.sim.group import GSeq, SharingGroup
+from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.spec import get_gpu
 from fleetserve.spec.memory import group_kv_bytes, min_tp
@@ -73,8 +73,6 @@ from fleetserve.workload.request import Request
 
 logger = logging.getLogger(__name__)
 
-_JOB_END, _SAMPLE, _REPLACE, _READY, _MIGRATED = 0, 1, 2, 3, 4
-ProgressFn = Callable[[float, int, int], None]
 Replanner = Callable[[Sequence[Request], float, float], tuple[PlacementPlan, float]]
 """``replanner(history, window_s, now) -> (plan, estimated SLO attainment)``:
 a new plan from the requests that arrived in the last ``window_s`` seconds."""
@@ -258,7 +256,6 @@ class MultiSimulator:
         self.stats = dict(stats) if stats is not None else computed
         GROUP_BATCHING.get(config.scheduler)  # a clear error for unknown names
         self.progress = progress
-        self.events = EventQueue()
         self.records = [
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.requests
@@ -293,9 +290,22 @@ class MultiSimulator:
         self._job_end: dict[tuple[int, int], float] = {}
         self._in_transit: dict[int, GSeq] = {}
         self.recomputed_after_move = 0
-        self.n_events = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
+        self._out: list[Event] = []  # events caused by the handler running now
+        self.kernel = Kernel(
+            self.requests,
+            {
+                ITER_END: self._ev_job_end,
+                REPLACE: self._ev_replace,
+                GROUP_READY: self._ev_ready,
+                KV_ARRIVED: self._ev_migrated,
+                SAMPLE: self._ev_sample,
+            },
+            max_time_s=config.max_time_s,
+            check=config.check_integrity,
+            progress=progress,
+        )
         self._frag: list[float] = []
         self._stranded: list[float] = []
         self._entries: list[int] = []
@@ -351,67 +361,65 @@ class MultiSimulator:
     def run(self) -> RunResult:
         """Run to completion (or ``max_time_s``) and return the results."""
         wall0 = time.perf_counter()
-        reqs = self.requests
-        n = len(reqs)
-        ev = self.events
-        heap = ev.heap
-        max_t = self.cfg.max_time_s if self.cfg.max_time_s is not None else math.inf
-        ai = 0
-        end_s = 0.0
-        ev.push(0.0, P_SAMPLE, _SAMPLE, None)
-        self._last_arrival = reqs[-1].arrival_s if reqs else 0.0
+        k = self.kernel
+        k.push(self._caused())  # anything set up before the run
+        k.push([(0.0, SAMPLE, None)])
+        self._last_arrival = self.requests[-1].arrival_s if self.requests else 0.0
         if self._interval is not None and self._interval.interval_s < self._last_arrival:
-            ev.push(self._interval.interval_s, P_SAMPLE, _REPLACE, None)
-        while True:
-            ta = reqs[ai].arrival_s if ai < n else math.inf
-            if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
-                if heap[0][0] > max_t:
-                    break
-                t, _p, _s, kind, payload = ev.pop()
-                if kind == _JOB_END:
-                    g, token = payload
-                    self._on_job_end(g, token, t)
-                elif kind == _REPLACE:
-                    self._on_replace(t, ai)
-                elif kind == _READY:
-                    self._on_ready(payload, t)
-                elif kind == _MIGRATED:
-                    dst, moved = payload
-                    self._on_migrated(dst, moved, t)
-                else:
-                    self._sample(t)
-                    if self._poke(t) or ai < n or any(g.jobs for g in self.groups):
-                        ev.push(t + self.cfg.sample_interval_s, P_SAMPLE, _SAMPLE, None)
-                    # else: nothing runs, nothing arrives and nothing could start:
-                    # requests still queued stay unfinished (counted as such)
-            elif ai < n:
-                if ta > max_t:
-                    break
-                t = ta
-                self._on_arrival(reqs[ai], t)
-                ai += 1
-            else:
-                break
-            end_s = t
-            self.n_events += 1
-            if self.cfg.check_integrity:
-                self.check_integrity(ai)
-            if self.progress is not None and self.n_events % 4096 == 0:
-                self.progress(t, self.n_events, self.n_done)
-        if self.cfg.max_time_s is not None and (heap or ai < n):
-            end_s = max(end_s, self.cfg.max_time_s)
+            k.push([(self._interval.interval_s, REPLACE, None)])
+        end_s = k.run(self)
         self._sample(end_s)
         if self.progress is not None:
-            self.progress(end_s, self.n_events, self.n_done)
+            self.progress(end_s, k.n_events, self.n_done)
         return self._result(end_s, time.perf_counter() - wall0)
+
+    @property
+    def n_events(self) -> int:
+        """Events handled so far."""
+        return self.kernel.n_events
+
+    # ---------------------------------------------------------------- events
+    # Handlers collect the events they cause in ``_out`` (helpers deep in a
+    # handler add to it) and return them to the kernel.
+    def _caused(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _ev_job_end(self, payload: tuple[SharingGroup, int], now: float) -> list[Event]:
+        g, token = payload
+        self._on_job_end(g, token, now)
+        return self._caused()
+
+    def _ev_replace(self, payload: None, now: float) -> list[Event]:
+        self._on_replace(now, self.kernel.arrived)
+        return self._caused()
+
+    def _ev_ready(self, payload: SharingGroup, now: float) -> list[Event]:
+        self._on_ready(payload, now)
+        return self._caused()
+
+    def _ev_migrated(self, payload: tuple[SharingGroup, GSeq], now: float) -> list[Event]:
+        dst, moved = payload
+        self._on_migrated(dst, moved, now)
+        return self._caused()
+
+    def _ev_sample(self, payload: None, now: float) -> list[Event]:
+        self._sample(now)
+        if self._poke(now) or self.kernel.arrivals_left or any(g.jobs for g in self.groups):
+            self._out.append((now + self.cfg.sample_interval_s, SAMPLE, None))
+        # else: nothing runs, nothing arrives and nothing could start: requests
+        # still queued stay unfinished (counted as such)
+        return self._caused()
 
     def _push(self, g: SharingGroup, started: list[tuple[float, int]]) -> None:
         for end, token in started:
             self._job_end[(g.id, token)] = end
-            self.events.push(end, P_ITER_END, _JOB_END, (g, token))
+            self._out.append((end, ITER_END, (g, token)))
 
-    def _on_arrival(self, req: Request, now: float) -> None:
+    def on_arrival(self, req: Request, now: float) -> list[Event]:
+        """A request arrives: queued at a host of its service (or rejected)."""
         self._dispatch(GSeq(req, self.records[req.id]), now)
+        return self._caused()
 
     def _dispatch(self, seq: GSeq, now: float, *, head: bool = False) -> None:
         """Queue ``seq`` (no KV) at the host of its service with the fewest
@@ -495,7 +503,7 @@ class MultiSimulator:
         self.replacements.append(entry)
         self._last_replace = now
         if now + nxt < self._last_arrival:
-            self.events.push(now + nxt, P_SAMPLE, _REPLACE, None)
+            self._out.append((now + nxt, REPLACE, None))
 
     def _switch(
         self,
@@ -528,7 +536,7 @@ class MultiSimulator:
                 g.state = "loading"
                 self._ready_at[g.id] = free_at + t_load
                 self._host(g)
-                self.events.push(free_at + t_load, P_ITER_END, _READY, g)
+                self._out.append((free_at + t_load, GROUP_READY, g))
         self.plan = plan
         requeued = 0
         for g in retiring:
@@ -568,7 +576,7 @@ class MultiSimulator:
             self._in_transit[seq.id] = seq
             seq.record.migrations += 1
             self.migrations.append(MigrationRecord(now, seq.id, g.id, dst.id, "kv", int(nbytes)))
-            self.events.push(arrive, P_ITER_END, _MIGRATED, (dst, seq))
+            self._out.append((arrive, KV_ARRIVED, (dst, seq)))
 
     def _on_ready(self, g: SharingGroup, now: float) -> None:
         if g.state != "loading":

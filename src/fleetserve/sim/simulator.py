@@ -1,11 +1,10 @@
 """Discrete-event simulation of a GPU fleet serving LLM requests.
 
-One :class:`Simulator` is one run: its own clock, event queue, RNG, instance
-ids and records, so two simulations in one process never interfere.
-Arrivals are merged from the (sorted) workload instead of being pushed on the
-heap; their place in the event order (after iteration ends and migration
-transfers, before migration epochs and samples at equal times) is set by the
-priorities in :mod:`fleetserve.sim.events`.
+One :class:`Simulator` is one run: its own clock, kernel
+(:mod:`fleetserve.sim.kernel`, the event loop), RNG, instance ids and
+records, so two simulations in one process never interfere. Its handlers
+return the events they cause; the event order is set by the priorities in
+:mod:`fleetserve.sim.events`.
 
 What the simulator does, and what the policies decide::
 
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,19 +59,9 @@ from fleetserve.policy import (
 )
 from fleetserve.policy.base import BatchingPolicy
 from fleetserve.policy.mechanism import MODES
-from fleetserve.sim.events import (
-    EPOCH,
-    ITER_END,
-    P_ARRIVAL,
-    P_EPOCH,
-    P_ITER_END,
-    P_SAMPLE,
-    SAMPLE,
-    TRANSFER,
-    Event,
-    EventQueue,
-)
+from fleetserve.sim.events import EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
+from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
 from fleetserve.spec import ModelSpec, get_gpu, get_model
@@ -80,9 +69,6 @@ from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload.request import Request, check_run_order
 
 logger = logging.getLogger(__name__)
-
-ProgressFn = Callable[[float, int, int], None]
-"""Called as ``progress(sim_time_s, events, requests_done)``."""
 
 
 def resolve_policies(config: SimConfig) -> dict[str, str]:
@@ -173,7 +159,6 @@ class Simulator:
         self.progress_every = progress_every
         self.clock = SimClock()
         self.rng = np.random.default_rng(config.seed)
-        self.events = EventQueue()
         self.cost_model = cost or CostModel()
 
         cl = config.cluster
@@ -228,9 +213,22 @@ class Simulator:
         self.mig.on_abort = self.migration.on_move_aborted
         self._compute_tokens: dict[str, int] = {}
         self._epoch = 0
-        self.n_events = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
+        self.kernel = Kernel(
+            self.requests,
+            {
+                ITER_END: self._ev_iter_end,
+                TRANSFER: self._ev_transfer,
+                EPOCH: self._ev_epoch,
+                SAMPLE: self._ev_sample,
+            },
+            max_time_s=config.max_time_s,
+            check=config.check_integrity,
+            progress=progress,
+            progress_every=progress_every,
+            clock=self.clock,
+        )
         if not cl.elastic:
             self._place_fixed(cl.gpus or 0)
 
@@ -277,66 +275,42 @@ class Simulator:
     def run(self) -> RunResult:
         """Run to completion (or ``max_time_s``) and return the results."""
         wall0 = time.perf_counter()
-        reqs = self.requests
-        n = len(reqs)
-        ev = self.events
-        heap = ev.heap  # peeked at only
-        clock = self.clock
-        max_t = self.cfg.max_time_s if self.cfg.max_time_s is not None else float("inf")
-        check = self.cfg.check_integrity
-        progress, every = self.progress, self.progress_every
-        ai = 0
-        ev.push(0.0, P_SAMPLE, SAMPLE, None)
+        k = self.kernel
+        k.push([(0.0, SAMPLE, None)])
         if self.migration.interval_s is not None:
-            ev.push(0.0, P_EPOCH, EPOCH, None)
-        inf = float("inf")
-        end_s = 0.0
-        while True:
-            ta = reqs[ai].arrival_s if ai < n else inf
-            if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
-                t = heap[0][0]
-                if t > max_t:
-                    break
-                t, _prio, _seq, kind, payload = ev.pop()
-                clock.now = t
-                if kind == ITER_END:
-                    inst, version = payload
-                    if inst.version != version or inst.id not in self.instances:
-                        continue  # superseded by a truncation
-                    caused = self._on_iteration_end(inst, t)
-                elif kind == TRANSFER:
-                    caused = self.mig.on_event(payload, t)
-                    caused += self._settle(t)
-                elif kind == EPOCH:
-                    caused = self._on_epoch(t, ai < n)
-                else:
-                    caused = self._on_sample(t, ai < n)
-            elif ai < n:
-                if ta > max_t:
-                    break
-                clock.now = t = ta
-                caused = self._on_arrival(reqs[ai], t)
-                ai += 1
-            else:
-                break
-            for e in caused:
-                ev.push(*e)
-            end_s = t
-            self.n_events += 1
-            if check:
-                self.check_integrity(ai)
-            if progress is not None and self.n_events % every == 0:
-                progress(t, self.n_events, self.n_done)
-        if self.cfg.max_time_s is not None and (heap or ai < n):
-            end_s = max(end_s, self.cfg.max_time_s)
-        clock.now = end_s
+            k.push([(0.0, EPOCH, None)])
+        end_s = k.run(self)
         self._sample(end_s)
-        if progress is not None:
-            progress(end_s, self.n_events, self.n_done)
+        if self.progress is not None:
+            self.progress(end_s, k.n_events, self.n_done)
         return self._result(end_s, time.perf_counter() - wall0)
 
+    @property
+    def n_events(self) -> int:
+        """Events handled so far."""
+        return self.kernel.n_events
+
+    # ---------------------------------------------------------------- events
+    def _ev_iter_end(self, payload: tuple[Instance, int], now: float) -> list[Event] | None:
+        inst, version = payload
+        if inst.version != version or inst.id not in self.instances:
+            return None  # superseded by a truncation
+        return self._on_iteration_end(inst, now)
+
+    def _ev_transfer(self, payload: Any, now: float) -> list[Event]:
+        caused = self.mig.on_event(payload, now)
+        caused += self._settle(now)
+        return caused
+
+    def _ev_epoch(self, payload: None, now: float) -> list[Event]:
+        return self._on_epoch(now, self.kernel.arrivals_left)
+
+    def _ev_sample(self, payload: None, now: float) -> list[Event]:
+        return self._on_sample(now, self.kernel.arrivals_left)
+
     # ------------------------------------------------------------- handlers
-    def _on_arrival(self, req: Request, now: float) -> list[Event]:
+    def on_arrival(self, req: Request, now: float) -> list[Event]:
+        """A request arrives: feasibility check, then the dispatch policy."""
         rec = self.records[req.id]
         need = blocks_for(req.max_kv_tokens, self.cfg.cluster.block_size)
         if need > self.max_req_blocks[req.model]:
@@ -378,7 +352,7 @@ class Simulator:
             raise RuntimeError(f"dispatched a {seq.model} request to a {inst.model} instance")
         seq.record.instance = inst.id
         end = inst.enqueue(seq, now)
-        return [] if end is None else [(end, P_ITER_END, ITER_END, (inst, inst.version))]
+        return [] if end is None else [(end, ITER_END, (inst, inst.version))]
 
     def _reject(self, rec: RequestRecord, reason: str) -> None:
         rec.status = "rejected"
@@ -405,7 +379,7 @@ class Simulator:
         end = inst.schedule(now)
         caused = self.mig.after_schedule(inst, now) if inst.preempted_migrating else []
         if end is not None:
-            caused.append((end, P_ITER_END, ITER_END, (inst, inst.version)))
+            caused.append((end, ITER_END, (inst, inst.version)))
         elif inst.idle:
             for action in self.memory.on_idle(self.state, inst, now):
                 self._apply_release(action, now)
@@ -456,7 +430,7 @@ class Simulator:
         assert interval is not None
         if self._work_left(arrivals_left):
             self._epoch += 1
-            caused.append((self._epoch * interval, P_EPOCH, EPOCH, None))
+            caused.append((self._epoch * interval, EPOCH, None))
         return caused
 
     def _apply_plan_action(self, action: Any, refs: dict[int, int], now: float) -> list[Event]:
@@ -554,7 +528,7 @@ class Simulator:
     def _on_sample(self, now: float, arrivals_left: bool) -> list[Event]:
         self._sample(now)
         if self._work_left(arrivals_left):
-            return [(now + self.cfg.sample_interval_s, P_SAMPLE, SAMPLE, None)]
+            return [(now + self.cfg.sample_interval_s, SAMPLE, None)]
         return []
 
     def _sample(self, now: float) -> None:

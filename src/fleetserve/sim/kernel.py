@@ -1,0 +1,188 @@
+"""The simulation kernel: the one event loop of every simulator.
+
+A simulator (a *model* of a cluster) gives the kernel its handlers, one per
+event kind it uses (:mod:`fleetserve.sim.events` declares every kind and its
+priority), and an arrival handler. The kernel owns the heap of
+``(time, priority, seq, kind, payload)``, merges the sorted arrivals into it,
+stops at the horizon, runs the integrity checks after every event when asked
+to, and reports progress. It is the only place events are popped::
+
+    arrivals (sorted)      heap of caused events
+          |                      |
+          +------ earliest ------+      ties: priority, then seq
+                     |
+               handler(payload, now) -> caused events (or None: stale)
+                     |
+          push caused, count, check, progress
+
+Handlers return the events they cause as ``(time, kind, payload)``; a handler
+that finds its event superseded (an iteration end after a truncation, a
+transfer of an older channel version) returns ``None``, and the event is not
+counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from fleetserve.sim.events import P_ARRIVAL, PRIORITY, Event
+from fleetserve.workload.request import Request
+
+Handler = Callable[[Any, float], "list[Event] | None"]
+"""``handler(payload, now)``: the events it causes, or None for a stale event."""
+ProgressFn = Callable[[float, int, int], None]
+"""``progress(now, events, requests_done)``."""
+
+
+class Clock(Protocol):
+    """The simulation's current time, set by the kernel before each event."""
+
+    now: float
+
+
+class SimModel(Protocol):
+    """What a simulator gives the kernel."""
+
+    n_done: int
+    """Requests in a terminal state (for progress)."""
+
+    def on_arrival(self, req: Request, now: float) -> list[Event]:
+        """A request arrives; the events it causes."""
+        ...
+
+    def check_integrity(self, arrived: int) -> None:
+        """Raise AssertionError when the model's state is inconsistent."""
+        ...
+
+
+class Kernel:
+    """The heap, the horizon, and the loop.
+
+    Args:
+        requests: the workload, sorted by arrival time.
+        handlers: one handler per event kind the model uses.
+        max_time_s: the horizon (None: run until nothing is left).
+        check: run the model's integrity checks after every event.
+        progress: called every ``progress_every`` events, and once at the end.
+        progress_every: events between progress calls.
+        clock: set to each event's time before its handler runs.
+
+    Attributes:
+        arrived: requests that have arrived so far.
+        n_events: events handled (stale ones not counted).
+    """
+
+    __slots__ = (
+        "_handlers",
+        "_heap",
+        "_seq",
+        "arrived",
+        "check",
+        "clock",
+        "max_time_s",
+        "n_events",
+        "progress",
+        "progress_every",
+        "requests",
+    )
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        handlers: dict[int, Handler],
+        *,
+        max_time_s: float | None = None,
+        check: bool = False,
+        progress: ProgressFn | None = None,
+        progress_every: int = 4096,
+        clock: Clock | None = None,
+    ) -> None:
+        self.requests = requests
+        self._handlers: list[Handler | None] = [None] * len(PRIORITY)
+        for kind, h in handlers.items():
+            self._handlers[kind] = h
+        self.max_time_s = max_time_s
+        self.check = check
+        self.progress = progress
+        self.progress_every = progress_every
+        self.clock = clock
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._seq = 0
+        self.arrived = 0
+        self.n_events = 0
+
+    @property
+    def arrivals_left(self) -> bool:
+        """Whether some request has yet to arrive."""
+        return self.arrived < len(self.requests)
+
+    @property
+    def pending(self) -> int:
+        """Events in the heap."""
+        return len(self._heap)
+
+    def push(self, events: Sequence[Event]) -> None:
+        """Add events (in order: they get increasing sequence numbers)."""
+        heap, seq = self._heap, self._seq
+        for t, kind, payload in events:
+            seq += 1
+            heapq.heappush(heap, (t, PRIORITY[kind], seq, kind, payload))
+        self._seq = seq
+
+    def run(self, model: SimModel) -> float:
+        """Run until nothing is left or the horizon; the simulated end time.
+
+        The end time is the last event's time, or the horizon when work was
+        left beyond it.
+        """
+        reqs = self.requests
+        n = len(reqs)
+        heap = self._heap
+        handlers = self._handlers
+        clock = self.clock
+        max_t = self.max_time_s if self.max_time_s is not None else float("inf")
+        check, progress, every = self.check, self.progress, self.progress_every
+        on_arrival = model.on_arrival
+        inf = float("inf")
+        end_s = 0.0
+        while True:
+            ai = self.arrived
+            ta = reqs[ai].arrival_s if ai < n else inf
+            if heap and (heap[0][0] < ta or (heap[0][0] == ta and heap[0][1] < P_ARRIVAL)):
+                t = heap[0][0]
+                if t > max_t:
+                    break
+                t, _prio, _seq, kind, payload = heapq.heappop(heap)
+                if clock is not None:
+                    clock.now = t
+                h = handlers[kind]
+                if h is None:
+                    raise RuntimeError(f"no handler for event kind {kind}")
+                caused = h(payload, t)
+                if caused is None:
+                    continue  # superseded
+            elif ai < n:
+                if ta > max_t:
+                    break
+                t = ta
+                if clock is not None:
+                    clock.now = t
+                caused = on_arrival(reqs[ai], t)
+                self.arrived = ai + 1
+            else:
+                break
+            if caused:
+                self.push(caused)
+            end_s = t
+            self.n_events += 1
+            if check:
+                model.check_integrity(self.arrived)
+            if progress is not None and self.n_events % every == 0:
+                progress(t, self.n_events, model.n_done)
+        if self.max_time_s is not None and (heap or self.arrived < n):
+            end_s = max(end_s, self.max_time_s)
+        if clock is not None:
+            clock.now = end_s
+        return end_s
