@@ -17,9 +17,9 @@ from fleetserve.cli.fidelity import ServerProcess, merge_profiles
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.experiments.fidelity import (
-    _PlacedSimulator,
     emulated_sim_config,
     fit_overhead,
+    placed_simulator,
     simulate_emulated,
 )
 from fleetserve.experiments.fidelity_overhead import (
@@ -122,7 +122,7 @@ def test_delivery_lag_counts_the_instances_iterations(tmp_path: Path) -> None:
     timelines: dict[int, Timeline] = {}
     reqs = [Request(0, A, 0.5, 40, 12)]
     config = replace(em.config, macro_steps=False)
-    _PlacedSimulator(config, reqs, placement=em.placement, timelines=timelines, cost=em.cost).run()
+    placed_simulator(config, reqs, placement=em.placement, timelines=timelines, cost=em.cost).run()
     (tl,) = timelines.values()
     assert len(tl.ends) == 12 and tl.busy_after == [True] * 11 + [False]
     # the first token waits for the next 3 iterations; the last one comes as the
@@ -137,7 +137,7 @@ def test_delivery_lag_counts_the_instances_iterations(tmp_path: Path) -> None:
 def test_timelines_need_single_iterations(tmp_path: Path) -> None:
     em = emulated_sim_config(_config(tmp_path), _profile(tmp_path))
     with pytest.raises(ValueError, match="macro_steps"):
-        _PlacedSimulator(em.config, [], placement=em.placement, timelines={})
+        placed_simulator(em.config, [], placement=em.placement, timelines={})
 
 
 def test_iteration_overhead_needs_a_calibration(tmp_path: Path) -> None:

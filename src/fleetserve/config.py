@@ -149,15 +149,23 @@ class EngineConfig:
         watermark: fraction of KV blocks kept free when admitting prefills.
         chunked_prefill: split prompts into chunks that run together with
             decodes (mixed iterations of at most ``max_batched_tokens`` tokens).
+        max_model_len: the context window served (vLLM's ``max_model_len``): a
+            request whose prompt plus output exceeds it is rejected with a
+            reason. None: the model's own ``max_context``. A larger value
+            stands for a long-context variant of the same weights (RoPE
+            scaling), as the papers' long-request workloads assume.
     """
 
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     watermark: float = 0.01
     chunked_prefill: bool = False
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_batched_tokens")
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"engine.watermark must be in [0, 1), got {self.watermark}")
 

@@ -133,7 +133,6 @@ from fleetserve.experiments.report_common import md_table
 from fleetserve.metrics.records import RunResult
 from fleetserve.runtime.plan import plan_workers
 from fleetserve.sim.build import Workload, build_workload
-from fleetserve.sim.events import Event
 from fleetserve.sim.instance import IDLE, Instance
 from fleetserve.sim.simulator import ProgressFn, Simulator, preflight
 from fleetserve.spec import GpuSpec, emulated_gpu, get_model
@@ -416,12 +415,19 @@ def _fit_errors(
 # ------------------------------------------------------------------------ simulate
 
 
-class _PlacedSimulator(Simulator):
+def placed_simulator(
+    config: SimConfig,
+    requests: Sequence[Request],
+    *,
+    placement: Sequence[str],
+    timelines: dict[int, Timeline] | None = None,
+    **kwargs: Any,
+) -> Simulator:
     """The simulator with the fixed pool placed as the runtime places it.
 
     :class:`Simulator` places a fixed pool by the trace's request rates; the
-    runtime's controller by ``workload.model_weights``. This subclass starts
-    the given instances instead (models without requests are left out: the
+    runtime's controller by ``workload.model_weights``. This one starts the
+    given instances instead (models without requests are left out: the
     simulator knows only the models its requests name).
 
     With ``timelines`` (a dict it fills) it also records every instance's
@@ -429,33 +435,17 @@ class _PlacedSimulator(Simulator):
     for the delivery lag of the overhead model; the config must then run
     without macro steps, so that every iteration is an event.
     """
-
-    def __init__(
-        self,
-        config: SimConfig,
-        requests: Sequence[Request],
-        *,
-        placement: Sequence[str],
-        timelines: dict[int, Timeline] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self._runtime_placement = tuple(placement)
-        if timelines is not None and config.macro_steps:
+    observe = None
+    if timelines is not None:
+        if config.macro_steps:
             raise ValueError("iteration timelines need macro_steps off")
-        self._timelines = timelines
-        super().__init__(config, requests, **kwargs)
+        tls = timelines
 
-    def _place_fixed(self, n_gpus: int) -> None:
-        for m in self._runtime_placement:
-            if m in self.specs:
-                self._start_instance(m, 0.0)
-
-    def _on_iteration_end(self, inst: Instance, now: float) -> list[Event]:
-        caused = super()._on_iteration_end(inst, now)
-        if self._timelines is not None:
-            tl = self._timelines.setdefault(inst.id, Timeline([], []))
+        def observe(inst: Instance, now: float) -> None:
+            tl = tls.setdefault(inst.id, Timeline([], []))
             tl.add(now, inst.phase != IDLE)
-        return caused
+
+    return Simulator(config, requests, placement=placement, on_iteration_end=observe, **kwargs)
 
 
 def _run_emulated(
@@ -475,7 +465,7 @@ def _run_emulated(
     ``delivery_iters`` iterations after they are produced. Off (or None):
     exactly the engine-only simulation."""
     if overhead is None or overhead.off:
-        sim = _PlacedSimulator(
+        sim = placed_simulator(
             em.config,
             requests,
             placement=em.placement,
@@ -490,7 +480,7 @@ def _run_emulated(
         config = replace(config, macro_steps=False)
         timelines = {}
     shifted = [replace(r, arrival_s=r.arrival_s + overhead.request_s) for r in requests]
-    sim = _PlacedSimulator(
+    sim = placed_simulator(
         config,
         shifted,
         placement=em.placement,
@@ -745,7 +735,7 @@ def fit_overhead(
         raise ConfigError("fit_overhead: empty iteration or lag grid")
     for it in sorted(its | {0.0}):  # 0 and 0: the engine-only errors
         timelines: dict[int, Timeline] = {}
-        sim = _PlacedSimulator(
+        sim = placed_simulator(
             config,
             reqs,
             placement=em.placement,

@@ -31,6 +31,7 @@ from fleetserve.errors import FleetserveError, UnknownNameError
 from fleetserve.experiments.data import find_data_dir
 from fleetserve.experiments.runner import RunSpec
 from fleetserve.sim.simulator import preflight
+from fleetserve.spec import get_model
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,9 @@ def run_config(
         "workload": workload,
         "cluster": {"gpu": hw.gpu, "elastic": True},
         "policy": {"stack": st.stack},
+        # Mell's x10 lengths stand for long-context models: the served context
+        # window is scaled with them (otherwise most requests exceed it)
+        "engine": {"max_model_len": int(LENGTH_SCALE * get_model(hw.model).max_context)},
     }
     return _merge(base, st.overrides)
 

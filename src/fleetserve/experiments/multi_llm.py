@@ -305,6 +305,16 @@ def select_stacks(exp: Experiment, names: Sequence[str] | None, mode: Mode) -> l
     return [s for s in exp.stacks if s.label in names]
 
 
+SERVED_CONTEXT = 131072
+"""The context window the multi-LLM runs serve (``engine.max_model_len``).
+
+SeaLLM runs LongBench inputs (mean 13,187 tokens) and both papers run ShareGPT
+conversations on LLaMA-2 (4,096) and OPT (2,048) models, so their evaluations
+assume long-context variants of these weights; the runs serve a 128k window
+(LLaMA-3.1's) so that the workload's lengths, not the models' native windows,
+decide. A longer request is still rejected, with a reason."""
+
+
 def run_config(exp: Experiment, value: float, st: StackSpec, mode: Mode) -> dict[str, Any]:
     """The plain config dict of one run (point ``value`` of the axis, stack ``st``)."""
     s = mode.sizes(exp)
@@ -327,6 +337,7 @@ def run_config(exp: Experiment, value: float, st: StackSpec, mode: Mode) -> dict
         "multi": multi,
         "cluster": {"gpu": exp.gpu, "elastic": False, "gpus": exp.gpus},
         "policy": {"stack": st.name},
+        "engine": {"max_model_len": SERVED_CONTEXT},
         "slo_scales": list(SLO_SCALES),
     }
 

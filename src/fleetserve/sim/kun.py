@@ -142,6 +142,7 @@ from fleetserve.policy.actions import (
 from fleetserve.policy.dispatch import WorstFit
 from fleetserve.policy.kunserve import ExecutorLoad, max_batch, rebalance, split_layers
 from fleetserve.policy.llumnix import Llumnix
+from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
@@ -406,6 +407,8 @@ class KunSimulator:
         sample_interval_s: time-series sampling period.
         check_integrity: check every invariant after every event (slow; tests).
         max_time_s: stop at this simulated time.
+        max_model_len: the context window served (None: the model's own
+            ``max_context``); longer requests are rejected.
         config: the resolved config to store with the results.
         notes: remarks to carry into the results.
         progress: ``progress(sim_time, events, done)`` every ``progress_every`` events.
@@ -434,6 +437,7 @@ class KunSimulator:
         sample_interval_s: float = 1.0,
         check_integrity: bool = False,
         max_time_s: float | None = None,
+        max_model_len: int | None = None,
         config: dict[str, Any] | None = None,
         notes: Sequence[str] = (),
         progress: ProgressFn | None = None,
@@ -513,6 +517,7 @@ class KunSimulator:
         self.sample_interval_s = sample_interval_s
         self.check = check_integrity
         self.max_time_s = max_time_s
+        self.max_model_len = max_model_len
         self.config = dict(config or {})
         self.notes = list(notes)
         self.progress = progress
@@ -774,6 +779,12 @@ class KunSimulator:
 
     def _on_arrival(self, req: Request, now: float) -> None:
         rec = self.records[req.id]
+        too_long = context_reason(req, self.model, self.max_model_len)
+        if too_long is not None:
+            rec.status = "rejected"
+            rec.reason = too_long
+            self.n_done += 1
+            return
         limit = int(self.replica_tokens * (1 - self.watermark))
         if req.max_kv_tokens > limit:
             rec.status = "rejected"
@@ -1662,6 +1673,9 @@ class KunSimulator:
         }
         cfg = dict(self.config)
         notes = list(self.notes)
+        note = context_note(self.records)
+        if note is not None:
+            notes.append(note)
         if self.aborted:
             notes.append(f"{self.aborted} planned migrations were aborted")
         return RunResult(

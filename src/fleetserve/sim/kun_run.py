@@ -68,6 +68,7 @@ def _simulator(
         sample_interval_s=cfg.sample_interval_s,
         check_integrity=cfg.check_integrity,
         max_time_s=cfg.max_time_s,
+        max_model_len=cfg.engine.max_model_len,
         config=cfg.to_dict(),
         notes=notes,
         progress=progress,

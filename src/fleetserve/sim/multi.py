@@ -62,6 +62,7 @@ from fleetserve.metrics.records import (
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
+from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import GROUP_READY, ITER_END, KV_ARRIVED, REPLACE, SAMPLE, Event
 from fleetserve.sim.group import GSeq, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
@@ -124,6 +125,8 @@ class MultiConfig:
         sample_interval_s: time-series sampling period.
         max_time_s: stop at this simulated time (None: run to completion).
         check_integrity: check every group after every event (tests).
+        max_model_len: the context window served (None: each model's own
+            ``max_context``); longer requests are rejected.
         macro_steps: advance lone decode batches several iterations at once
             (same results; see ``SharingGroup._macro_steps``).
     """
@@ -140,6 +143,7 @@ class MultiConfig:
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
     check_integrity: bool = False
+    max_model_len: int | None = None
     macro_steps: bool = True
 
     def __post_init__(self) -> None:
@@ -418,6 +422,13 @@ class MultiSimulator:
 
     def on_arrival(self, req: Request, now: float) -> list[Event]:
         """A request arrives: queued at a host of its service (or rejected)."""
+        too_long = context_reason(req, self.services[req.model].spec, self.cfg.max_model_len)
+        if too_long is not None:
+            rec = self.records[req.id]
+            rec.status = "rejected"
+            rec.reason = too_long
+            self.n_done += 1
+            return []
         self._dispatch(GSeq(req, self.records[req.id]), now)
         return self._caused()
 
@@ -701,6 +712,7 @@ class MultiSimulator:
             config=cfg,
             sim_wall_s=wall_s,
             sim_events=self.n_events,
+            notes=[n for n in (context_note(self.records),) if n is not None],
             extra=extra,
         )
 

@@ -74,6 +74,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         sample_interval_s=cfg.sample_interval_s,
         max_time_s=cfg.max_time_s,
         check_integrity=cfg.check_integrity,
+        max_model_len=en.max_model_len,
     )
 
 

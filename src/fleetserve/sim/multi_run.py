@@ -61,6 +61,7 @@ class MultiRunSettings:
         sample_interval_s: time-series sampling period.
         max_time_s: stop the run there (None: to completion).
         check_integrity: check every invariant after every event (tests).
+        max_model_len: the context window served (None: each model's own).
     """
 
     gpu: str = "a800-80gb"
@@ -76,6 +77,7 @@ class MultiRunSettings:
     sample_interval_s: float = 1.0
     max_time_s: float | None = None
     check_integrity: bool = False
+    max_model_len: int | None = None
 
     def multi_config(self, stack: MultiStack) -> MultiConfig:
         return MultiConfig(
@@ -90,6 +92,7 @@ class MultiRunSettings:
             sample_interval_s=self.sample_interval_s,
             max_time_s=self.max_time_s,
             check_integrity=self.check_integrity,
+            max_model_len=self.max_model_len,
         )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,7 @@ from fleetserve.policy import (
 )
 from fleetserve.policy.base import BatchingPolicy
 from fleetserve.policy.mechanism import MODES
+from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
@@ -135,6 +136,13 @@ class Simulator:
         notes: remarks to carry into the results (e.g. length caps).
         progress: optional callback, called every ``progress_every`` events.
         progress_every: events between progress callbacks.
+        placement: on a fixed pool, the instances to start (one model name
+            per instance, in order) instead of the placement policy's; names
+            no request uses are skipped (the runtime places by configured
+            weights, see :mod:`fleetserve.experiments.fidelity`).
+        on_iteration_end: called as ``on_iteration_end(instance, now)`` after
+            each iteration end is handled (an observer: it must not change
+            the simulation).
 
     Raises:
         ConfigError: when a model does not fit on the configured GPUs, or a
@@ -150,8 +158,12 @@ class Simulator:
         notes: Sequence[str] = (),
         progress: ProgressFn | None = None,
         progress_every: int = 4096,
+        placement: Sequence[str] | None = None,
+        on_iteration_end: Callable[[Instance, float], None] | None = None,
     ) -> None:
         self.cfg = config
+        self._placement = tuple(placement) if placement is not None else None
+        self._observe_iteration = on_iteration_end
         self.requests = list(requests)
         check_run_order(self.requests)
         self.notes = list(notes)
@@ -234,6 +246,11 @@ class Simulator:
 
     # ---------------------------------------------------------------- setup
     def _place_fixed(self, n_gpus: int) -> None:
+        if self._placement is not None:
+            for m in self._placement:
+                if m in self.specs:
+                    self._start_instance(m, 0.0)
+            return
         tp = self.cfg.cluster.tp
         if n_gpus < tp:
             raise ConfigError(f"a fixed pool of {n_gpus} GPUs cannot hold one tp={tp} instance")
@@ -312,6 +329,10 @@ class Simulator:
     def on_arrival(self, req: Request, now: float) -> list[Event]:
         """A request arrives: feasibility check, then the dispatch policy."""
         rec = self.records[req.id]
+        too_long = context_reason(req, self.specs[req.model], self.cfg.engine.max_model_len)
+        if too_long is not None:
+            self._reject(rec, too_long)
+            return []
         need = blocks_for(req.max_kv_tokens, self.cfg.cluster.block_size)
         if need > self.max_req_blocks[req.model]:
             bs = self.cfg.cluster.block_size
@@ -370,6 +391,8 @@ class Simulator:
         caused += self._schedule(inst, now)
         if self.mig.touched:
             caused += self._settle(now, inst)
+        if self._observe_iteration is not None:
+            self._observe_iteration(inst, now)
         return caused
 
     def _schedule(self, inst: Instance, now: float) -> list[Event]:
@@ -568,6 +591,9 @@ class Simulator:
         cfg["policy"] = {k: v for k, v in self.policy_names.items() if k != "mechanism"}
         cfg["migration"]["mechanism"] = self.policy_names["mechanism"]
         notes = list(self.notes)
+        note = context_note(self.records)
+        if note is not None:
+            notes.append(note)
         if self.mig.aborted:
             notes.append(f"{self.mig.aborted} planned migrations were aborted")
         return RunResult(
