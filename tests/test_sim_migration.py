@@ -33,7 +33,8 @@ from fleetserve.policy import (
 )
 from fleetserve.policy.actions import DispatchAction
 from fleetserve.policy.base import DispatchPolicy, MigrationPolicy
-from fleetserve.sim.simulator import Simulator, resolve_policies
+from fleetserve.policy.catalog import resolve_policies
+from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
 

@@ -56,9 +56,9 @@ from fleetserve.policy import (
     Migrate,
     Reject,
     ReleaseGpu,
-    get_stack,
 )
 from fleetserve.policy.base import BatchingPolicy
+from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.events import (
     EPOCH,
@@ -85,49 +85,19 @@ ProgressFn = Callable[[float, int, int], None]
 """Called as ``progress(sim_time_s, events, requests_done)``."""
 
 
-def resolve_policies(config: SimConfig) -> dict[str, str]:
-    """The policy name of every family (stack choices, then per-family overrides),
-    each checked against its registry, plus the migration ``mechanism``
-    (``migration.mechanism``, else the stack's).
-
-    Raises:
-        UnknownNameError: an unknown stack, policy or mechanism name (with suggestions).
-    """
-    pol = config.policy
-    stack = get_stack(pol.stack)
-    names = {
-        "stack": stack.name,
-        "dispatch": pol.dispatch or stack.dispatch,
-        "batching": pol.batching or stack.batching,
-        "migration": pol.migration or stack.migration,
-        "placement": pol.placement or stack.placement,
-        "memory": pol.memory or stack.memory or ("elastic" if config.cluster.elastic else "static"),
-        "mechanism": config.migration.mechanism or stack.mechanism,
-    }
-    for fam, registry in (
-        ("dispatch", DISPATCH),
-        ("batching", BATCHING),
-        ("migration", MIGRATION),
-        ("placement", PLACEMENT),
-        ("memory", MEMORY),
-    ):
-        registry.get(names[fam])
-    MECHANISM.get(names["mechanism"])
-    return names
-
-
 def preflight(config: SimConfig) -> None:
     """Check names and that every configured model fits, before any work is done.
 
     Raises:
         FleetserveError: the first problem found, as one clear line.
     """
-    if config.is_multi:
+    world = check_world(config)
+    if world == MULTI:
         from fleetserve.sim.multi_build import multi_preflight
 
         multi_preflight(config)
         return
-    if config.is_kun:
+    if world == KUNSERVE:
         from fleetserve.sim.kun_run import kun_preflight
 
         kun_preflight(config)
