@@ -24,14 +24,15 @@ from fleetserve.costmodel.transfer import Link
 from fleetserve.errors import ConfigError, UnknownNameError
 from fleetserve.metrics.summary import summarize
 from fleetserve.policy.actions import DropLayers, Restore
+from fleetserve.policy.catalog import KUNSERVE, stack_for, stacks_in
 from fleetserve.policy.kunserve import (
     KunExecutorView,
     KunServePolicy,
     split_layers,
     stages_within,
 )
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun import KunSimulator
-from fleetserve.sim.kun_parts import KUN_STACKS, KunSettings, get_kun_stack
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
 
@@ -45,7 +46,7 @@ def _reqs(spec: list[tuple[float, int, int]]) -> list[Request]:
 
 
 def _sim(reqs: list[Request], stack: str, **kw: object) -> KunSimulator:
-    settings = kw.pop("settings", None) or get_kun_stack(stack).settings
+    settings = kw.pop("settings", None) or stack_for(stack, KUNSERVE).burst
     args: dict[str, object] = {
         "model": MODEL,
         "gpu": GPU,
@@ -79,7 +80,7 @@ def _terminal_once(sim: KunSimulator, n: int) -> None:
 # ---------------------------------------------------------------- invariants
 
 
-@pytest.mark.parametrize("stack", sorted(KUN_STACKS))
+@pytest.mark.parametrize("stack", sorted(stacks_in(KUNSERVE)))
 @settings(
     max_examples=15,
     deadline=None,
@@ -101,7 +102,7 @@ def _terminal_once(sim: KunSimulator, n: int) -> None:
 def test_every_stack_keeps_invariants_and_ends_each_request_once(
     instances: int, kv: int, reqs: list[tuple[float, int, int]], stack: str
 ) -> None:
-    settings = get_kun_stack(stack).settings
+    settings = stack_for(stack, KUNSERVE).burst
     if settings.static_stages > instances:
         settings = settings.with_overrides(static_stages=instances)
     workload = _reqs(reqs)
@@ -302,7 +303,7 @@ def test_clear_errors() -> None:
     with pytest.raises(ConfigError, match="exchange"):
         KunSettings(exchange="sometimes")
     with pytest.raises(UnknownNameError, match="kunserve-memgreedy"):
-        get_kun_stack("kunserve-memgreed")
+        stack_for("kunserve-memgreed", KUNSERVE)
     with pytest.raises(ConfigError, match="instances"):
         _sim(wl, "kunserve", instances=0)
 

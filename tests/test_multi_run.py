@@ -12,8 +12,8 @@ import pytest
 from fleetserve.cli.main import main
 from fleetserve.config import config_from_dict
 from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.policy.catalog import MULTI, stack_for, stacks_in
 from fleetserve.policy.groups import Service
-from fleetserve.policy.multi_stacks import MULTI_STACKS, get_multi_stack
 from fleetserve.sim.build import build_workload
 from fleetserve.sim.multi import ReplacementConfig
 from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack, services_from_window
@@ -40,7 +40,7 @@ SERVICES = {
 }
 
 
-@pytest.mark.parametrize("stack", sorted(MULTI_STACKS))
+@pytest.mark.parametrize("stack", sorted(stacks_in(MULTI)))
 def test_every_stack_places_runs_and_ends_every_request_once(stack: str) -> None:
     names = sorted(SERVICES)
     history = _requests(15.0, 1, names, 3.0)
@@ -56,7 +56,7 @@ def test_every_stack_places_runs_and_ends_every_request_once(stack: str) -> None
     assert all(r.status == "finished" for r in res.records)
     assert res.extra["stack"]["name"] == stack
     searches = res.extra["placement_search_s"]
-    if get_multi_stack(stack).replacement:
+    if stack_for(stack, MULTI).replacement:
         rep = res.extra["replacement"]
         assert rep["replacements"] >= 2  # at 10 s, then adapted (>= 5 s), before 30 s
         assert len(searches) == 1 + sum(1 for e in rep["events"] if e["history_requests"])

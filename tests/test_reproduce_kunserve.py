@@ -49,6 +49,7 @@ from fleetserve.experiments.kunserve_report import (
     share,
     slo_violations,
 )
+from fleetserve.policy.catalog import KUNSERVE, world_of
 from fleetserve.spec import get_model
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -127,7 +128,7 @@ def test_grid_has_one_valid_config_per_run(quick: bool, tmp_path: Path) -> None:
     for run, spec in zip(runs, specs, strict=True):
         cfg = config_from_dict(spec.config)
         kc = cfg.kunserve
-        assert cfg.is_kun and kc.generator == "bursty"
+        assert world_of(cfg) == KUNSERVE and kc.generator == "bursty"
         assert cfg.seed == 3 and cfg.cluster.gpus == 8 and cfg.cluster.tp == 1
         assert cfg.model == "qwen-2.5-14b" and cfg.cluster.gpu == "a800-80gb"
         assert kc.kv_tokens == kv[run.profile].kv_tokens

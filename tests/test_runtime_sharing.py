@@ -27,6 +27,7 @@ from fleetserve.cli.serve import load_serve_config, serve_config_dict
 from fleetserve.config import SimConfig, config_from_dict
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError, UnknownNameError
+from fleetserve.policy.catalog import resolve_policies
 from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import seallm_place
@@ -39,7 +40,6 @@ from fleetserve.runtime.plan import (
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig
 from fleetserve.sim.multi_build import build_multi
-from fleetserve.sim.simulator import resolve_policies
 from fleetserve.spec import emulated_gpu_name, get_gpu
 
 A, B = "tiny-llama-a", "tiny-llama-b"

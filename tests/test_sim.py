@@ -172,7 +172,7 @@ def test_invariants_hold_after_every_event(
 
 
 def test_request_larger_than_an_instance_is_rejected_with_reason() -> None:
-    big = Request(0, MODEL, 0.0, 1000, 2000)  # 3k tokens (within the context); the instance holds ~1.3k
+    big = Request(0, MODEL, 0.0, 1000, 2000)  # within the context; one instance holds ~1.3k
     ok = Request(1, MODEL, 0.5, 100, 10)
     res = run(cfg(**SMALL), [big, ok])
     assert res.records[0].status == "rejected"

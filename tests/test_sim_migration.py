@@ -33,7 +33,8 @@ from fleetserve.policy import (
 )
 from fleetserve.policy.actions import DispatchAction
 from fleetserve.policy.base import DispatchPolicy, MigrationPolicy
-from fleetserve.sim.simulator import Simulator, resolve_policies
+from fleetserve.policy.catalog import resolve_policies
+from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
 
@@ -187,7 +188,13 @@ class RandomMoves(MigrationPolicy):
 
 
 def cfg(**over: Any) -> SimConfig:
-    data: dict[str, Any] = {"model": MODEL, "check_integrity": True}
+    # long requests (20,000 tokens) exercise multi-stage copies: serve a long
+    # context window (LLaMA-2-7B's own, 4,096, would reject them)
+    data: dict[str, Any] = {
+        "model": MODEL,
+        "check_integrity": True,
+        "engine": {"max_model_len": 131072},
+    }
     for k, v in over.items():
         if isinstance(v, dict):
             data.setdefault(k, {}).update(v)

@@ -351,8 +351,9 @@ class KunConfigSection:
     A run uses the KunServe simulator (:mod:`fleetserve.sim.kun`) when its
     stack is one only that simulator has (``kunserve`` and its ablations,
     ``kv-drop``, ``kv-swap``, ``pipeline``) or when ``kunserve.generator`` is
-    set (then ``vllm`` and ``llumnix`` name that simulator's baselines too).
-    The pool is fixed: ``cluster.gpus`` GPUs, ``cluster.tp`` per instance.
+    set (then ``vllm`` and ``llumnix`` run in that simulator too): the
+    stack catalog decides (:func:`fleetserve.policy.catalog.world_of`). The
+    pool is fixed: ``cluster.gpus`` GPUs, ``cluster.tp`` per instance.
 
     Attributes:
         generator: ``bursty``: the KunServe experiment's workload
@@ -373,7 +374,7 @@ class KunConfigSection:
         exchange, live_restore, strategy, static_stages, horizon_s, window_s,
             monitor_interval_s, restore_threshold, restore_min_s,
             restore_from, max_batch_slowdown, swap_max_out: override the
-            stack's :class:`~fleetserve.sim.kun_parts.KunSettings` (None: keep).
+            stack's :class:`~fleetserve.policy.pressure.KunSettings` (None: keep).
     """
 
     generator: str | None = None
@@ -597,25 +598,11 @@ class SimConfig:
             )
         if self.is_multi and self.kunserve.generator is not None:
             raise ConfigError("kunserve.generator cannot be combined with a multi-LLM run")
-        if self.is_kun and self.cluster.gpus is None:
-            raise ConfigError(
-                f"stack {self.policy.stack!r} runs a fixed pool of replicas: set cluster.gpus "
-                "(or --gpus N)"
-            )
 
     @property
     def is_multi(self) -> bool:
         """Whether this is a multi-LLM run (the sharing-group simulator)."""
         return self.services is not None or self.multi.generator is not None
-
-    @property
-    def is_kun(self) -> bool:
-        """Whether this run uses the KunServe simulator (see :class:`KunConfigSection`)."""
-        if self.is_multi:
-            return False
-        from fleetserve.sim.kun_parts import KUN_ONLY_STACKS
-
-        return self.policy.stack in KUN_ONLY_STACKS or self.kunserve.generator is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``summary.json``)."""

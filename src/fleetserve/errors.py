@@ -52,13 +52,21 @@ class ConfigError(FleetserveError):
 
 
 class UnknownNameError(FleetserveError):
-    """An unknown catalog or registry name; the message suggests the closest known ones."""
+    """An unknown catalog or registry name; the message suggests the closest known ones.
 
-    def __init__(self, kind: str, name: str, known: Iterable[str]) -> None:
+    Args:
+        kind: what was looked up (``stack``, ``dispatch policy``, ...).
+        name: the name given.
+        known: the names that exist.
+        note: an extra remark ending the message (e.g. where the name does exist).
+    """
+
+    def __init__(self, kind: str, name: str, known: Iterable[str], note: str = "") -> None:
         known_list = sorted(known)
         close = difflib.get_close_matches(name.lower(), known_list, n=3, cutoff=0.4)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(known_list)}")
+        tail = f" ({note})" if note else ""
+        super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(known_list)}{tail}")
         self.kind = kind
         self.name = name
 

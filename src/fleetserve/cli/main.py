@@ -558,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stack",
         help="policy stack: vllm, bf, wf, ll, llumnix, mell; with services or "
         "multi.generator in the config (multi-LLM): vllm, alpaserve, muxserve, seallm, "
-        "seallm-fcfs, seallm-mlfq, seallm-noplace, seallm-norepl, muxserve-fcfs, muxserve-rr",
+        "seallm-fcfs, seallm-mlfq, seallm-noplace, seallm-norepl, muxserve-fcfs, muxserve-rr; "
+        "KunServe: kunserve, kv-drop, kv-swap, pipeline, ... (all: fleetserve stacks)",
     )
     _add_sim_flags(sim)
     sim.set_defaults(func=cmd_simulate)
@@ -647,12 +648,14 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.cli.bench import add_bench_serve_parser
     from fleetserve.cli.fidelity import add_fidelity_parser
     from fleetserve.cli.serve import add_serve_parser
+    from fleetserve.cli.stacks import add_stacks_parser
     from fleetserve.cli.tokenizer import add_tokenizer_parser
 
     add_serve_parser(sub)
     add_bench_serve_parser(sub)
     add_fidelity_parser(sub)
     add_tokenizer_parser(sub)
+    add_stacks_parser(sub)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)

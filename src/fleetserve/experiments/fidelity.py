@@ -131,6 +131,7 @@ from fleetserve.experiments.fidelity_overhead import (
 )
 from fleetserve.experiments.report_common import md_table
 from fleetserve.metrics.records import RunResult
+from fleetserve.policy.catalog import SINGLE, world_of
 from fleetserve.runtime.plan import plan_workers
 from fleetserve.sim.build import Workload, build_workload
 from fleetserve.sim.instance import IDLE, Instance
@@ -315,7 +316,7 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
             elastic pool serving several models.
         InputError: a bad profile, or one without rows for the served models.
     """
-    if cfg.is_multi or cfg.is_kun:
+    if world_of(cfg) != SINGLE:
         raise ConfigError(
             "the fidelity simulation covers the runtime's fixed or elastic pool of "
             "instances; multi-LLM (services, multi.generator) and KunServe configs are not "

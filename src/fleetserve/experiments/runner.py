@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from fleetserve.config import SimConfig, config_from_dict
 from fleetserve.errors import FleetserveError
 from fleetserve.metrics.records import RunResult
+from fleetserve.policy.catalog import KUNSERVE, MULTI, world_of
 from fleetserve.sim.build import Workload, build_workload
 from fleetserve.sim.simulator import ProgressFn, Simulator
 
@@ -111,7 +112,8 @@ def simulate_and_write(
     """
     from fleetserve.metrics import summarize, write_run
 
-    if cfg.is_multi:
+    world = world_of(cfg)
+    if world == MULTI:
         from fleetserve.sim.multi_build import multi_settings
         from fleetserve.sim.multi_run import run_multi_stack
 
@@ -126,7 +128,7 @@ def simulate_and_write(
         )
         result.notes.extend(wl.notes)
         result.config["run"] = cfg.to_dict()
-    elif cfg.is_kun:
+    elif world == KUNSERVE:
         from fleetserve.sim.kun_run import run_kun
 
         result = run_kun(cfg, wl.requests, wl.notes, progress, PROGRESS_EVERY)

@@ -26,9 +26,10 @@ from fleetserve.policy.base import (
     MigrationPolicy,
     PlacementPolicy,
 )
+from fleetserve.policy.catalog import STACKS, Stack, get_stack, resolve_policies
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, MigrationMechanism, PendingMove
 from fleetserve.policy.mell import scheduler as mell_scheduler
-from fleetserve.policy.stacks import STACKS, Stack, get_stack
+from fleetserve.policy.pressure import KunSettings
 
 __all__ = [
     "BATCHING",
@@ -45,6 +46,7 @@ __all__ = [
     "Defer",
     "Dispatch",
     "DispatchPolicy",
+    "KunSettings",
     "MechanismContext",
     "MemoryPolicy",
     "Migrate",
@@ -64,4 +66,5 @@ __all__ = [
     "memory",
     "migration",
     "placement",
+    "resolve_policies",
 ]

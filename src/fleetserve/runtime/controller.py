@@ -62,6 +62,7 @@ from fleetserve.policy.actions import (
     ReleaseGpu,
 )
 from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION
+from fleetserve.policy.catalog import resolve_policies
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
 from fleetserve.runtime.engine.migration import RequestState
 from fleetserve.runtime.engine.sampling import SamplingParams
@@ -70,7 +71,6 @@ from fleetserve.runtime.metrics import RuntimeMetrics
 from fleetserve.runtime.plan import runtime_policy_names
 from fleetserve.runtime.views import LiveInstance, Pending
 from fleetserve.runtime.worker import Report, WorkerSnap, WorkerSpec
-from fleetserve.sim.simulator import resolve_policies
 from fleetserve.workload.request import Request
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@ r"""KunServe at runtime: the controller's side of buddy groups.
 
 The decisions are :class:`~fleetserve.policy.kunserve.KunServePolicy`'s, the
 same object the KunServe simulator asks (built from the stack's
-:class:`~fleetserve.sim.kun_parts.KunSettings` and the config's
+:class:`~fleetserve.policy.pressure.KunSettings` and the config's
 ``kunserve:`` overrides, with ``P`` and the KV bytes per token measured on
 the workers' engines). Every ``monitor_interval_s`` the controller shows it
 one :class:`KunExec` per executor — a replica worker, or a buddy group of
@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.actions import ActivateSpare, DropLayers, Restore
+from fleetserve.policy.catalog import KUNSERVE, check_world, kun_only, stack_for
 from fleetserve.policy.kunserve import KunServePolicy
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.runtime.buddy import StageRole
 from fleetserve.runtime.views import LiveInstance, Pending
 from fleetserve.runtime.worker import WorkerSnap
@@ -54,7 +56,6 @@ from fleetserve.runtime.worker import WorkerSnap
 if TYPE_CHECKING:
     from fleetserve.config import SimConfig
     from fleetserve.runtime.controller import Controller
-    from fleetserve.sim.kun_parts import KunSettings
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,13 @@ def kun_settings(config: SimConfig) -> KunSettings | None:
     Raises:
         ConfigError: a KunServe-comparison stack whose memory mechanism the
             runtime does not have (``kv-drop``, ``kv-swap``, static
-            ``pipeline``); use ``kunserve`` (or its ablations) or a main stack.
+            ``pipeline``; use ``kunserve`` (or its ablations) or a main
+            stack), or one without a fixed pool (``cluster.gpus``).
     """
-    from fleetserve.sim.kun_parts import KUN_ONLY_STACKS, get_kun_stack
-
-    if config.policy.stack not in KUN_ONLY_STACKS:
+    if not kun_only(config.policy.stack):
         return None
-    settings = get_kun_stack(config.policy.stack).settings.with_overrides(
+    check_world(config)
+    settings = stack_for(config.policy.stack, KUNSERVE).burst.with_overrides(
         **config.kunserve.overrides()
     )
     if settings.pressure != "kunserve" or settings.static_stages != 1:

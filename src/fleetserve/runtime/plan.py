@@ -7,8 +7,8 @@ Two kinds of placement reach the runtime:
   ``ll``, ``llumnix``, ``mell``): the ``placement`` policy of the stack
   (``dedicated``) splits the workers over the served models.
 * **Sharing groups** (multi-LLM stacks: ``muxserve``, ``alpaserve``,
-  ``seallm`` and their ablations, see
-  :data:`~fleetserve.policy.multi_stacks.MULTI_STACKS`): the stack's group
+  ``seallm`` and their ablations: the multi-LLM stacks of
+  :data:`~fleetserve.policy.catalog.STACKS`): the stack's group
   placement (MuxServe's greedy, SeaLLM's search, or ``dedicated``) returns a
   :class:`~fleetserve.policy.groups.PlacementPlan` whose groups may put
   several models on one GPU; each such worker's engine holds all of them in
@@ -67,11 +67,16 @@ from dataclasses import dataclass, replace
 from fleetserve.config import PolicyConfig, ServiceConfig, SimConfig
 from fleetserve.errors import ConfigError
 from fleetserve.policy.base import PLACEMENT
+from fleetserve.policy.catalog import (
+    MULTI,
+    SINGLE,
+    STACKS,
+    Stack,
+    kun_only,
+    resolve_policies,
+    stack_for,
+)
 from fleetserve.policy.groups import PlacementPlan, Service
-from fleetserve.policy.multi_stacks import MULTI_STACKS, MultiStack, get_multi_stack
-from fleetserve.policy.stacks import STACKS
-from fleetserve.sim.kun_parts import KUN_ONLY_STACKS
-from fleetserve.sim.simulator import resolve_policies
 from fleetserve.spec.emulated import emulated_gpu
 from fleetserve.spec.types import GpuSpec
 
@@ -91,7 +96,7 @@ RUNTIME_SHARING_BASE_STACK = "ll"
 controller runs under a multi-LLM stack (see the module docstring)."""
 
 
-def sharing_stack(config: SimConfig) -> MultiStack | None:
+def sharing_stack(config: SimConfig) -> Stack | None:
     """The multi-LLM stack the runtime places sharing groups for, or None.
 
     A config is a sharing config when it is a multi-LLM config
@@ -106,9 +111,10 @@ def sharing_stack(config: SimConfig) -> MultiStack | None:
             multi-LLM stack.
     """
     name = config.policy.stack
-    if not config.is_multi and (name in STACKS or name not in MULTI_STACKS):
+    known = STACKS.get(name)
+    if not config.is_multi and (known is None or known.runs_in(SINGLE) or not known.runs_in(MULTI)):
         return None
-    stack = get_multi_stack(name)
+    stack = stack_for(name, MULTI)
     if config.multi.generator is not None:
         raise ConfigError(
             f"multi.generator {config.multi.generator!r} makes services of catalog models "
@@ -146,14 +152,14 @@ def runtime_policy_config(config: SimConfig) -> SimConfig:
 
 def runtime_policy_names(config: SimConfig) -> dict[str, str]:
     """The policy of every family the runtime runs (``/v1/cluster``):
-    :func:`~fleetserve.sim.simulator.resolve_policies` of
+    :func:`~fleetserve.policy.catalog.resolve_policies` of
     :func:`runtime_policy_config`, with ``stack`` and ``placement`` the
     multi-LLM stack's own for a sharing config. A KunServe stack: the
     ``vllm`` stack's families (per-family overrides kept), ``stack`` its
     own name and ``pressure: kunserve`` (its memory decisions come from
     :class:`~fleetserve.policy.kunserve.KunServePolicy`, see
     :mod:`fleetserve.runtime.kun_control`)."""
-    if config.policy.stack in KUN_ONLY_STACKS:
+    if kun_only(config.policy.stack):
         base = replace(config, policy=replace(config.policy, stack="vllm"))
         return {**resolve_policies(base), "stack": config.policy.stack, "pressure": "kunserve"}
     names = resolve_policies(runtime_policy_config(config))
@@ -178,7 +184,7 @@ class SharingPlacement:
             (GPUs the plan leaves unused are left out).
     """
 
-    stack: MultiStack
+    stack: Stack
     plan: PlacementPlan
     services: Mapping[str, Service]
     gpu: GpuSpec
@@ -296,7 +302,7 @@ def plan_workers(
             :func:`sharing_placement`).
     """
     n = config.serve.workers
-    if config.policy.stack in KUN_ONLY_STACKS:
+    if kun_only(config.policy.stack):
         # KunServe: replicas of one model on every worker (buddy groups form at runtime)
         if len(models) != 1:
             raise ConfigError(

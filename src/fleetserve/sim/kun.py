@@ -1,9 +1,9 @@
 """Discrete-event simulation of a replicated model under memory throttling (KunServe §4).
 
 ``N`` instances of one model (each on ``tp`` GPUs) serve one request stream.
-How the deployment reacts when KV memory runs short is the *stack*
-(:data:`~fleetserve.sim.kun_parts.KUN_STACKS`): queue (vLLM), drop KV and
-recompute, swap KV to host, Llumnix live migration, a static pipeline, or
+How the deployment reacts when KV memory runs short is the *stack*'s
+``burst`` (:class:`~fleetserve.policy.pressure.KunSettings`): queue (vLLM),
+drop KV and recompute, swap KV to host, Llumnix live migration, a static pipeline, or
 KunServe's parameter-centric management. All of them share this engine, the
 cost model and the memory accounting, so they differ only in that reaction.
 
@@ -142,11 +142,12 @@ from fleetserve.policy.actions import (
 from fleetserve.policy.dispatch import WorstFit
 from fleetserve.policy.kunserve import ExecutorLoad, max_batch, rebalance, split_layers
 from fleetserve.policy.llumnix import Llumnix
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kun_parts import Channel, KSeq, KunSettings, Piece, Transfer
+from fleetserve.sim.kun_parts import Channel, KSeq, Piece, Transfer
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 

@@ -1,8 +1,8 @@
 """Running the KunServe simulator from a :class:`~fleetserve.config.SimConfig`.
 
 ``fleetserve simulate``/``compare`` call :func:`run_kun` when the config is a
-KunServe run (:attr:`SimConfig.is_kun`): the stack's
-:class:`~fleetserve.sim.kun_parts.KunSettings` with the ``kunserve`` section's
+KunServe run (:func:`~fleetserve.policy.catalog.world_of`): the stack's
+:class:`~fleetserve.policy.pressure.KunSettings` with the ``kunserve`` section's
 overrides, ``cluster.gpus // cluster.tp`` instances of ``model``, and the
 workload of ``kunserve.generator`` or of ``workload`` (one model).
 """
@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError
+from fleetserve.policy.catalog import KUNSERVE, stack_for
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun import KunSimulator, ProgressFn
-from fleetserve.sim.kun_parts import KunSettings, get_kun_stack
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
 
@@ -27,7 +28,7 @@ __all__ = ["build_kun_requests", "kun_preflight", "kun_settings", "run_kun"]
 
 def kun_settings(cfg: SimConfig) -> KunSettings:
     """The stack's settings with the config's ``kunserve`` overrides (validated)."""
-    return get_kun_stack(cfg.policy.stack).settings.with_overrides(**cfg.kunserve.overrides())
+    return stack_for(cfg.policy.stack, KUNSERVE).burst.with_overrides(**cfg.kunserve.overrides())
 
 
 def _instances(cfg: SimConfig) -> int:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError
+from fleetserve.policy.catalog import MULTI, stack_for
 from fleetserve.policy.groups import Service
-from fleetserve.policy.multi_stacks import get_multi_stack
 from fleetserve.sim.multi import ReplacementConfig
 from fleetserve.sim.multi_run import MultiRunSettings, services_from_window
 from fleetserve.spec import get_gpu, get_model
@@ -85,7 +85,7 @@ def multi_preflight(cfg: SimConfig) -> None:
         FleetserveError: an unknown stack, GPU or model, or a model that does
             not fit a node of the pool's GPUs.
     """
-    get_multi_stack(cfg.policy.stack)
+    stack_for(cfg.policy.stack, MULTI)
     gpu = get_gpu(cfg.cluster.gpu)
     for s in cfg.services or ():
         spec = get_model(s.model)

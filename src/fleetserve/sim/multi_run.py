@@ -28,9 +28,9 @@ from typing import Any
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RunResult
+from fleetserve.policy.catalog import MULTI, Stack, stack_for
 from fleetserve.policy.group_placement import dedicated_place
 from fleetserve.policy.groups import PlacementPlan, Service
-from fleetserve.policy.multi_stacks import MultiStack, get_multi_stack
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
@@ -79,11 +79,12 @@ class MultiRunSettings:
     check_integrity: bool = False
     max_model_len: int | None = None
 
-    def multi_config(self, stack: MultiStack) -> MultiConfig:
+    def multi_config(self, stack: Stack) -> MultiConfig:
+        """The simulator's config for ``stack`` (its group scheduler and KV layout)."""
         return MultiConfig(
             gpu=self.gpu,
             n_gpus=self.n_gpus,
-            scheduler=stack.scheduler,
+            scheduler=stack.batching,
             layout=stack.layout,
             block_size=self.block_size,
             mem_util=self.mem_util,
@@ -125,7 +126,7 @@ def services_from_window(
 
 
 def place_for_stack(
-    stack: MultiStack,
+    stack: Stack,
     services: Mapping[str, Service],
     history: Sequence[Request],
     settings: MultiRunSettings,
@@ -188,7 +189,7 @@ def run_multi_stack(
     """Place ``services`` for stack ``stack_name`` on ``history``, then simulate ``requests``.
 
     Args:
-        stack_name: a :data:`~fleetserve.policy.multi_stacks.MULTI_STACKS` name.
+        stack_name: a multi-LLM stack of :data:`~fleetserve.policy.catalog.STACKS`.
         services: the services (rates and mean lengths as known from the history).
         history: requests before the run (placement input; any ids).
         requests: the run, sorted, ids ``0..n-1``, ``model`` = service name.
@@ -200,7 +201,7 @@ def run_multi_stack(
     Returns:
         The run's result; ``extra`` adds ``stack`` and ``placement_search_s``.
     """
-    stack = get_multi_stack(stack_name)
+    stack = stack_for(stack_name, MULTI)
     cm = cost_model or CostModel()
     searches: list[float] = []
 
@@ -240,7 +241,7 @@ def run_multi_stack(
         "name": stack.name,
         "description": stack.description,
         "placement": stack.placement,
-        "scheduler": stack.scheduler,
+        "scheduler": stack.batching,
         "layout": stack.layout,
         "replacement": stack.replacement,
     }

@@ -55,9 +55,9 @@ from fleetserve.policy import (
     Migrate,
     Reject,
     ReleaseGpu,
-    get_stack,
 )
 from fleetserve.policy.base import BatchingPolicy
+from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import EPOCH, ITER_END, SAMPLE, TRANSFER, Event
@@ -72,49 +72,19 @@ from fleetserve.workload.request import Request, check_run_order
 logger = logging.getLogger(__name__)
 
 
-def resolve_policies(config: SimConfig) -> dict[str, str]:
-    """The policy name of every family (stack choices, then per-family overrides),
-    each checked against its registry, plus the migration ``mechanism``
-    (``migration.mechanism``, else the stack's).
-
-    Raises:
-        UnknownNameError: an unknown stack, policy or mechanism name (with suggestions).
-    """
-    pol = config.policy
-    stack = get_stack(pol.stack)
-    names = {
-        "stack": stack.name,
-        "dispatch": pol.dispatch or stack.dispatch,
-        "batching": pol.batching or stack.batching,
-        "migration": pol.migration or stack.migration,
-        "placement": pol.placement or stack.placement,
-        "memory": pol.memory or stack.memory or ("elastic" if config.cluster.elastic else "static"),
-        "mechanism": config.migration.mechanism or stack.mechanism,
-    }
-    for fam, registry in (
-        ("dispatch", DISPATCH),
-        ("batching", BATCHING),
-        ("migration", MIGRATION),
-        ("placement", PLACEMENT),
-        ("memory", MEMORY),
-    ):
-        registry.get(names[fam])
-    MECHANISM.get(names["mechanism"])
-    return names
-
-
 def preflight(config: SimConfig) -> None:
     """Check names and that every configured model fits, before any work is done.
 
     Raises:
         FleetserveError: the first problem found, as one clear line.
     """
-    if config.is_multi:
+    world = check_world(config)
+    if world == MULTI:
         from fleetserve.sim.multi_build import multi_preflight
 
         multi_preflight(config)
         return
-    if config.is_kun:
+    if world == KUNSERVE:
         from fleetserve.sim.kun_run import kun_preflight
 
         kun_preflight(config)
