@@ -32,13 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from fleetserve.costmodel import CostModel
-from fleetserve.policy.groups import Service
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import Candidate, seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAREGPT = ROOT.parent / "shared" / "data" / "sharegpt_8k_lengths.csv"

@@ -22,6 +22,7 @@ from fleetserve.config import config_from_dict
 from fleetserve.runtime import cluster
 from fleetserve.runtime.controller import Controller
 from fleetserve.runtime.server import build_server
+from fleetserve.sim.multi_build import history_placement
 
 
 def ensure_ray() -> None:
@@ -48,7 +49,7 @@ def running_server(data: dict[str, Any], api_key: str | None = None) -> Iterator
     holder: dict[str, Controller] = {}
 
     async def launch() -> Controller:
-        holder["ctl"] = await cluster.launch(cfg)
+        holder["ctl"] = await cluster.launch(cfg, placer=history_placement)
         return holder["ctl"]
 
     port = free_port()

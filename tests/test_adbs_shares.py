@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.sharing import Adbs
 from fleetserve.sim.group import SharingGroup
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 
 def test_every_adbs_job_gets_at_least_min_share(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ import pytest
 
 from fleetserve.config import config_from_dict
 from fleetserve.metrics.summary import summarize
-from fleetserve.policy.groups import Service
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.admission import CONTEXT_REASON, context_note, context_reason
 from fleetserve.sim.kun import KunSimulator
@@ -15,6 +14,7 @@ from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack
 from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 MODEL = "opt-6.7b"  # max_context 2048
 

@@ -23,12 +23,12 @@ from fleetserve.experiments.fidelity import (
     simulate_emulated,
 )
 from fleetserve.experiments.fidelity_overhead import (
-    ProbeRequest,
     RuntimeOverhead,
     Timeline,
     deliver,
     with_iteration_overhead,
 )
+from fleetserve.metrics.probes import ProbeRequest
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
 

@@ -13,12 +13,12 @@ from fleetserve.cli.main import main
 from fleetserve.config import config_from_dict
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.catalog import MULTI, stack_for, stacks_in
-from fleetserve.policy.groups import Service
 from fleetserve.sim.build import build_workload
 from fleetserve.sim.multi import ReplacementConfig
 from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack, services_from_window
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 
 def _requests(seconds: float, seed: int, names: list[str], rate: float) -> list[Request]:

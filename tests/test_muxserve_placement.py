@@ -9,7 +9,6 @@ import pytest
 
 from fleetserve.costmodel.roofline import CostModel
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import Service
 from fleetserve.policy.muxserve_placement import (
     DEFAULT_SHARE_GRID,
     MuxServeResult,
@@ -23,6 +22,7 @@ from fleetserve.policy.muxserve_placement import (
     unit_kv_bytes,
 )
 from fleetserve.spec import get_gpu, get_model, weight_bytes_per_gpu
+from fleetserve.workload.service import Service
 from fleetserve.workload.synthetic import power_law_rates
 
 GPU = get_gpu("a100-80gb")

@@ -12,11 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.sim.multi import MultiConfig, MultiSimulator, ReplacementConfig
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 
 def services(*pairs: tuple[str, str, float]) -> dict[str, Service]:

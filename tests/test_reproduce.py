@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from fleetserve.cli.main import main
-from fleetserve.experiments.data import DATA_ENV
 from fleetserve.experiments.mell import (
     HARDWARE,
     STACKS,
@@ -33,6 +32,7 @@ from fleetserve.experiments.mell import (
 from fleetserve.experiments.mell_figures import batching, claims, collect, savings
 from fleetserve.experiments.mell_report import write_report
 from fleetserve.experiments.runner import RunSpec, execute_run, run_grid
+from fleetserve.workload.data import DATA_ENV
 
 SCALE = "0.02"
 FIGURES = (

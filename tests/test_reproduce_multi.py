@@ -22,7 +22,6 @@ from fleetserve.cli.main import main
 from fleetserve.config import config_from_dict
 from fleetserve.errors import FleetserveError, UnknownNameError
 from fleetserve.experiments import EXPERIMENTS, check_experiment
-from fleetserve.experiments.data import DATA_ENV
 from fleetserve.experiments.multi_llm import (
     MUXSERVE,
     SEALLM,
@@ -42,6 +41,7 @@ from fleetserve.experiments.multi_llm_report import (
     write_report,
 )
 from fleetserve.experiments.runner import RunSpec
+from fleetserve.workload.data import DATA_ENV
 
 SCALE = "0.1"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

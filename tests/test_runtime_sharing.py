@@ -39,7 +39,7 @@ from fleetserve.runtime.plan import (
 )
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig
-from fleetserve.sim.multi_build import build_multi
+from fleetserve.sim.multi_build import build_multi, history_placement
 from fleetserve.spec import emulated_gpu_name, get_gpu
 
 A, B = "tiny-llama-a", "tiny-llama-b"
@@ -107,23 +107,23 @@ def _workers_of(plan: PlacementPlan) -> list[tuple[str, ...]]:
 def test_muxserve_plan_is_the_policys(stack: str, workers: int) -> None:
     cfg = _cfg(stack, workers)
     want = _policy_plan(cfg, "muxserve")
-    got = sharing_placement(cfg, [A, B])
+    got = sharing_placement(cfg, [A, B], placer=history_placement)
     assert got.plan == want
-    assert plan_workers(cfg, [A, B]) == _workers_of(want)
+    assert plan_workers(cfg, [A, B], placer=history_placement) == _workers_of(want)
     if workers == 1:  # one GPU: MuxServe must co-locate both models in one unit
-        assert plan_workers(cfg, [A, B]) == [want.groups[0].services]
+        assert plan_workers(cfg, [A, B], placer=history_placement) == [want.groups[0].services]
         assert set(want.groups[0].services) == {A, B}
     else:  # the demand is met by a unit per model: the third GPU starts no worker
-        assert sorted(plan_workers(cfg, [A, B])) == [(A,), (B,)]
+        assert sorted(plan_workers(cfg, [A, B], placer=history_placement)) == [(A,), (B,)]
 
 
 def test_seallm_plan_is_the_policys_and_shares_gpus() -> None:
     cfg = _cfg("seallm", 2)
     want = _policy_plan(cfg, "seallm")
-    got = sharing_placement(cfg, [A, B])
+    got = sharing_placement(cfg, [A, B], placer=history_placement)
     assert got.plan == want
     assert got.estimate is not None
-    workers = plan_workers(cfg, [A, B])
+    workers = plan_workers(cfg, [A, B], placer=history_placement)
     assert workers == _workers_of(want)
     assert any(len(w) > 1 for w in workers)  # multi-model workers
     assert {m for w in workers for m in w} == {A, B}
@@ -131,7 +131,7 @@ def test_seallm_plan_is_the_policys_and_shares_gpus() -> None:
 
 def test_rates_follow_the_workload_weights() -> None:
     cfg = _cfg("muxserve", 1, workload={"models": [A, B], "model_weights": [3.0, 1.0]})
-    got = sharing_placement(cfg, [A, B])
+    got = sharing_placement(cfg, [A, B], placer=history_placement)
     assert got.services[A].rate > 2 * got.services[B].rate
     assert got.plan == _policy_plan(cfg, "muxserve")
 
@@ -151,22 +151,29 @@ def test_controller_families_for_a_multi_llm_stack() -> None:
 
 def test_sharing_config_errors() -> None:
     with pytest.raises(ConfigError, match="fixed pool"):
-        plan_workers(_cfg("seallm", 2, cluster={"elastic": True}), [A, B])
+        plan_workers(_cfg("seallm", 2, cluster={"elastic": True}), [A, B], placer=history_placement)
     with pytest.raises(ConfigError, match="served models"):
-        plan_workers(_cfg("seallm", 2, services=[{"name": A, "model": A}]), [A, B])
+        plan_workers(
+            _cfg("seallm", 2, services=[{"name": A, "model": A}]), [A, B], placer=history_placement
+        )
     with pytest.raises(ConfigError, match="serves"):
         bad = [{"name": A, "model": B}, {"name": B, "model": B}]
-        plan_workers(_cfg("seallm", 2, services=bad), [A, B])
+        plan_workers(_cfg("seallm", 2, services=bad), [A, B], placer=history_placement)
     with pytest.raises(UnknownNameError):
-        plan_workers(_cfg("llumnix", 2, services=[{"name": A, "model": A}]), [A])
+        plan_workers(
+            _cfg("llumnix", 2, services=[{"name": A, "model": A}]), [A], placer=history_placement
+        )
     # the tiny models' KV does not fit next to their weights in 40 MiB
     with pytest.raises(ConfigError):
-        plan_workers(_cfg("seallm", 2, mb=40), [A, B])
+        plan_workers(_cfg("seallm", 2, mb=40), [A, B], placer=history_placement)
+    # the sharing placement is the simulator's: the caller injects it
+    with pytest.raises(ConfigError, match="placer="):
+        plan_workers(_cfg("seallm", 2), [A, B])
 
 
 def test_example_configs_plan() -> None:
     sharing = load_serve_config(str(CONFIGS / "serve-sharing.yaml"), [])
-    workers = plan_workers(sharing, list(sharing.serve.models or ()))
+    workers = plan_workers(sharing, list(sharing.serve.models or ()), placer=history_placement)
     assert len(workers) == 2 and all(set(w) == {A, B} for w in workers)
     mell = load_serve_config(str(CONFIGS / "serve-mell.yaml"), [])
     assert mell.cluster.elastic and resolve_policies(mell)["dispatch"] == "mell"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.seallm_placement import (
     ServiceOutcome,
     can_allocate,
@@ -19,6 +19,7 @@ from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 GPU = get_gpu("a800-80gb")
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.sharing import (
     DECODE,
     GROUP_BATCHING,
@@ -22,6 +22,7 @@ from fleetserve.policy.sharing import (
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 SCHEDULERS = ["fcfs", "rr", "mlfq", "db", "adbs"]
 LAYOUTS = ["headwise", "merged", "partitioned"]

@@ -33,7 +33,7 @@ One command, five steps (progress on stderr), every artefact under ``DIR``::
 
 The workload: ``workload.trace`` of the config (relative to the config file)
 or ``--trace``; without either, the Azure conversation trace of the shared
-data folder (:func:`fleetserve.experiments.data.find_data_dir`). The config's
+data folder (:func:`fleetserve.workload.data.find_data_dir`). The config's
 ``workload`` window, ``max_requests``, ``rate_scale`` and ``length_scale``
 apply (flags override them), then the bench caps ``--max-prompt-tokens`` /
 ``--max-output-tokens`` (the tiny models' context is 4,096 tokens).
@@ -111,7 +111,7 @@ def replay_settings(cfg: SimConfig, config_path: str, args: argparse.Namespace) 
             p = Path(config_path).resolve().parent / p
         trace, fmt = str(p), args.format or wl.format
     else:
-        from fleetserve.experiments.data import find_data_dir
+        from fleetserve.workload.data import find_data_dir
 
         trace, fmt = str(find_data_dir([DEFAULT_TRACE]) / DEFAULT_TRACE), args.format or "azure"
     max_req = args.max_requests if args.max_requests is not None else wl.max_requests
@@ -348,7 +348,7 @@ def measure(
     given: ``out/calibration``), replay the trace, probe again, stop it.
 
     Returns:
-        The overhead probes (:class:`~fleetserve.experiments.fidelity_overhead.ProbeRequest`);
+        The overhead probes (:class:`~fleetserve.metrics.probes.ProbeRequest`);
         the replay is in ``out/measured``.
     """
     from fleetserve.runtime.cluster import core_plan
@@ -820,7 +820,7 @@ def cmd_fidelity(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     if args.analyze_only:
         raw = json.loads((out / "overhead_probe.json").read_text())
-        from fleetserve.experiments.fidelity_overhead import ProbeRequest
+        from fleetserve.metrics.probes import ProbeRequest
 
         probes: list[Any] = [ProbeRequest.from_dict(p) for p in raw["probes"]]
         if profile is None and (out / "profile.csv").is_file():

@@ -42,13 +42,14 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     require_modules("serve", "runtime", "torch", "ray", "fastapi", "uvicorn")
     from fleetserve.runtime import cluster
     from fleetserve.runtime.server import API_KEY_ENV, build_server
+    from fleetserve.sim.multi_build import history_placement
 
     cfg = load_serve_config(args.config, args.set)
     if args.port is not None and not 0 < args.port < 65536:
         raise FleetserveError(f"--port must be in 1..65535, got {args.port}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     # names and placement checked before Ray starts
-    cluster.worker_specs(cfg, cluster.served_models(cfg))
+    cluster.worker_specs(cfg, cluster.served_models(cfg), placer=history_placement)
     cores = cluster.core_plan(cfg)
     if cores is not None:
         if args.address is not None:
@@ -62,7 +63,7 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
         )
 
     async def launch() -> Any:
-        ctl = await cluster.launch(cfg, args.address, cores)
+        ctl = await cluster.launch(cfg, args.address, cores, history_placement)
         sv = cfg.serve
         models = ", ".join(ctl.models)
         console.print(

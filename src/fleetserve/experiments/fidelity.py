@@ -122,7 +122,6 @@ from fleetserve.experiments.fidelity_overhead import (
     ITERATION_GRID_S,
     LAG_GRID,
     OverheadFit,
-    ProbeRequest,
     RuntimeOverhead,
     Timeline,
     deliver,
@@ -130,11 +129,13 @@ from fleetserve.experiments.fidelity_overhead import (
     with_iteration_overhead,
 )
 from fleetserve.experiments.report_common import md_table
+from fleetserve.metrics.probes import ProbeRequest
 from fleetserve.metrics.records import RunResult
 from fleetserve.policy.catalog import SINGLE, world_of
 from fleetserve.runtime.plan import plan_workers
 from fleetserve.sim.build import Workload, build_workload
 from fleetserve.sim.instance import IDLE, Instance
+from fleetserve.sim.multi_build import history_placement
 from fleetserve.sim.simulator import ProgressFn, Simulator, preflight
 from fleetserve.spec import GpuSpec, emulated_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
@@ -225,7 +226,8 @@ def runtime_placement(cfg: SimConfig, models: Sequence[str]) -> tuple[str, ...]:
     :func:`fleetserve.runtime.plan.plan_workers` (the ``placement`` policy over
     ``serve.workers`` GPUs, tp 1, rates from ``workload.model_weights``, equal
     when unset). Each worker of the runtime hosts one model there."""
-    return tuple(m for hosted in plan_workers(cfg, models) for m in hosted)
+    placed = plan_workers(cfg, models, placer=history_placement)
+    return tuple(m for hosted in placed for m in hosted)
 
 
 def _served_models(cfg: SimConfig) -> tuple[str, ...]:

@@ -28,10 +28,10 @@ from typing import Any
 
 from fleetserve.config import config_from_dict
 from fleetserve.errors import FleetserveError, UnknownNameError
-from fleetserve.experiments.data import find_data_dir
 from fleetserve.experiments.runner import RunSpec
 from fleetserve.sim.simulator import preflight
 from fleetserve.spec import get_model
+from fleetserve.workload.data import find_data_dir
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.errors import FleetserveError, UnknownNameError
-from fleetserve.experiments.data import find_data_dir
 from fleetserve.experiments.report_common import check_stack_config
 from fleetserve.experiments.runner import RunSpec
+from fleetserve.workload.data import find_data_dir
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,12 @@ from typing import Any
 
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError, UnknownNameError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import Evaluator, seallm_place
 from fleetserve.spec.memory import min_tp
 from fleetserve.spec.types import GpuSpec
+from fleetserve.workload.service import Service
 
 __all__ = ["GROUP_PLACEMENTS", "dedicated_place", "place_services"]
 

@@ -1,12 +1,13 @@
-"""Services and sharing groups: the vocabulary of multi-LLM placement.
+"""Sharing groups and placement plans: the vocabulary of multi-LLM placement.
 
-A *service* (SeaLLM's "LLM service") is one model with its own traffic; two
-services may use the same catalog model (each holds its own weights). A
-*sharing group* (SeaLLM) or *LLM unit* (MuxServe) is a set of services placed
-on the same GPUs with one tensor-parallel degree: every service's weights are
-resident on every GPU of the group (split ``tp`` ways) and their KV caches
-share the memory left over. A *placement plan* is a set of disjoint groups
-covering every service (a service may appear in several groups: replicas).
+A *service* (SeaLLM's "LLM service", :class:`~fleetserve.workload.service.Service`)
+is one model with its own traffic; two services may use the same catalog model
+(each holds its own weights). A *sharing group* (SeaLLM) or *LLM unit*
+(MuxServe) is a set of services placed on the same GPUs with one
+tensor-parallel degree: every service's weights are resident on every GPU of
+the group (split ``tp`` ways) and their KV caches share the memory left over.
+A *placement plan* is a set of disjoint groups covering every service (a
+service may appear in several groups: replicas).
 
 Requests name their service in ``Request.model``.
 
@@ -21,39 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetserve.errors import ConfigError
-from fleetserve.spec.types import ModelSpec
 
-__all__ = ["GroupPlacement", "PlacementPlan", "Service"]
-
-
-@dataclass(frozen=True, slots=True)
-class Service:
-    """One LLM service: a model and the traffic it receives.
-
-    Attributes:
-        name: unique service name (what ``Request.model`` holds).
-        spec: the model's shape.
-        rate: mean request rate, req/s (> 0 for placement; 0 allowed otherwise).
-        mean_prompt: mean prompt tokens of its requests.
-        mean_output: mean output tokens of its requests.
-    """
-
-    name: str
-    spec: ModelSpec
-    rate: float
-    mean_prompt: float
-    mean_output: float
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ConfigError("a service needs a name")
-        if self.rate < 0:
-            raise ConfigError(f"service {self.name!r}: rate must be >= 0, got {self.rate}")
-        if self.mean_prompt < 1 or self.mean_output < 1:
-            raise ConfigError(
-                f"service {self.name!r}: mean prompt and output tokens must be >= 1, "
-                f"got {self.mean_prompt} / {self.mean_output}"
-            )
+__all__ = ["GroupPlacement", "PlacementPlan"]
 
 
 @dataclass(frozen=True, slots=True)

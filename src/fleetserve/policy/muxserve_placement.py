@@ -105,10 +105,11 @@ from dataclasses import dataclass
 
 from fleetserve.costmodel.roofline import CostModel, InstanceCost
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.spec.memory import group_kv_bytes as unit_kv_bytes
 from fleetserve.spec.memory import kv_replication
 from fleetserve.spec.types import GpuSpec, ModelSpec
+from fleetserve.workload.service import Service
 
 __all__ = [
     "DEFAULT_MAX_BATCH",

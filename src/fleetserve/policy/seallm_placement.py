@@ -56,9 +56,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.spec.memory import group_kv_bytes
 from fleetserve.spec.types import GpuSpec
+from fleetserve.workload.service import Service
 
 __all__ = [
     "Candidate",

@@ -27,7 +27,12 @@ from typing import Any
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.runtime.controller import Controller, ModelInfo
-from fleetserve.runtime.plan import plan_workers, runtime_policy_config, runtime_policy_names
+from fleetserve.runtime.plan import (
+    SharingPlacer,
+    plan_workers,
+    runtime_policy_config,
+    runtime_policy_names,
+)
 from fleetserve.runtime.worker import Worker, WorkerSnap, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -207,10 +212,14 @@ def core_plan(config: SimConfig, available: Sequence[int] | None = None) -> Core
 
 
 def worker_specs(
-    config: SimConfig, served: dict[str, ModelInfo], cores: CorePlan | None = None
+    config: SimConfig,
+    served: dict[str, ModelInfo],
+    cores: CorePlan | None = None,
+    placer: SharingPlacer | None = None,
 ) -> list[WorkerSpec]:
     """One spec per worker: its models (placement policy; a multi-LLM stack's
-    sharing groups put several on one worker), memory budget, limits, and
+    sharing groups put several on one worker, placed by ``placer``, see
+    :func:`~fleetserve.runtime.plan.plan_workers`), memory budget, limits, and
     its engine's cores when ``cores`` pins them."""
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
@@ -231,23 +240,30 @@ def worker_specs(
             step_log=sv.step_log is not None,
             cpus=cores.engines[wid] if cores is not None else None,
         )
-        for wid, hosted in enumerate(plan_workers(config, list(source_of), source_of))
+        for wid, hosted in enumerate(
+            plan_workers(config, list(source_of), source_of, placer=placer)
+        )
     ]
 
 
 async def launch(
-    config: SimConfig, address: str | None = None, cores: CorePlan | None = None
+    config: SimConfig,
+    address: str | None = None,
+    cores: CorePlan | None = None,
+    placer: SharingPlacer | None = None,
 ) -> Controller:
     """Start the workers and the controller (call from the server's event loop).
 
     ``cores`` pins each worker's engine thread to its cores
     (:func:`core_plan`; ``fleetserve serve`` has pinned itself, and so the
-    Ray processes it starts, to ``cores.server`` before calling this)."""
+    Ray processes it starts, to ``cores.server`` before calling this).
+    ``placer``: the simulator's sharing placement (multi-LLM stacks;
+    :data:`~fleetserve.runtime.plan.SharingPlacer`)."""
     import ray
 
     sv = config.serve
     served = served_models(config)
-    specs = worker_specs(config, served, cores)
+    specs = worker_specs(config, served, cores, placer)
     init_ray(address, num_cpus=max(os.cpu_count() or 1, len(specs) * sv.threads_per_worker + 1))
     opts: dict[str, Any] = {"max_restarts": 0}
     if sv.device.startswith("cuda"):

@@ -9,7 +9,7 @@ request body: token-id prompts, ``ignore_eos``, greedy)::
     bursts: k requests sent at once (k in bursts), repeats times
                                                 -> how both grow with the batch
 
-Each probe becomes a :class:`~fleetserve.experiments.fidelity_overhead.ProbeRequest`
+Each probe becomes a :class:`~fleetserve.metrics.probes.ProbeRequest`
 (TTFT and TPOT as bench-serve measures them: first and last chunk with text);
 :func:`fleetserve.experiments.fidelity.fit_overhead` simulates the same groups
 and fits the overhead model to them. One untimed warm-up request goes first.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 
 from fleetserve.errors import ConfigError
-from fleetserve.experiments.fidelity_overhead import ProbeRequest
+from fleetserve.metrics.probes import ProbeRequest
 from fleetserve.runtime.bench_serve import (
     Outcome,
     ServerResponseError,

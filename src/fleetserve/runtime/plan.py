@@ -44,6 +44,11 @@ leave the runtime's side open (:func:`sharing_placement`):
   plan with a group of ``tp > 1`` (impossible with that GPU, but checked) is
   a :class:`~fleetserve.errors.ConfigError`. GPUs the plan leaves unused
   start no worker (the simulator leaves them idle too).
+* **The simulator's placement, injected.** The placement itself is the
+  simulator's (:func:`fleetserve.sim.multi_build.history_placement`: SeaLLM's
+  search simulates its candidates), and the runtime and the simulator are
+  sibling layers: the caller (``fleetserve serve``, the fidelity experiment)
+  passes it in as a :data:`SharingPlacer`.
 * **Placed once.** SeaLLM's adaptive replacement (re-placing every interval)
   is not run at runtime: the plan is made when the server starts.
 * **Scheduling.** The group scheduler of a multi-LLM stack (DB, ADBS, MLFQ
@@ -61,7 +66,7 @@ leave the runtime's side open (:func:`sharing_placement`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fleetserve.config import PolicyConfig, ServiceConfig, SimConfig
@@ -76,12 +81,14 @@ from fleetserve.policy.catalog import (
     resolve_policies,
     stack_for,
 )
-from fleetserve.policy.groups import PlacementPlan, Service
+from fleetserve.policy.groups import PlacementPlan
 from fleetserve.spec.emulated import emulated_gpu
 from fleetserve.spec.types import GpuSpec
+from fleetserve.workload.service import Service
 
 __all__ = [
     "SharingPlacement",
+    "SharingPlacer",
     "plan_workers",
     "runtime_policy_config",
     "runtime_policy_names",
@@ -90,6 +97,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+SharingPlacer = Callable[
+    [Stack, SimConfig, GpuSpec], tuple[Mapping[str, Service], PlacementPlan, float | None]
+]
+"""``placer(stack, config, gpu) -> (services, plan, estimate)``: the stack's
+placement of a multi-LLM ``config``'s services on its history, on ``gpu``
+(:func:`fleetserve.sim.multi_build.history_placement`; see the module docstring)."""
 
 RUNTIME_SHARING_BASE_STACK = "ll"
 """The single-model stack whose dispatch, batching, migration and memory the
@@ -236,7 +250,11 @@ def _placement_config(
 
 
 def sharing_placement(
-    config: SimConfig, models: Sequence[str], sources: Mapping[str, str] | None = None
+    config: SimConfig,
+    models: Sequence[str],
+    sources: Mapping[str, str] | None = None,
+    *,
+    placer: SharingPlacer | None = None,
 ) -> SharingPlacement:
     """Run the multi-LLM stack's placement for the runtime (module docstring).
 
@@ -245,23 +263,25 @@ def sharing_placement(
         models: the served model names (what requests name).
         sources: each served name's engine model (built-in name or checkpoint
             folder) when it differs from the name.
+        placer: the simulator's placement (:data:`SharingPlacer`); required.
 
     Raises:
-        ConfigError: not a sharing config, the services do not fit, a bad
-            ``services:`` list or workload, or a group spanning GPUs.
+        ConfigError: not a sharing config, no ``placer``, the services do not
+            fit, a bad ``services:`` list or workload, or a group spanning GPUs.
     """
-    from fleetserve.sim.multi_build import build_multi, multi_settings
-    from fleetserve.sim.multi_run import place_for_stack
-
     stack = sharing_stack(config)
     if stack is None:
         raise ConfigError(f"stack {config.policy.stack!r} does not place sharing groups")
     if not models:
         raise ConfigError("no model to place")
+    if placer is None:
+        raise ConfigError(
+            f"stack {stack.name!r} places sharing groups with the simulator's placement; "
+            "pass placer=fleetserve.sim.multi_build.history_placement"
+        )
     pcfg = _placement_config(config, models, dict(sources or {}))
-    inp = build_multi(pcfg, require_run=False)
     gpu = placement_gpu(config)
-    plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(pcfg), None, gpu)
+    services, plan, est = placer(stack, pcfg, gpu)
     slots: dict[int, tuple[str, ...]] = {}
     for g in plan.groups:
         if g.tp != 1:
@@ -279,11 +299,15 @@ def sharing_placement(
             len(workers),
             config.serve.workers,
         )
-    return SharingPlacement(stack, plan, inp.services, gpu, est, workers)
+    return SharingPlacement(stack, plan, services, gpu, est, workers)
 
 
 def plan_workers(
-    config: SimConfig, models: Sequence[str], sources: Mapping[str, str] | None = None
+    config: SimConfig,
+    models: Sequence[str],
+    sources: Mapping[str, str] | None = None,
+    *,
+    placer: SharingPlacer | None = None,
 ) -> list[tuple[str, ...]]:
     """The models each worker hosts, from the placement policy.
 
@@ -300,6 +324,8 @@ def plan_workers(
         models: the served model names.
         sources: served name -> engine model (sharing placements only; see
             :func:`sharing_placement`).
+        placer: the simulator's placement (sharing placements only; required
+            there, see :func:`sharing_placement`).
     """
     n = config.serve.workers
     if kun_only(config.policy.stack):
@@ -311,7 +337,7 @@ def plan_workers(
             )
         return [tuple(models)] * n
     if sharing_stack(config) is not None:
-        return list(sharing_placement(config, models, sources).workers)
+        return list(sharing_placement(config, models, sources, placer=placer).workers)
     if config.cluster.elastic:
         if len(models) != 1:
             raise ConfigError(

@@ -19,7 +19,6 @@ import numpy as np
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, InputError
-from fleetserve.policy.groups import Service
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload import (
@@ -30,6 +29,7 @@ from fleetserve.workload import (
     scale_lengths,
     select_and_scale,
 )
+from fleetserve.workload.service import Service
 
 logger = logging.getLogger(__name__)
 

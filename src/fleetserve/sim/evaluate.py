@@ -28,10 +28,11 @@ from heapq import merge
 
 from fleetserve.costmodel import CostModel
 from fleetserve.metrics.records import RequestRecord
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.seallm_placement import ServiceOutcome
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 __all__ = ["PlanEvaluator"]
 

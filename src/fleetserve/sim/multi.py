@@ -59,7 +59,7 @@ from fleetserve.metrics.records import (
     RunResult,
     TimeSeries,
 )
-from fleetserve.policy.groups import GroupPlacement, PlacementPlan, Service
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
@@ -71,6 +71,7 @@ from fleetserve.spec import get_gpu
 from fleetserve.spec.memory import group_kv_bytes, min_tp
 from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 logger = logging.getLogger(__name__)
 

@@ -20,15 +20,17 @@ from pathlib import Path
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError
-from fleetserve.policy.catalog import MULTI, stack_for
-from fleetserve.policy.groups import Service
+from fleetserve.policy.catalog import MULTI, Stack, stack_for
+from fleetserve.policy.groups import PlacementPlan
 from fleetserve.sim.multi import ReplacementConfig
-from fleetserve.sim.multi_run import MultiRunSettings, services_from_window
+from fleetserve.sim.multi_run import MultiRunSettings, place_for_stack, services_from_window
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.spec.memory import min_tp
+from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
-__all__ = ["MultiInput", "build_multi", "multi_preflight", "multi_settings"]
+__all__ = ["MultiInput", "build_multi", "history_placement", "multi_preflight", "multi_settings"]
 
 
 class MultiInput:
@@ -191,3 +193,18 @@ def build_multi(
         f"the run: the remaining {len(run)} requests"
     )
     return MultiInput(services, hist, run, built.source, built.notes + notes)
+
+
+def history_placement(
+    stack: Stack, cfg: SimConfig, gpu: GpuSpec
+) -> tuple[dict[str, Service], PlacementPlan, float | None]:
+    """The stack's placement of a multi-LLM config's services on its history.
+
+    :func:`build_multi` (the run may be empty) then :func:`place_for_stack` on
+    ``gpu``; ``(services, plan, estimated SLO attainment)``. This is the
+    :data:`~fleetserve.runtime.plan.SharingPlacer` the CLI hands the runtime
+    (SeaLLM's search evaluates its candidates with this simulator).
+    """
+    inp = build_multi(cfg, require_run=False)
+    plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(cfg), None, gpu)
+    return inp.services, plan, est

@@ -30,7 +30,7 @@ from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RunResult
 from fleetserve.policy.catalog import MULTI, Stack, stack_for
 from fleetserve.policy.group_placement import dedicated_place
-from fleetserve.policy.groups import PlacementPlan, Service
+from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
@@ -38,6 +38,7 @@ from fleetserve.sim.multi import MultiConfig, MultiSimulator, ProgressFn, Replac
 from fleetserve.spec import get_gpu
 from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 __all__ = ["MultiRunSettings", "place_for_stack", "run_multi_stack", "services_from_window"]
 

@@ -35,6 +35,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fleetserve.errors import ConfigError, FleetserveError, InputError
+from fleetserve.workload.data import DATA_ENV
 from fleetserve.workload.request import Request
 from fleetserve.workload.synthetic import (
     EmpiricalLengths,
@@ -79,7 +80,6 @@ AZURE_CONV_FILE = "azure_llm_2023_conv.csv"
 DATA_DIR_ENV = "FLEETSERVE_DATA_DIR"
 """Environment variable naming the shared data folder (see :func:`default_azure_path`)."""
 
-_LEGACY_DATA_ENV = "FLEETSERVE_DATA"  # the variable fleetserve.experiments.data reads
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -236,7 +236,7 @@ def default_azure_path() -> Path:
     """Where the Azure 2023 conversation trace is looked for when no path is given.
 
     The shared data folder is, first match wins: ``$FLEETSERVE_DATA_DIR`` when set;
-    ``$FLEETSERVE_DATA`` when set (the variable :mod:`fleetserve.experiments.data` reads);
+    ``$FLEETSERVE_DATA`` when set (the variable :mod:`fleetserve.workload.data` reads);
     otherwise ``<repo>/../shared/data`` where ``<repo>`` is found from this file's location
     (``Path(__file__).resolve().parents[3]``). The file need not exist; the loaders raise
     :class:`~fleetserve.errors.InputError` naming the path when it does not.
@@ -244,7 +244,7 @@ def default_azure_path() -> Path:
     Returns:
         ``<data dir>/azure_llm_2023_conv.csv``.
     """
-    for var in (DATA_DIR_ENV, _LEGACY_DATA_ENV):
+    for var in (DATA_DIR_ENV, DATA_ENV):
         env = os.environ.get(var)
         if env:
             return Path(env) / AZURE_CONV_FILE

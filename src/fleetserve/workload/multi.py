@@ -10,7 +10,7 @@ synthetic workloads from the generators of :mod:`fleetserve.workload.synthetic`:
   power-law popularity, Poisson arrivals, ShareGPT lengths.
 
 Each returns a :class:`MultiWorkload`: the *run* requests, the *history* that precedes them
-(what a placement policy may look at) and the :class:`~fleetserve.policy.groups.Service`
+(what a placement policy may look at) and the :class:`~fleetserve.workload.service.Service`
 records estimated from that history only. ``Request.model`` holds the service name.
 
 History and run come from one process: arrivals are drawn over ``[0, history_s +
@@ -38,10 +38,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fleetserve.errors import ConfigError, FleetserveError, InputError
-from fleetserve.policy.groups import Service
 from fleetserve.spec import get_model
 from fleetserve.spec.types import ModelSpec
+from fleetserve.workload.data import find_data_dir
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 from fleetserve.workload.synthetic import (
     EmpiricalLengths,
     LengthSampler,
@@ -189,8 +190,6 @@ def _load_lengths(path: str, mtime_ns: int, size: int) -> EmpiricalLengths:
 def _sharegpt_sampler(sharegpt: str | Path | None) -> EmpiricalLengths:
     """The ShareGPT lengths sampler, from ``sharegpt`` or the shared data folder."""
     if sharegpt is None:
-        from fleetserve.experiments.data import find_data_dir  # imports nothing heavy
-
         path = find_data_dir([SHAREGPT_FILE]) / SHAREGPT_FILE
     else:
         path = Path(sharegpt)
@@ -383,7 +382,7 @@ def seallm_workload(
 
     - ``chat``: ShareGPT (prompt, output) pairs resampled with replacement from the lengths
       CSV (``sharegpt``, or ``sharegpt_8k_lengths.csv`` in the shared data folder, see
-      :mod:`fleetserve.experiments.data`). That file (sarathi-serve's, LLaMA-2 tokenizer,
+      :mod:`fleetserve.workload.data`). That file (sarathi-serve's, LLaMA-2 tokenizer,
       whole conversations) has far longer prompts than SeaLLM's ShareGPT (Table 1: mean
       input 73.0, output 426.9); the note in the result gives both.
     - ``summarization``: LongBench is not available here, so lengths are lognormal with
