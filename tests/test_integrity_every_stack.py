@@ -18,13 +18,13 @@ from fleetserve.config import config_from_dict
 from fleetserve.metrics.records import RunResult
 from fleetserve.metrics.summary import summarize
 from fleetserve.policy.catalog import KUNSERVE, MULTI, SINGLE, stacks_in
-from fleetserve.policy.groups import Service
 from fleetserve.sim.kun import KunSimulator
 from fleetserve.sim.multi import ReplacementConfig
 from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack
 from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
 
 MODEL = "llama-2-7b"
 SERVICES = {
