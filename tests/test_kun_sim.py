@@ -157,7 +157,7 @@ def test_drop_frees_memory_into_the_kv_pool_at_once() -> None:
 
 def test_queue_baseline_queues_and_kunserve_cuts_tail_ttft() -> None:
     wl = _burst(n_long=8, n_burst=60)
-    base = summarize(_sim(wl, "vllm").run())
+    base = summarize(_sim(wl, "wf").run())
     kun = summarize(_sim(wl, "kunserve").run())
     assert kun["latency_s"]["ttft"]["p99"] < base["latency_s"]["ttft"]["p99"]
 
@@ -244,7 +244,7 @@ def test_decode_out_of_memory_preempts_unless_kunserve_drops_first() -> None:
     # three requests per instance: 900 prompt tokens, growing to 2100 > 2000
     wl = _reqs([(0.001 * i, 300, 400) for i in range(6)])
     preempted = {}
-    for stack in ("vllm", "kv-swap", "kunserve"):
+    for stack in ("wf", "kv-swap", "kunserve"):
         sim = _sim(wl, stack, kv_tokens=2000)
         res = sim.run()
         _terminal_once(sim, len(wl))
@@ -252,8 +252,8 @@ def test_decode_out_of_memory_preempts_unless_kunserve_drops_first() -> None:
         if stack == "kunserve":
             # the monitor sees the growth coming and drops layers in time
             assert res.extra["memory"]["drops"] >= 1
-    assert preempted["vllm"] > 0 and preempted["kv-swap"] > 0
-    assert preempted["kunserve"] < preempted["vllm"]
+    assert preempted["wf"] > 0 and preempted["kv-swap"] > 0
+    assert preempted["kunserve"] < preempted["wf"]
 
 
 def test_kv_swap_swaps_and_every_request_finishes() -> None:
@@ -507,3 +507,51 @@ def test_settings_build_the_policy() -> None:
     assert pol.kv_bytes_per_token == spec.kv_bytes_per_token
     with pytest.raises(ConfigError, match="restore_min_s"):
         KunSettings(restore_min_s=-1.0)
+
+
+# ------------------------------------------------------------------ dispatch
+class _Exe:
+    def __init__(self, i: int, blocks: int, k: int = 1, running: int = 0, accepting: bool = True):
+        self.id = i
+        self.available_blocks = blocks
+        self.k = k
+        self.num_running = running
+        self.num_waiting = 0
+        self.accepting = accepting
+        self.max_batch = 4
+
+
+def test_dispatch_candidates_filter_in_kunserves_order() -> None:
+    from fleetserve.policy.kunserve import dispatch_candidates
+
+    a, b = _Exe(0, 10), _Exe(1, 100, k=2)
+    shut = _Exe(2, 1000, accepting=False)
+    # accepting first; replicas with room for the prompt before buddy groups
+    assert dispatch_candidates([a, b, shut], 5, batch_capped=False) == [a]
+    # no replica has room: every accepting executor
+    assert dispatch_candidates([a, b, shut], 50, batch_capped=False) == [a, b]
+    # none accepts: all of them
+    assert dispatch_candidates([shut], 5, batch_capped=False) == [shut]
+    # under buddy groups, executors below their maximum batch first
+    full, free = _Exe(3, 10, running=4), _Exe(4, 10)
+    assert dispatch_candidates([full, free], 5, batch_capped=True) == [free]
+    assert dispatch_candidates([full], 5, batch_capped=True) == [full]
+
+
+@pytest.mark.parametrize(("stack", "policy"), [("vllm", "RoundRobin"), ("wf", "WorstFit")])
+def test_the_stacks_dispatch_family_picks_among_the_candidates(stack: str, policy: str) -> None:
+    from fleetserve.config import config_from_dict
+    from fleetserve.sim.kun_run import _simulator
+
+    cfg = config_from_dict(
+        {
+            "model": MODEL,
+            "policy": {"stack": stack},
+            "cluster": {"gpu": GPU, "gpus": 2},
+            "kunserve": {"generator": "bursty"},
+        }
+    )
+    assert type(_simulator(cfg, []).dispatcher).__name__ == policy
+    over = config_from_dict({**cfg.to_dict(), "policy": {"stack": stack, "dispatch": "nope"}})
+    with pytest.raises(UnknownNameError, match="nope"):
+        _simulator(over, [])

@@ -156,17 +156,17 @@ def test_quick_is_smaller_than_full() -> None:
 
 def test_stack_selection() -> None:
     assert [s.label for s in select_stacks(None)] == [s.label for s in STACKS]
-    assert [s.label for s in select_stacks(["kunserve", "vllm"])] == ["vllm", "kunserve"]
+    assert [s.label for s in select_stacks(["kunserve", "wf"])] == ["wf", "kunserve"]
     with pytest.raises(UnknownNameError, match="kunserv"):
         select_stacks(["kunserv"])
     with pytest.raises(FleetserveError, match="twice"):
-        select_stacks(["vllm", "vllm"])
+        select_stacks(["wf", "wf"])
     with pytest.raises(FleetserveError, match="at least one"):
         select_stacks([])
     runs = grid_runs(Mode(quick=True), select_stacks(["kunserve"]))
-    # the SLO reference (vllm, no burst) always runs; the pipeline reference only with it
-    assert {r.stack for r in runs} == {"kunserve", "vllm"}
-    assert {r.kind for r in runs if r.stack == "vllm"} == {"ref"}
+    # the SLO reference (wf, no burst) always runs; the pipeline reference only with it
+    assert {r.stack for r in runs} == {"kunserve", "wf"}
+    assert {r.kind for r in runs if r.stack == "wf"} == {"ref"}
     assert {r.kind for r in runs} == {"main", "gamma", "net", "ref"}
 
 
@@ -174,7 +174,7 @@ def test_cli_rejects_unknown_stack_in_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     rc, out, err = run_cli(
-        capsys, "reproduce", "kunserve", "--quick", "--stacks", "vllm,kunserv", "--out", tmp_path
+        capsys, "reproduce", "kunserve", "--quick", "--stacks", "wf,kunserv", "--out", tmp_path
     )
     assert_one_line_error(rc, out, err, "kunserv")
     assert not (tmp_path / "provision.json").exists()  # nothing ran
@@ -222,7 +222,7 @@ def test_probe_measures_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert p.kv_tokens == round(KV_FACTOR * p.avg_tokens / 8)
     assert p.probe_wall_s < 2.0
     cfg = config_from_dict(p.probe)
-    assert cfg.policy.stack == "vllm" and cfg.kunserve.kv_tokens is None
+    assert cfg.policy.stack == "wf" and cfg.kunserve.kv_tokens is None
     assert cfg.kunserve.rate == prof.base_rate and cfg.kunserve.burst_factor == 14.0
 
     calls: list[str] = []

@@ -122,8 +122,16 @@ def test_every_name_of_the_three_old_tables_is_one_stack() -> None:
     # the names in several tables are one entry each, in every world they were in
     assert get_stack("vllm").worlds == (SINGLE, MULTI, KUNSERVE)
     assert get_stack("llumnix").worlds == (SINGLE, KUNSERVE)
-    for world, names in ((SINGLE, OLD_SINGLE), (MULTI, OLD_MULTI), (KUNSERVE, OLD_KUN)):
+    for world, names in ((SINGLE, OLD_SINGLE), (MULTI, OLD_MULTI)):
         assert set(stacks_in(world)) == set(names), world
+    # the KunServe world also runs wf: its old "vllm" (Llumnix (replication)) was
+    # Worst-Fit dispatch with pressure queue, which is wf; vllm there now
+    # dispatches round-robin, as everywhere
+    assert set(stacks_in(KUNSERVE)) == set(OLD_KUN) | {"wf"}
+    wf = get_stack("wf")
+    assert wf.dispatch == "worst_fit" and wf.burst == OLD_KUN["vllm"]
+    assert get_stack("vllm").dispatch == "round_robin"
+    assert all(s.dispatch == "worst_fit" for n, s in stacks_in(KUNSERVE).items() if n != "vllm")
 
 
 def test_a_name_twice_or_an_unknown_world_is_refused() -> None:

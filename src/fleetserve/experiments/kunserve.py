@@ -9,18 +9,18 @@ simulation (a ``kunserve:`` config with ``generator: bursty``, see
               profiles: burstgpt (in 603 / out 289, Table 2), azure-conv (the shared
                         trace's lengths), agieval-cot (in 237 / out 390, Table 2)
               rates: base rate x (1, 1.5, 2) (--quick: x (1, 1.5)), shorter runs in quick
-              stacks: vllm, kv-drop, kv-swap, llumnix, pipeline, kunserve
+              stacks: wf, kv-drop, kv-swap, llumnix, pipeline, kunserve
     ablation  burstgpt at every rate: kunserve-blocking, kunserve-norestore,
               kunserve-memgreedy (kunserve itself is the main run)
     gamma     burstgpt, Gamma arrivals (CV 3) with the same burst window, the
               focus rate (x1.5), the six main stacks
     network   burstgpt at the focus rate: kunserve and kunserve-blocking at
               25 / 50 / 100 Gbps (200 Gbps are the main and ablation runs)
-    ref       per profile, the base rate without burst (modest load): vllm (its
+    ref       per profile, the base rate without burst (modest load): wf (its
               P50 TTFT / TBT x 5 are the SLOs) and pipeline (unloaded pipeline cost)
 
 KV provisioning (the paper's "2.1x the average requirement", §2.2). Before the
-grid, :func:`provision` runs ``vllm`` in-process on each profile's base-rate
+grid, :func:`provision` runs ``wf`` in-process on each profile's base-rate
 workload (the x1 main workload, burst included) with all the HBM the weights
 leave, measures the time-averaged KV tokens in use over the arrival window,
 and sets ``kunserve.kv_tokens = round(2.1 x average / 8)`` (per instance) for
@@ -100,7 +100,7 @@ PROFILES: tuple[Profile, ...] = (
     Profile("azure-conv", "AzureConv", "prefill-heavy", 2.0),
     Profile("agieval-cot", "AGIEval-CoT", "decode-heavy", 5.0),
 )
-"""The three datasets. Base rate: the largest of 2, 3, 4, 5 req/s at which ``vllm`` with
+"""The three datasets. Base rate: the largest of 2, 3, 4, 5 req/s at which ``wf`` with
 all the HBM (no memory throttling) serves the base-rate workload, burst included, with at
 most ~5 % of requests over the SLOs, so that at the base rate the TTFT spikes come from
 memory throttling, not from compute (the paper's premise; docs/reproduce-kunserve.md has
@@ -120,7 +120,7 @@ class StackSpec:
 
 
 STACKS: tuple[StackSpec, ...] = (
-    StackSpec("vllm", "Llumnix (replication)", MAIN),
+    StackSpec("wf", "Llumnix (replication)", MAIN),
     StackSpec("kv-drop", "KV drop (vLLM recompute)", MAIN),
     StackSpec("kv-swap", "KV swap (vLLM)", MAIN),
     StackSpec("llumnix", "Llumnix (w/ migration)", MAIN),
@@ -213,7 +213,7 @@ class Run:
     Attributes:
         kind: ``main`` (main stacks and ablations), ``gamma``, ``net`` (exchange
             sweep below 200 Gbps), ``ref`` (base rate, no burst) or ``probe``
-            (the KV provisioning probe: vllm, all the HBM, base rate with burst).
+            (the KV provisioning probe: wf, all the HBM, base rate with burst).
         profile: length profile.
         mult: rate multiplier (1 for ``ref``).
         stack: stack label.
@@ -260,7 +260,7 @@ class Run:
 
 def probe_runs() -> list[Run]:
     """The provisioning probes (one per profile), as runs the report reads back."""
-    return [Run("probe", p.name, 1.0, "vllm") for p in PROFILES]
+    return [Run("probe", p.name, 1.0, "wf") for p in PROFILES]
 
 
 def select_stacks(names: Sequence[str] | None) -> list[StackSpec]:
@@ -302,7 +302,7 @@ def grid_runs(mode: Mode, stacks: Sequence[StackSpec] | None = None) -> list[Run
                 if s in chosen
             ]
     for p in PROFILES:
-        runs.append(Run("ref", p.name, 1.0, "vllm"))  # the SLO baseline, always
+        runs.append(Run("ref", p.name, 1.0, "wf"))  # the SLO baseline, always
         if "pipeline" in chosen:
             runs.append(Run("ref", p.name, 1.0, "pipeline"))
     return runs
@@ -355,7 +355,7 @@ def run_config(run: Run, mode: Mode, kv_tokens: int) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Provision:
-    """The KV provisioning of one profile (from a ``vllm`` probe with all the HBM).
+    """The KV provisioning of one profile (from a ``wf`` probe with all the HBM).
 
     Attributes:
         avg_tokens: time-averaged KV tokens in use over the arrival window, cluster-wide.
@@ -401,10 +401,10 @@ def derived_numbers(kv_tokens: int) -> dict[str, float]:
 
 
 def probe_config(profile: Profile, mode: Mode) -> dict[str, Any]:
-    """The probe: ``vllm`` on the base-rate workload (burst included), all the HBM."""
+    """The probe: ``wf`` on the base-rate workload (burst included), all the HBM."""
     kun = workload_config(profile.name, profile.base_rate, mode)
     kun.update(network_gbps=NETWORK_GBPS, gpus_per_node=GPUS_PER_NODE)
-    return _base_config("vllm", kun, mode)
+    return _base_config("wf", kun, mode)
 
 
 def time_average(t: Sequence[float], y: Sequence[float], until: float) -> float:
@@ -445,7 +445,7 @@ def measure_provision(profile: Profile, mode: Mode, out: Path | None = None) -> 
     """Run the probe of ``profile`` in this process and derive its provisioning.
 
     With ``out``, the probe is also written as a run directory
-    (``OUT/runs/probe/<profile>/vllm``): the report shows it as the no-throttling
+    (``OUT/runs/probe/<profile>/wf``): the report shows it as the no-throttling
     reference.
     """
     from fleetserve.experiments.runner import simulate_and_write
@@ -459,7 +459,7 @@ def measure_provision(profile: Profile, mode: Mode, out: Path | None = None) -> 
     if out is None:
         result = run_kun(cfg, wl.requests, wl.notes)
     else:
-        d = Run("probe", profile.name, 1.0, "vllm").out_dir(out)
+        d = Run("probe", profile.name, 1.0, "wf").out_dir(out)
         for name in ("summary.json", "error.txt"):
             (d / name).unlink(missing_ok=True)
         _, result = simulate_and_write(cfg, wl, d)

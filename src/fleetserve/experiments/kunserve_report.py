@@ -9,7 +9,7 @@ run when reporting a full one) is left out with a note.
 
 Metrics (§5.1): TTFT and TBT percentiles over finished requests (TBT of a request
 = its mean time between output tokens, the summary's ``tpot``). SLOs: 5x the P50
-TTFT and 5x the P50 TBT of ``vllm`` under modest load (the profile's base rate,
+TTFT and 5x the P50 TBT of ``wf`` under modest load (the profile's base rate,
 no burst, the provisioned KV); a request violates them when its TTFT or its TBT
 is above, or when it did not finish. Victims' mean decode time (Fig. 14) is the
 simulator's ``kunserve.victims.mean_decode_time_s``.
@@ -25,7 +25,7 @@ Files written into ``OUT``::
     table.md                  every table + the claims check
     results.csv / .json       one row per run; claims, provisioning, SLOs, notes
     fig10_end_to_end.png      P99 TTFT, P50 TBT, SLO violations vs rate (main stacks)
-    fig11_timeline.png        TTFT per request and KV memory over time, vllm vs kunserve
+    fig11_timeline.png        TTFT per request and KV memory over time, wf vs kunserve
     fig14_exchange.png        victims' decode time, live vs blocking, per bandwidth
     fig15_16_ablations.png    live/blocking, restore on/off, throughput/memory greedy
 """
@@ -274,9 +274,9 @@ def collect(
             notes.append(f"left out {rel}: unreadable results ({e!r})")
     slos: dict[str, dict[str, float]] = {}
     for p in PROFILES:
-        ref = rows.get(Run("ref", p.name, 1.0, "vllm"))
+        ref = rows.get(Run("ref", p.name, 1.0, "wf"))
         if ref is None or ref["ttft_p50_s"] is None or ref["tbt_p50_s"] is None:
-            notes.append(f"no modest-load vllm run of {p.name}: its SLO violations are not known")
+            notes.append(f"no modest-load wf run of {p.name}: its SLO violations are not known")
             continue
         slos[p.name] = {
             "ttft_s": SLO_FACTOR * ref["ttft_p50_s"],
@@ -401,7 +401,7 @@ def _tbt_claim(rows: Rows, mode: Mode, field: str, hi: float, claim: str, paper:
         for m in mults:
             r = _ratio(
                 _get(rows, kind, prof, m, "kunserve", field),
-                _get(rows, kind, prof, m, "vllm", field),
+                _get(rows, kind, prof, m, "wf", field),
             )
             if r is not None:
                 pts.append((m, r - 1.0))
@@ -422,10 +422,10 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
         _p99_claim(
             rows,
             mode,
-            "vllm",
+            "wf",
             8.4,
             27.3,
-            "KunServe cuts P99 TTFT vs Llumnix (replication) = vllm (Fig. 10)",
+            "KunServe cuts P99 TTFT vs Llumnix (replication) = wf (Fig. 10)",
             "up to 8.4–27.3× per dataset (abstract: 13.6–27.3×)",
         ),
         _p99_claim(
@@ -451,7 +451,7 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
             mode,
             "tbt_p50_s",
             0.375,
-            "KunServe's P50 TBT is a modest increase over vllm's (Fig. 10)",
+            "KunServe's P50 TBT is a modest increase over wf's (Fig. 10)",
             "+7.9–37.5%",
         ),
         _tbt_claim(
@@ -459,7 +459,7 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
             mode,
             "tbt_p99_s",
             0.774,
-            "KunServe's P99 TBT is a modest increase over vllm's (Fig. 10)",
+            "KunServe's P99 TBT is a modest increase over wf's (Fig. 10)",
             "+33.4–77.4%",
         ),
     ]
@@ -470,7 +470,7 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
     for label, kind, prof, mults in workloads(mode):
         best: tuple[float, float, float, float] | None = None
         for m in mults:
-            base = _get(rows, kind, prof, m, "vllm", "slo_violation")
+            base = _get(rows, kind, prof, m, "wf", "slo_violation")
             me = _get(rows, kind, prof, m, "kunserve", "slo_violation")
             if base is None or me is None or base <= 0:
                 continue
@@ -484,7 +484,7 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
         texts.append(f"{label}: {100 * red:.0f}% at x{m:g} ({100 * base:.1f}% → {100 * me:.1f}%)")
     out.append(
         _claim(
-            "KunServe reduces SLO violations vs vllm (§5.2, best case per dataset)",
+            "KunServe reduces SLO violations vs wf (§5.2, best case per dataset)",
             "53.8–100% fewer (e.g. 32.9% → 0% on BurstGPT)",
             "; ".join(texts) if texts else "not measured",
             combine(lvls),
@@ -565,11 +565,11 @@ def claims(rows: Rows, mode: Mode) -> list[dict[str, str]]:
     for p in PROFILES:
         r = _ratio(
             _get(rows, "ref", p.name, 1.0, "pipeline", "tbt_p50_s"),
-            _get(rows, "ref", p.name, 1.0, "vllm", "tbt_p50_s"),
+            _get(rows, "ref", p.name, 1.0, "wf", "tbt_p50_s"),
         )
         r2 = _ratio(
             _get(rows, "ref", p.name, 1.0, "pipeline", "ttft_p50_s"),
-            _get(rows, "ref", p.name, 1.0, "vllm", "ttft_p50_s"),
+            _get(rows, "ref", p.name, 1.0, "wf", "ttft_p50_s"),
         )
         if r is None:
             continue
@@ -666,7 +666,7 @@ def provision_table(
             body.append([p.label, f"{p.base_rate:g}", *([DASH] * 8)])
             continue
         d = derived_numbers(prov.kv_tokens)
-        ref = rows.get(Run("ref", p.name, 1.0, "vllm"))
+        ref = rows.get(Run("ref", p.name, 1.0, "wf"))
         modest = None if ref is None else ref.get("kv_avg_tokens")
         slo = slos.get(p.name)
         body.append(
@@ -730,11 +730,11 @@ def render_markdown(
         "## KV provisioning and SLOs",
         "",
         f"KV per instance = round({KV_FACTOR:g} × time-averaged KV tokens in use / {GPUS}), "
-        "measured by a `vllm` probe on the base-rate workload (burst included) with all the HBM. "
+        "measured by a `wf` probe on the base-rate workload (burst included) with all the HBM. "
         f"Parameters: {full['param_gb_per_gpu']:.1f} GB per GPU; with all the HBM at "
         f"mem_util 0.9 for KV (the paper's setup) the KV region would be "
         f"{full['full_hbm_kv_gb_per_gpu']:.1f} GB (params / KV = "
-        f"{full['full_hbm_param_to_kv']:.2f}). SLOs = {SLO_FACTOR:g} × the P50 of `vllm` at "
+        f"{full['full_hbm_param_to_kv']:.2f}). SLOs = {SLO_FACTOR:g} × the P50 of `wf` at "
         "the base rate without burst (modest load).",
         "",
         *provision_table(provisions, slos, rows),
@@ -817,16 +817,16 @@ def render_markdown(
     lines += [
         "## References: no throttling (all the HBM) and modest load (no burst)",
         "",
-        "`vllm, all HBM` is the provisioning probe (base rate, burst included, KV limited "
+        "`wf, all HBM` is the provisioning probe (base rate, burst included, KV limited "
         "only by the HBM): what the burst costs without memory throttling. `no burst` runs "
-        "have the provisioned KV; `vllm, no burst` defines the SLOs.",
+        "have the provisioned KV; `wf, no burst` defines the SLOs.",
         "",
     ]
     body = []
     for p in PROFILES:
         for run, what in (
-            (Run("probe", p.name, 1.0, "vllm"), "vllm, all HBM, burst"),
-            (Run("ref", p.name, 1.0, "vllm"), "vllm, no burst"),
+            (Run("probe", p.name, 1.0, "wf"), "wf, all HBM, burst"),
+            (Run("ref", p.name, 1.0, "wf"), "wf, no burst"),
             (Run("ref", p.name, 1.0, "pipeline"), "pipeline, no burst"),
         ):
             r = rows.get(run)
@@ -966,9 +966,9 @@ def _load_timeline(d: Path) -> dict[str, Any] | None:
 
 def plot_timeline(out: Path, rows: Rows, mode: Mode, path: Path) -> Path:
     """Fig. 11-like: TTFT of each request vs its arrival (log y) and KV memory over time,
-    for vllm and kunserve on BurstGPT at the focus rate, with drop/restore markers."""
+    for wf and kunserve on BurstGPT at the focus rate, with drop/restore markers."""
     s = mode.sizes()
-    stacks = ("vllm", "kunserve")
+    stacks = ("wf", "kunserve")
     fig = Figure(figsize=(12.0, 7.0), layout="constrained")
     rate = PROFILE_BY_NAME[ABLATION_PROFILE].base_rate * mode.focus
     fig.suptitle(

@@ -153,10 +153,9 @@ WORLDS: dict[str, World] = {
             "kunserve",
             "fleetserve.sim.kun",
             "a stack only this world has, or a config with kunserve.generator",
-            ("pressure",),
+            ("dispatch", "pressure"),
             {
                 "placement": "replicas of one model (static pipeline groups: burst.static_stages)",
-                "dispatch": "worst_fit, replicas with room first (sim/kun.py _choose_executor)",
                 "batching": "fcfs, prefill and decode iterations alternating (sim/kun.py)",
                 "layout": "per-instance token-layers",
                 "migration": "none (pressure llumnix migrates KV, kunserve exchanges it)",
@@ -264,8 +263,9 @@ STACKS: dict[str, Stack] = _by_name(
     ),
     Stack(
         "wf",
-        "Worst-Fit dispatch on free KV memory, no migration (Mell §VIII)",
-        _WS,
+        "Worst-Fit dispatch on free KV memory, no migration (Mell §VIII); in the "
+        "KunServe comparison, Llumnix's global load balancing: Llumnix (replication)",
+        (SINGLE, KUNSERVE),
         dispatch=_WF,
     ),
     Stack("ll", "least-loaded dispatch (fewest requests), no migration", _WS, dispatch=_LL),

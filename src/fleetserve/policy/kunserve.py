@@ -67,7 +67,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -1223,3 +1223,53 @@ def _outside(held: tuple[int, int], keep: tuple[int, int]) -> tuple[tuple[int, i
 def _complement(held: tuple[int, int], num_layers: int) -> tuple[tuple[int, int], ...]:
     """The layers of ``0..num_layers`` outside ``held``."""
     return _outside((0, num_layers), held)
+
+
+class DispatchTarget(Protocol):
+    """An executor as KunServe's dispatcher filters it (an instance view plus
+    its pipeline degree, whether it accepts new requests, and its batch cap)."""
+
+    @property
+    def available_blocks(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+
+    accepting: bool
+    max_batch: int
+
+
+_T = TypeVar("_T", bound=DispatchTarget)
+
+
+def dispatch_candidates(
+    executors: Sequence[_T], prompt_blocks: int, *, batch_capped: bool
+) -> list[_T]:
+    """The executors a new request may go to; the stack's dispatch policy
+    then picks among them (Worst-Fit, Llumnix's, in the paper's systems).
+
+    KunServe §4.3: the global dispatcher load-balances among *accepting*
+    executors (all of them when none accepts). Full replicas with room for the
+    prompt come first: pipelined buddy groups are for what replicas cannot
+    hold, and KunServe reverts to replicas as soon as queuing is relieved (a
+    group that drew every request for its larger memory would never drain and
+    restore). While buddy groups exist (``batch_capped``), executors below
+    their maximum batch come first (the dispatcher's maximum batch limit).
+    The paper gives the filters, not their order; this order (accepting,
+    then replicas, then the batch cap) is the implementer's choice.
+
+    Args:
+        executors: every executor, in a fixed order (ties keep it).
+        prompt_blocks: the prompt's KV blocks.
+        batch_capped: buddy groups exist under KunServe's pressure policy.
+    """
+    cands = [e for e in executors if e.accepting] or list(executors)
+    replicas = [e for e in cands if e.k == 1 and e.available_blocks >= prompt_blocks]
+    if replicas and len(replicas) < len(cands):
+        cands = replicas
+    if batch_capped:
+        cands = [e for e in cands if e.num_running + e.num_waiting < e.max_batch] or cands
+    return cands

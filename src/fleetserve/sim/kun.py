@@ -139,8 +139,14 @@ from fleetserve.policy.actions import (
     Reject,
     Restore,
 )
-from fleetserve.policy.dispatch import WorstFit
-from fleetserve.policy.kunserve import ExecutorLoad, max_batch, rebalance, split_layers
+from fleetserve.policy.base import DISPATCH
+from fleetserve.policy.kunserve import (
+    ExecutorLoad,
+    dispatch_candidates,
+    max_batch,
+    rebalance,
+    split_layers,
+)
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.admission import context_note, context_reason
@@ -393,6 +399,9 @@ class KunSimulator:
             PCIe) when dropping layers cannot free what is needed.
         settings: the stack's behaviour (:class:`KunSettings`).
         stack: the stack's name (for results).
+        dispatch: the dispatch policy (registry name) that picks among
+            KunServe's candidate executors; Worst-Fit is Llumnix's, which the
+            paper's systems use.
         mem_util: share of each GPU's HBM the engine may use.
         kv_tokens: KV memory provisioned per instance, in tokens (all layers);
             None: everything ``mem_util`` leaves after the weights. The
@@ -426,6 +435,7 @@ class KunSimulator:
         spare_instances: int = 0,
         settings: KunSettings | None = None,
         stack: str = "custom",
+        dispatch: str = "worst_fit",
         mem_util: float = 0.9,
         kv_tokens: int | None = None,
         network_gbps: float | None = None,
@@ -560,7 +570,7 @@ class KunSimulator:
             gpus_per_node=per_node,
             block_size=VIEW_BLOCK,
         )
-        self.dispatcher = WorstFit()
+        self.dispatcher = DISPATCH.get(dispatch)()
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
@@ -806,23 +816,13 @@ class KunSimulator:
         self._enqueue(s, exe, now)
 
     def _choose_executor(self, req: Request, now: float) -> Executor | None:
-        """Worst-Fit (most available memory; Llumnix's dispatch, which KunServe
-        inherits) among accepting executors, replicas with room for the prompt
-        first: pipelined groups are for what replicas cannot hold (KunServe
-        reverts to full replicas as soon as queuing is relieved; a group
-        that drew every request for its larger memory would never drain and
-        restore). While groups exist (KunServe), executors below their maximum
-        batch come first."""
-        cands = [e for e in self.execs.values() if e.accepting]
-        if not cands:
-            cands = list(self.execs.values())
-        need = -(-req.prompt_tokens // VIEW_BLOCK)
-        replicas = [e for e in cands if e.k == 1 and e.available_blocks >= need]
-        if replicas and len(replicas) < len(cands):
-            cands = replicas
-        if self.grouped and self.settings.pressure == "kunserve":
-            under = [e for e in cands if e.num_running + e.num_waiting < e.max_batch]
-            cands = under or cands
+        """The stack's dispatch policy among KunServe's candidates
+        (:func:`~fleetserve.policy.kunserve.dispatch_candidates`)."""
+        cands = dispatch_candidates(
+            list(self.execs.values()),
+            -(-req.prompt_tokens // VIEW_BLOCK),
+            batch_capped=self.grouped and self.settings.pressure == "kunserve",
+        )
         st = ClusterState(block_size=VIEW_BLOCK)
         for e in cands:
             st.add(e)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError
+from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.catalog import KUNSERVE, stack_for
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun import KunSimulator, ProgressFn
@@ -29,6 +30,14 @@ __all__ = ["build_kun_requests", "kun_preflight", "kun_settings", "run_kun"]
 def kun_settings(cfg: SimConfig) -> KunSettings:
     """The stack's settings with the config's ``kunserve`` overrides (validated)."""
     return stack_for(cfg.policy.stack, KUNSERVE).burst.with_overrides(**cfg.kunserve.overrides())
+
+
+def kun_dispatch(cfg: SimConfig) -> str:
+    """The dispatch policy among KunServe's candidate executors: the config's
+    ``policy.dispatch``, else the stack's (checked against the registry)."""
+    name = cfg.policy.dispatch or stack_for(cfg.policy.stack, KUNSERVE).dispatch
+    DISPATCH.get(name)  # a clear error for an unknown name
+    return name
 
 
 def _instances(cfg: SimConfig) -> int:
@@ -58,6 +67,7 @@ def _simulator(
         spare_instances=kc.spare_instances,
         settings=kun_settings(cfg),
         stack=cfg.policy.stack,
+        dispatch=kun_dispatch(cfg),
         mem_util=cfg.cluster.mem_util,
         kv_tokens=kc.kv_tokens,
         network_gbps=kc.network_gbps,
