@@ -551,7 +551,10 @@ def test_the_stacks_dispatch_family_picks_among_the_candidates(stack: str, polic
             "kunserve": {"generator": "bursty"},
         }
     )
-    assert type(_simulator(cfg, []).dispatcher).__name__ == policy
-    over = config_from_dict({**cfg.to_dict(), "policy": {"stack": stack, "dispatch": "nope"}})
-    with pytest.raises(UnknownNameError, match="nope"):
-        _simulator(over, [])
+    sim = _simulator(cfg, [])
+    assert type(sim.dispatcher).__name__ == policy
+    assert type(sim.batching).__name__ == "Fcfs"  # the catalog's batching family
+    for family in ("dispatch", "batching"):
+        over = config_from_dict({**cfg.to_dict(), "policy": {"stack": stack, family: "nope"}})
+        with pytest.raises(UnknownNameError, match="nope"):
+            _simulator(over, [])

@@ -153,10 +153,9 @@ WORLDS: dict[str, World] = {
             "kunserve",
             "fleetserve.sim.kun",
             "a stack only this world has, or a config with kunserve.generator",
-            ("dispatch", "pressure"),
+            ("dispatch", "batching", "pressure"),
             {
                 "placement": "replicas of one model (static pipeline groups: burst.static_stages)",
-                "batching": "fcfs, prefill and decode iterations alternating (sim/kun.py)",
                 "layout": "per-instance token-layers",
                 "migration": "none (pressure llumnix migrates KV, kunserve exchanges it)",
                 "mechanism": "kv",

@@ -139,7 +139,7 @@ from fleetserve.policy.actions import (
     Reject,
     Restore,
 )
-from fleetserve.policy.base import DISPATCH
+from fleetserve.policy.base import BATCHING, DISPATCH, AdmissionBudget
 from fleetserve.policy.kunserve import (
     ExecutorLoad,
     dispatch_candidates,
@@ -161,6 +161,31 @@ logger = logging.getLogger(__name__)
 
 IDLE, PREFILL, DECODE = 0, 1, 2
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
+
+
+class _KunBudget(AdmissionBudget):
+    """An executor's limits for one prefill iteration: KV tokens above the
+    watermark, batch slots, and the token budget (a lone prompt may exceed
+    the latter, so a long prompt is never stuck)."""
+
+    __slots__ = ("room", "slots", "taken", "tokens_left")
+
+    def __init__(self, room: int, slots: int, tokens: int) -> None:
+        self.room = room
+        self.slots = slots
+        self.tokens_left = tokens
+        self.taken = 0
+
+    def fits(self, seq: KSeq) -> bool:  # type: ignore[override]
+        need = seq.need_tokens()
+        return need <= self.room and self.slots > 0 and (not self.taken or need <= self.tokens_left)
+
+    def take(self, seq: KSeq) -> None:  # type: ignore[override]
+        need = seq.need_tokens()
+        self.room -= need
+        self.slots -= 1
+        self.tokens_left -= need
+        self.taken += 1
 
 
 class Executor:
@@ -399,6 +424,9 @@ class KunSimulator:
             PCIe) when dropping layers cannot free what is needed.
         settings: the stack's behaviour (:class:`KunSettings`).
         stack: the stack's name (for results).
+        batching: the batching policy (registry name): whom each executor
+            admits from its queue, and whom it preempts, swaps out or drops
+            the KV of when memory runs out.
         dispatch: the dispatch policy (registry name) that picks among
             KunServe's candidate executors; Worst-Fit is Llumnix's, which the
             paper's systems use.
@@ -436,6 +464,7 @@ class KunSimulator:
         settings: KunSettings | None = None,
         stack: str = "custom",
         dispatch: str = "worst_fit",
+        batching: str = "fcfs",
         mem_util: float = 0.9,
         kv_tokens: int | None = None,
         network_gbps: float | None = None,
@@ -571,6 +600,7 @@ class KunSimulator:
             block_size=VIEW_BLOCK,
         )
         self.dispatcher = DISPATCH.get(dispatch)()
+        self.batching = BATCHING.get(batching)()
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
@@ -862,7 +892,7 @@ class KunSimulator:
                     self._drop_for_head(exe, now)
                     admitted = self._admit(exe)
                 elif pressure == "kv-swap" and self._may_swap_out(exe):
-                    self._swap_out(exe, self._newest(exe), now)
+                    self._swap_out(exe, self._victim(exe), now)
             if admitted:
                 exe.last_prefill = True
                 self._start_prefill(exe, admitted, now)
@@ -893,21 +923,14 @@ class KunSimulator:
         return slots > 0 and exe.waiting[0].need_tokens() > room
 
     def _admit(self, exe: Executor) -> list[KSeq]:
-        """FCFS: the head of the queue while it fits (memory above the watermark,
-        batch slots, the token budget; a lone prompt may exceed the budget)."""
-        room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
-        slots = self._cap(exe) - len(exe.running) - len(exe.stalled)
-        budget = self.max_batched_tokens * exe.k
-        out: list[KSeq] = []
-        for s in exe.waiting:
-            need = s.need_tokens()
-            if need > room or slots <= 0 or (out and need > budget):
-                break
-            out.append(s)
-            room -= need
-            slots -= 1
-            budget -= need
-        return out
+        """The batching policy's admissions from the queue, within the
+        executor's limits (:class:`_KunBudget`)."""
+        budget = _KunBudget(
+            exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
+            self._cap(exe) - len(exe.running) - len(exe.stalled),
+            self.max_batched_tokens * exe.k,
+        )
+        return self.batching.admit(exe, exe.waiting, budget)  # type: ignore[return-value]
 
     def _start_prefill(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
         for _ in admitted:
@@ -923,13 +946,15 @@ class KunSimulator:
         exe.version += 1
         self._push_iter(exe, now + exe.pcost.prefill_time(lens))
 
-    def _newest(self, exe: Executor) -> KSeq:
-        return max(exe.running.values(), key=lambda s: (s.req.arrival_s, s.id))
+    def _victim(self, exe: Executor, among: list[KSeq] | None = None) -> KSeq:
+        """The batching policy's victim among ``among`` (default: the running batch)."""
+        running = list(exe.running.values()) if among is None else among
+        return self.batching.victim(exe, running)  # type: ignore[return-value]
 
     def _start_decode(self, exe: Executor, now: float) -> None:
         pressure = self.settings.pressure
         while exe.running and exe.room_tokens() < len(exe.running):
-            victim = self._newest(exe)
+            victim = self._victim(exe)
             if pressure == "kv-swap":
                 if self._may_swap_out(exe):
                     self._swap_out(exe, victim, now)
@@ -1009,7 +1034,7 @@ class KunSimulator:
             cands = [s for s in exe.running.values() if not s.dropped]
             if not cands:
                 break
-            s = max(cands, key=lambda s: (s.req.arrival_s, s.id))
+            s = self._victim(exe, cands)
             s.dropped = True
             self._evict(exe, s, now)
             dropped.append(s)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.base import DISPATCH
+from fleetserve.policy.base import BATCHING, DISPATCH
 from fleetserve.policy.catalog import KUNSERVE, stack_for
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun import KunSimulator, ProgressFn
@@ -37,6 +37,14 @@ def kun_dispatch(cfg: SimConfig) -> str:
     ``policy.dispatch``, else the stack's (checked against the registry)."""
     name = cfg.policy.dispatch or stack_for(cfg.policy.stack, KUNSERVE).dispatch
     DISPATCH.get(name)  # a clear error for an unknown name
+    return name
+
+
+def kun_batching(cfg: SimConfig) -> str:
+    """The executors' batching policy: the config's ``policy.batching``, else
+    the stack's (checked against the registry)."""
+    name = cfg.policy.batching or stack_for(cfg.policy.stack, KUNSERVE).batching
+    BATCHING.get(name)  # a clear error for an unknown name
     return name
 
 
@@ -68,6 +76,7 @@ def _simulator(
         settings=kun_settings(cfg),
         stack=cfg.policy.stack,
         dispatch=kun_dispatch(cfg),
+        batching=kun_batching(cfg),
         mem_util=cfg.cluster.mem_util,
         kv_tokens=kc.kv_tokens,
         network_gbps=kc.network_gbps,
