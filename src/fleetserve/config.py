@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import yaml
 
 from fleetserve.errors import ConfigError, InputError
+from fleetserve.workload.fleet import FLEET_DEFAULTS, check_fleet_args
 
 DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
@@ -34,6 +35,7 @@ DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 _SECTION = {
     "MultiConfigSection": "multi.",
     "KunConfigSection": "kunserve.",
+    "FleetConfigSection": "fleet.",
     "ServeConfigSection": "serve.",
     "WorkloadConfig": "workload.",
     "ClusterConfig": "cluster.",
@@ -435,6 +437,74 @@ class KunConfigSection:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
+FLEET_GENERATORS: tuple[str, ...] = ("fleet",)
+
+
+@dataclass(frozen=True)
+class FleetConfigSection:
+    """The fleet workload: many models, Zipf popularity, a diurnal curve, bursts.
+
+    ``fleet.generator: fleet`` selects
+    :func:`fleetserve.workload.fleet.fleet_workload` (seeded by the top-level
+    ``seed``) instead of ``workload.trace``. Every other field is that
+    function's argument of the same name; the defaults are
+    :data:`fleetserve.workload.fleet.FLEET_DEFAULTS` (the diurnal and burst
+    shapes fitted to the shared Azure conversation trace, see docs/fleet.md).
+
+    Attributes:
+        generator: ``fleet``, or None (not used).
+        rate: mean base rate of the whole fleet over a period, req/s.
+        duration_s: the run's length.
+        period_s: the compressed day.
+        models: distinct catalog models, most popular first.
+        zipf: power-law popularity exponent (>= 0).
+        peak_trough: peak / trough ratio of the diurnal curve (>= 1).
+        peak_at: where the peak is, a fraction of ``period_s`` in [0, 1).
+        bursts: number of burst windows (>= 0).
+        burst_height: the fleet's total rate during a burst / its base (>= 1).
+        burst_len_s: length of a burst window.
+        burst_gap_s: mean gap between consecutive burst starts.
+        burst_models: models sharing each burst's extra load.
+        cv: inter-arrival CV of each model's arrivals (> 0).
+        lengths: ``azure-conv`` or ``sharegpt``.
+        fit_context: cut requests to each model's context window.
+    """
+
+    generator: str | None = None
+    rate: float = FLEET_DEFAULTS.rate
+    duration_s: float = FLEET_DEFAULTS.duration_s
+    period_s: float = FLEET_DEFAULTS.period_s
+    models: tuple[str, ...] = FLEET_DEFAULTS.models
+    zipf: float = FLEET_DEFAULTS.zipf
+    peak_trough: float = FLEET_DEFAULTS.peak_trough
+    peak_at: float = FLEET_DEFAULTS.peak_at
+    bursts: int = FLEET_DEFAULTS.bursts
+    burst_height: float = FLEET_DEFAULTS.burst_height
+    burst_len_s: float = FLEET_DEFAULTS.burst_len_s
+    burst_gap_s: float = FLEET_DEFAULTS.burst_gap_s
+    burst_models: int = FLEET_DEFAULTS.burst_models
+    cv: float = FLEET_DEFAULTS.cv
+    lengths: str = FLEET_DEFAULTS.lengths
+    fit_context: bool = FLEET_DEFAULTS.fit_context
+
+    def __post_init__(self) -> None:
+        if self.generator is not None and self.generator not in FLEET_GENERATORS:
+            raise ConfigError(
+                f"fleet.generator must be one of {', '.join(FLEET_GENERATORS)}, "
+                f"got {self.generator!r}"
+            )
+        try:
+            check_fleet_args(**self.generator_kwargs())
+        except ConfigError as e:
+            raise ConfigError(f"fleet.{e}") from None
+
+    def generator_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`~fleetserve.workload.fleet.fleet_workload`."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "generator"
+        }
+
+
 SERVE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
@@ -568,6 +638,7 @@ class SimConfig:
     services: tuple[ServiceConfig, ...] | None = None
     multi: MultiConfigSection = field(default_factory=MultiConfigSection)
     kunserve: KunConfigSection = field(default_factory=KunConfigSection)
+    fleet: FleetConfigSection = field(default_factory=FleetConfigSection)
     serve: ServeConfigSection = field(default_factory=ServeConfigSection)
     seed: int = 0
     sample_interval_s: float = 1.0
@@ -598,6 +669,13 @@ class SimConfig:
             )
         if self.is_multi and self.kunserve.generator is not None:
             raise ConfigError("kunserve.generator cannot be combined with a multi-LLM run")
+        if self.fleet.generator is not None and (
+            self.multi.generator is not None or self.kunserve.generator is not None
+        ):
+            raise ConfigError(
+                "fleet.generator makes its own workload; it cannot be combined with "
+                "multi.generator or kunserve.generator"
+            )
 
     @property
     def is_multi(self) -> bool:
