@@ -291,3 +291,47 @@ def test_default_workload_on_the_shared_trace_lengths() -> None:
     assert any("context window" in n for n in w.notes) or all(
         not r.length_capped for r in w.requests
     )
+
+
+def test_fleet_generator_runs_in_the_multi_llm_world() -> None:
+    """``fleet.generator`` selects the multi-LLM world: one service per model,
+    placement on the first ``multi.history_s`` seconds, the rest is the run."""
+    from fleetserve.config import config_from_dict
+    from fleetserve.policy.catalog import MULTI, world_of
+    from fleetserve.sim.multi_build import build_multi
+
+    cfg = config_from_dict(
+        {
+            "cluster": {"gpu": "a100-80gb", "gpus": 2},
+            "fleet": {
+                "generator": "fleet",
+                "rate": 3,
+                "duration_s": 120,
+                "period_s": 120,
+                "models": ["llama-2-7b", "opt-6.7b"],
+                "bursts": 1,
+            },
+            "multi": {"history_s": 30},
+        }
+    )
+    assert cfg.is_multi and world_of(cfg) == MULTI
+    got = build_multi(cfg)
+    assert set(got.services) == {"llama-2-7b", "opt-6.7b"}
+    assert got.history and got.requests
+    assert all(r.arrival_s < 30 for r in got.history)
+    assert [r.id for r in got.requests] == list(range(len(got.requests)))
+
+
+def test_fleet_generator_needs_a_fixed_pool_and_no_services() -> None:
+    from fleetserve.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=r"cluster\.gpus"):
+        config_from_dict({"fleet": {"generator": "fleet"}})
+    with pytest.raises(ConfigError, match="services"):
+        config_from_dict(
+            {
+                "cluster": {"gpus": 2},
+                "fleet": {"generator": "fleet"},
+                "services": [{"name": "a", "model": "llama-2-7b"}],
+            }
+        )

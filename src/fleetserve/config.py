@@ -663,9 +663,15 @@ class SimConfig:
                     f"multi.generator {self.multi.generator!r} makes its own services; "
                     "leave out the services list"
                 )
+        if self.fleet.generator is not None and self.services is not None:
+            raise ConfigError(
+                "fleet.generator makes its own services (one per model); leave out the "
+                "services list"
+            )
         if self.is_multi and self.cluster.gpus is None:
             raise ConfigError(
-                "a multi-LLM run (services or multi.generator) needs a fixed pool: set cluster.gpus"
+                "a multi-LLM run (services, multi.generator or fleet.generator) needs a fixed "
+                "pool: set cluster.gpus"
             )
         if self.is_multi and self.kunserve.generator is not None:
             raise ConfigError("kunserve.generator cannot be combined with a multi-LLM run")
@@ -679,8 +685,13 @@ class SimConfig:
 
     @property
     def is_multi(self) -> bool:
-        """Whether this is a multi-LLM run (the sharing-group simulator)."""
-        return self.services is not None or self.multi.generator is not None
+        """Whether this is a multi-LLM run (the sharing-group simulator): services
+        given, or a multi-model generator (``multi.generator``, ``fleet.generator``)."""
+        return (
+            self.services is not None
+            or self.multi.generator is not None
+            or self.fleet.generator is not None
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for ``summary.json``)."""

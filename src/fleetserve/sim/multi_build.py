@@ -110,6 +110,46 @@ def _split(reqs: list[Request], history_s: float) -> tuple[list[Request], list[R
     return hist, run
 
 
+def _history_and_run(
+    source: str, reqs: list[Request], history_s: float, *, require_run: bool
+) -> tuple[list[Request], list[Request]]:
+    """``reqs`` split at ``history_s`` (both parts renumbered from 0), checked."""
+    hist, run = _split(reqs, history_s)
+    if not hist:
+        raise ConfigError(
+            f"no request arrives in the first multi.history_s = {history_s:g} s of "
+            f"{source}: placement has no history"
+        )
+    if not run and require_run:
+        raise ConfigError(
+            f"every request of {source} arrives within multi.history_s = "
+            f"{history_s:g} s: nothing left to run"
+        )
+    return hist, run
+
+
+def _fleet_input(cfg: SimConfig, *, require_run: bool) -> MultiInput:
+    """The fleet workload (``fleet.generator``) as services, history and run:
+    one service per model; placement sees the first ``multi.history_s``
+    seconds, with each service's rate and mean lengths measured there."""
+    from fleetserve.workload.fleet import fleet_workload
+
+    wl = fleet_workload(**cfg.fleet.generator_kwargs(), seed=cfg.seed)
+    hist, run = _history_and_run(
+        wl.source, list(wl.requests), cfg.multi.history_s, require_run=require_run
+    )
+    mean_p = sum(r.prompt_tokens for r in hist) / len(hist)
+    mean_o = sum(r.output_tokens for r in hist) / len(hist)
+    base = {n: Service(n, get_model(n), 0.0, mean_p, mean_o) for n in wl.models}
+    services = services_from_window(base, hist, cfg.multi.history_s)
+    notes = [
+        *wl.notes,
+        f"placement history: the first {cfg.multi.history_s:g} s ({len(hist)} requests); "
+        f"the run is the rest ({len(run)} requests)",
+    ]
+    return MultiInput(services, hist, run, wl.source, notes)
+
+
 def build_multi(
     cfg: SimConfig, base_dir: Path | None = None, *, require_run: bool = True
 ) -> MultiInput:
@@ -124,6 +164,8 @@ def build_multi(
         ConfigError: an empty history, or an empty run (with ``require_run``).
     """
     m = cfg.multi
+    if cfg.fleet.generator is not None:
+        return _fleet_input(cfg, require_run=require_run)
     if m.generator is not None:
         from fleetserve.workload.multi import muxserve_workload, seallm_workload
 
@@ -173,17 +215,7 @@ def build_multi(
         }
     )
     built = build_workload(plain, base_dir)
-    hist, run = _split(built.requests, m.history_s)
-    if not hist:
-        raise ConfigError(
-            f"no request arrives in the first multi.history_s = {m.history_s:g} s of "
-            f"{built.source}: placement has no history"
-        )
-    if not run and require_run:
-        raise ConfigError(
-            f"every request of {built.source} arrives within multi.history_s = "
-            f"{m.history_s:g} s: nothing left to run"
-        )
+    hist, run = _history_and_run(built.source, built.requests, m.history_s, require_run=require_run)
     mean_p = sum(r.prompt_tokens for r in hist) / len(hist)
     mean_o = sum(r.output_tokens for r in hist) / len(hist)
     base = {s.name: Service(s.name, get_model(s.model), 0.0, mean_p, mean_o) for s in cfg.services}
