@@ -27,6 +27,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,18 @@ def check(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return report
 
 
+def rename(fp: dict[str, Any], renames: list[tuple[re.Pattern[str], str]]) -> dict[str, Any]:
+    """``fp`` with each run name rewritten by the first pattern that matches it."""
+    out = {}
+    for run, v in fp.items():
+        for pat, repl in renames:
+            if pat.search(run):
+                run = pat.sub(repl, run)
+                break
+        out[run] = v
+    return out
+
+
 def load(path: Path) -> dict[str, Any]:
     """A fingerprint file (``.json``, or gzipped ``.json.gz``)."""
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
@@ -145,9 +158,27 @@ def main() -> int:
     p.add_argument("--write", type=Path, help="write the fingerprints here")
     p.add_argument("--check", type=Path, help="baseline fingerprints to compare with")
     p.add_argument("--against", type=Path, help="fingerprints to compare (with --check)")
+    p.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="REGEX=REPLACEMENT",
+        help="rename the baseline's runs before comparing (a stack renamed since the "
+        "baseline was recorded); repeatable",
+    )
     a = p.parse_args()
+    renames = []
+    for r in a.rename:
+        pat, sep, repl = r.partition("=")
+        if not sep:
+            p.error(f"--rename {r!r}: expected REGEX=REPLACEMENT")
+        renames.append((re.compile(pat), repl))
+
+    def baseline() -> dict[str, Any]:
+        return rename(load(a.check), renames)
+
     if a.check is not None and a.against is not None:
-        report = check(load(a.check), load(a.against))
+        report = check(baseline(), load(a.against))
         print("\n".join(report) if report else "identical results")
         return 1 if report else 0
     folder = a.from_runs
@@ -161,7 +192,7 @@ def main() -> int:
     if a.write is not None:
         save(fp, a.write)
     if a.check is not None:
-        report = check(load(a.check), fp)
+        report = check(baseline(), fp)
         print("\n".join(report) if report else "identical results")
         return 1 if report else 0
     return 0

@@ -137,11 +137,9 @@ WORLDS: dict[str, World] = {
             MULTI,
             "multi-LLM",
             "fleetserve.sim.multi",
-            "a config with services or multi.generator",
-            ("placement", "batching", "layout", "replacement"),
+            "a config with services, multi.generator or fleet.generator",
+            ("placement", "dispatch", "batching", "layout", "replacement"),
             {
-                "dispatch": "the live hosting group with the fewest outstanding requests "
-                "of the service (least-loaded, sim/multi.py _dispatch)",
                 "migration": "KV moves only when a re-placement retires a group",
                 "mechanism": "kv",
                 "memory": "static",
@@ -225,6 +223,7 @@ _WM = (MULTI,)
 _WK = (KUNSERVE,)
 _WF = "worst_fit"
 _LL = "least_loaded"
+_FR = "fewest_requests"
 
 
 def _by_name(*stacks: Stack) -> dict[str, Stack]:
@@ -283,7 +282,7 @@ STACKS: dict[str, Stack] = _by_name(
         "AlpaServe: MuxServe's placement, temporal FCFS, unified KV cache",
         _WM,
         placement="muxserve",
-        dispatch=_LL,
+        dispatch=_FR,
         layout="merged",
     ),
     Stack(
@@ -291,7 +290,7 @@ STACKS: dict[str, Stack] = _by_name(
         "MuxServe: enumeration greedy placement, ADBS, head-wise KV blocks",
         _WM,
         placement="muxserve",
-        dispatch=_LL,
+        dispatch=_FR,
         batching="adbs",
         layout="headwise",
     ),
@@ -300,7 +299,7 @@ STACKS: dict[str, Stack] = _by_name(
         "MuxServe's placement with FCFS",
         _WM,
         placement="muxserve",
-        dispatch=_LL,
+        dispatch=_FR,
         layout="headwise",
     ),
     Stack(
@@ -308,7 +307,7 @@ STACKS: dict[str, Stack] = _by_name(
         "MuxServe's placement with round-robin",
         _WM,
         placement="muxserve",
-        dispatch=_LL,
+        dispatch=_FR,
         batching="rr",
         layout="headwise",
     ),
@@ -317,7 +316,7 @@ STACKS: dict[str, Stack] = _by_name(
         "SeaLLM: search placement, DB scheduling, merged KV, adaptive replacement",
         _WM,
         placement="seallm",
-        dispatch=_LL,
+        dispatch=_FR,
         batching="db",
         layout="merged",
         replacement=True,
@@ -327,7 +326,7 @@ STACKS: dict[str, Stack] = _by_name(
         "SeaLLM-F: SeaLLM with FCFS",
         _WM,
         placement="seallm",
-        dispatch=_LL,
+        dispatch=_FR,
         layout="merged",
         replacement=True,
     ),
@@ -336,7 +335,7 @@ STACKS: dict[str, Stack] = _by_name(
         "SeaLLM-M: SeaLLM with skip-join MLFQ",
         _WM,
         placement="seallm",
-        dispatch=_LL,
+        dispatch=_FR,
         batching="mlfq",
         layout="merged",
         replacement=True,
@@ -345,7 +344,7 @@ STACKS: dict[str, Stack] = _by_name(
         "seallm-noplace",
         "SeaLLM-P: no placement algorithm (dedicated GPUs), DB scheduling",
         _WM,
-        dispatch=_LL,
+        dispatch=_FR,
         batching="db",
         layout="merged",
     ),
@@ -354,7 +353,7 @@ STACKS: dict[str, Stack] = _by_name(
         "SeaLLM-A: placement found once, no adaptive replacement",
         _WM,
         placement="seallm",
-        dispatch=_LL,
+        dispatch=_FR,
         batching="db",
         layout="merged",
     ),

@@ -1,4 +1,4 @@
-"""Request dispatch: round-robin, least-loaded, Best-Fit and Worst-Fit (Mell §VIII).
+"""Request dispatch: round-robin, least-loaded, fewest requests, Best- and Worst-Fit (Mell §VIII).
 
 Every policy here follows one rule for what happens when no active instance
 of the request's model has room for its prompt (``available_blocks`` at least
@@ -76,6 +76,23 @@ class LeastLoaded(DispatchPolicy):
         if fitting:
             return Dispatch(req.id, _least_loaded(fitting).id)
         return _no_room(state, req, _least_loaded(views) if views else None)
+
+
+@DISPATCH.register("fewest_requests")
+class FewestRequests(DispatchPolicy):
+    """Fewest requests (running + waiting) whatever the free memory; ties:
+    lowest id. A least-connections load balancer: unlike ``least_loaded`` it
+    does not prefer instances with room for the prompt (the request waits in
+    the chosen queue). The multi-LLM stacks dispatch this way among the
+    groups hosting a service (as SeaLLM's and MuxServe's simulators do)."""
+
+    def dispatch(
+        self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
+    ) -> DispatchAction:
+        views = state.instances_of(req.model)
+        if views:
+            return Dispatch(req.id, _least_loaded(views).id)
+        return _no_room(state, req, None)
 
 
 def _least_loaded(views: Sequence[InstanceView]) -> InstanceView:

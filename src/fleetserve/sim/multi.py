@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from fleetserve.cluster.state import ClusterState
 from fleetserve.costmodel import CostModel, InstanceCost
 from fleetserve.costmodel.transfer import host_link, intra_node_link, network_link, transfer_time
 from fleetserve.errors import ConfigError
@@ -59,6 +60,8 @@ from fleetserve.metrics.records import (
     RunResult,
     TimeSeries,
 )
+from fleetserve.policy.actions import Dispatch
+from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
@@ -117,6 +120,7 @@ class MultiConfig:
         gpu: GPU catalog name.
         n_gpus: GPUs in the pool.
         scheduler: group scheduler name (``fcfs``, ``rr``, ``mlfq``, ``db``, ``adbs``).
+        dispatch: dispatch policy among a service's hosts (registry name).
         scheduler_params: keyword arguments of the scheduler.
         layout: KV layout (``headwise``, ``merged``, ``partitioned``).
         block_size: tokens per KV block.
@@ -135,6 +139,7 @@ class MultiConfig:
     gpu: str = "a100-80gb"
     n_gpus: int = 8
     scheduler: str = "fcfs"
+    dispatch: str = "fewest_requests"
     scheduler_params: Mapping[str, Any] = field(default_factory=dict)
     layout: str = "headwise"
     block_size: int = 16
@@ -200,6 +205,84 @@ def service_stats(
     return stats, ideal
 
 
+class HostView:
+    """A sharing group as one service's instance, for the dispatch policies
+    (implements :class:`~fleetserve.cluster.state.InstanceView`): the
+    service's requests and the KV memory the group's layout could give it::
+
+        group 3 hosting a, b          view (3, "a")
+        +------------------------+    num_running/waiting: a's only
+        | a's KV | b's KV | free |    available_blocks: free bytes a could
+        +------------------------+    use (its quota under ADBS) / a's block
+
+    A view is made when a request is dispatched and read at once.
+    """
+
+    __slots__ = ("_g", "model")
+
+    def __init__(self, group: SharingGroup, model: str) -> None:
+        self._g = group
+        self.model = model
+
+    @property
+    def id(self) -> int:
+        return self._g.id
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(self._g.gpus)
+
+    @property
+    def tp(self) -> int:
+        return self._g.tp
+
+    @property
+    def block_size(self) -> int:
+        return self._g.layout.block_size
+
+    @property
+    def total_blocks(self) -> int:
+        return self._g.layout.max_tokens(self.model) // self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        lay = self._g.layout
+        return lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model)
+
+    @property
+    def free_blocks(self) -> int:
+        lay = self._g.layout
+        return lay.free_bytes_for(self.model) // lay.bytes_per_token_block(self.model)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return 0
+
+    @property
+    def available_blocks(self) -> int:
+        return self.free_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self._g.running[self.model])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._g.waiting[self.model])
+
+    @property
+    def decode_steps(self) -> int:
+        return 0
+
+    @property
+    def idle(self) -> bool:
+        return self._g.idle
+
+    def seqs(self) -> list[Any]:
+        g = self._g
+        return [*g.running[self.model].values(), *g.waiting[self.model]]
+
+
 class MultiSimulator:
     """Simulates ``requests`` on the groups of ``plan``.
 
@@ -260,6 +343,11 @@ class MultiSimulator:
         )
         self.stats = dict(stats) if stats is not None else computed
         GROUP_BATCHING.get(config.scheduler)  # a clear error for unknown names
+        self.dispatcher = DISPATCH.get(config.dispatch)()
+        # the dispatch policies are deterministic; the generator is their
+        # interface's, seeded for any that would draw from it
+        self.rng = np.random.default_rng(0)
+        self._group_by_id: dict[int, SharingGroup] = {}
         self.progress = progress
         self.records = [
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
@@ -360,6 +448,7 @@ class MultiSimulator:
             macro_steps=cfg.macro_steps,
         )
         self.groups.append(g)
+        self._group_by_id[g.id] = g
         return g
 
     # ----------------------------------------------------------------- loop
@@ -434,9 +523,9 @@ class MultiSimulator:
         return self._caused()
 
     def _dispatch(self, seq: GSeq, now: float, *, head: bool = False) -> None:
-        """Queue ``seq`` (no KV) at the host of its service with the fewest
-        outstanding requests, live hosts before loading ones; reject it if no
-        host could ever hold it."""
+        """Queue ``seq`` (no KV) at the host of its service the dispatch policy
+        picks among the live hosts (the loading ones when none is live);
+        reject it if no host could ever hold it."""
         rec = seq.record
         need = seq.prompt_tokens + seq.output_tokens
         m = seq.model
@@ -446,7 +535,14 @@ class MultiSimulator:
             rec.reason = f"needs {need} KV tokens, more than any group hosting {m} can hold"
             self.n_done += 1
             return
-        g = min(hosts, key=lambda h: (h.state != "live", h.outstanding(m), h.id))
+        live = [g for g in hosts if g.state == "live"]
+        state = ClusterState(block_size=self.cfg.block_size)
+        for h in live or hosts:
+            state.add(HostView(h, m))
+        action = self.dispatcher.dispatch(state, self.requests[seq.id], now, self.rng)
+        if not isinstance(action, Dispatch):
+            raise RuntimeError(f"dispatch among the hosts of {m} returned {action!r}")
+        g = self._group_by_id[action.instance_id]
         rec.instance = g.id
         self._push(g, g.enqueue(seq, now, head=head))
 

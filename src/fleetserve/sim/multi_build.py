@@ -77,6 +77,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         max_time_s=cfg.max_time_s,
         check_integrity=cfg.check_integrity,
         max_model_len=en.max_model_len,
+        dispatch=cfg.policy.dispatch,
     )
 
 

@@ -63,6 +63,7 @@ class MultiRunSettings:
         max_time_s: stop the run there (None: to completion).
         check_integrity: check every invariant after every event (tests).
         max_model_len: the context window served (None: each model's own).
+        dispatch: the dispatch policy among a service's hosts (None: the stack's).
     """
 
     gpu: str = "a800-80gb"
@@ -79,6 +80,7 @@ class MultiRunSettings:
     max_time_s: float | None = None
     check_integrity: bool = False
     max_model_len: int | None = None
+    dispatch: str | None = None
 
     def multi_config(self, stack: Stack) -> MultiConfig:
         """The simulator's config for ``stack`` (its group scheduler and KV layout)."""
@@ -86,6 +88,7 @@ class MultiRunSettings:
             gpu=self.gpu,
             n_gpus=self.n_gpus,
             scheduler=stack.batching,
+            dispatch=self.dispatch or stack.dispatch,
             layout=stack.layout,
             block_size=self.block_size,
             mem_util=self.mem_util,
