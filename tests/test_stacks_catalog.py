@@ -11,7 +11,7 @@ import pytest
 
 from fleetserve.cli.main import main
 from fleetserve.config import SimConfig, config_from_dict
-from fleetserve.errors import UnknownNameError
+from fleetserve.errors import ConfigError, UnknownNameError
 from fleetserve.policy import BATCHING, DISPATCH, MECHANISM, MEMORY, MIGRATION, PLACEMENT
 from fleetserve.policy.catalog import (
     FAMILIES,
@@ -21,6 +21,7 @@ from fleetserve.policy.catalog import (
     STACKS,
     WORLDS,
     Stack,
+    check_world,
     get_stack,
     kun_only,
     resolve_policies,
@@ -279,3 +280,37 @@ def test_fleetserve_stacks_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert {f: rec[f] for f in FAMILIES} == s.families()
         assert rec["worlds"] == list(s.worlds)
         assert KunSettings(**rec["burst"]) == s.burst
+
+
+@pytest.mark.parametrize(
+    ("extra", "family"),
+    [
+        ({"policy": {"stack": "kunserve", "migration": "llumnix"}}, "migration"),
+        ({"policy": {"stack": "kunserve", "placement": "dedicated"}}, "placement"),
+        (
+            {"policy": {"stack": "seallm", "memory": "elastic"}, "multi": {"generator": "seallm"}},
+            "memory",
+        ),
+    ],
+)
+def test_an_override_a_world_does_not_read_is_an_error_not_ignored(
+    extra: dict[str, Any], family: str
+) -> None:
+    cfg = config_from_dict({"cluster": {"gpus": 4}, **extra})
+    with pytest.raises(ConfigError, match=f"policy.{family}"):
+        check_world(cfg)
+
+
+def test_overrides_a_world_reads_pass() -> None:
+    cfg = config_from_dict(
+        {"cluster": {"gpus": 4}, "policy": {"stack": "kunserve", "dispatch": "round_robin"}}
+    )
+    assert check_world(cfg) == KUNSERVE
+    cfg = config_from_dict(
+        {
+            "cluster": {"gpus": 4},
+            "policy": {"stack": "seallm", "dispatch": "round_robin"},
+            "multi": {"generator": "seallm"},
+        }
+    )
+    assert check_world(cfg) == MULTI

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from fleetserve.config import SimConfig, config_from_dict
 from fleetserve.errors import FleetserveError
 from fleetserve.metrics.records import RunResult
-from fleetserve.policy.catalog import KUNSERVE, MULTI, world_of
+from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world
 from fleetserve.sim.build import Workload, build_workload
 from fleetserve.sim.simulator import ProgressFn, Simulator
 
@@ -112,7 +112,7 @@ def simulate_and_write(
     """
     from fleetserve.metrics import summarize, write_run
 
-    world = world_of(cfg)
+    world = check_world(cfg)
     if world == MULTI:
         from fleetserve.sim.multi_build import multi_settings
         from fleetserve.sim.multi_run import run_multi_stack

@@ -465,7 +465,9 @@ def check_world(config: SimConfig) -> str:
     """:func:`world_of`, after checking the config can run in that world.
 
     Raises:
-        ConfigError: a KunServe run without a fixed pool (``cluster.gpus``).
+        ConfigError: a KunServe run without a fixed pool (``cluster.gpus``),
+            or a per-family override (``policy.<family>``) of a family the
+            world's simulator does not read (it would be ignored).
     """
     world = world_of(config)
     if world == KUNSERVE and config.cluster.gpus is None:
@@ -473,6 +475,15 @@ def check_world(config: SimConfig) -> str:
             f"stack {config.policy.stack!r} runs a fixed pool of replicas: set cluster.gpus "
             "(or --gpus N)"
         )
+    pol = config.policy
+    w = WORLDS[world]
+    for family in ("dispatch", "batching", "migration", "placement", "memory"):
+        if getattr(pol, family) is not None and family not in w.reads:
+            raise ConfigError(
+                f"policy.{family}: the {w.label} simulator does not use this family "
+                f"({w.fixed.get(family, 'fixed by its code')}); it reads "
+                f"{', '.join(w.reads)}"
+            )
     return world
 
 
