@@ -7,6 +7,13 @@ it bit for bit). This benchmark also times the iteration-by-iteration mode on
 the same trace for reference, the trace loader, and the cost model's decode
 call, and writes everything to results/bench/sim_speed.json.
 
+Cluster size (issue 21 item 8): the cost of an event must grow with the work,
+not with the number of GPUs. Two more points run the same trace with Mell's
+x10 conversation lengths (capped to fit an instance), time-compressed so the
+elastic pool peaks near 225 GPUs (rate x1.6) and near 1,300 GPUs (rate x9):
+the same requests and about the same events and per-instance load, six times
+the instances. Target: the large point costs at most 2x the small one per event.
+
 Run: ``make bench`` (or ``.venv/bin/python benchmarks/sim_speed.py``).
 """
 
@@ -23,6 +30,7 @@ import numpy as np
 from fleetserve.config import config_from_dict
 from fleetserve.costmodel import CostModel
 from fleetserve.metrics import summarize
+from fleetserve.sim.build import build_workload
 from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload import default_workload, load_trace
@@ -30,6 +38,9 @@ from fleetserve.workload import default_workload, load_trace
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "azure_llm_2023_conv.csv"
 TARGET_RPS = 6000.0
+SCALE_POINTS = (("225 GPUs", 1.6), ("1,300 GPUs", 9.0))
+"""Rate scales of the cluster-size points (peaks of 227 and 1,317 GPUs on the shared trace)."""
+MAX_SCALE_RATIO = 2.0
 
 
 def best_of(n: int, fn):  # type: ignore[no-untyped-def]
@@ -65,6 +76,8 @@ def main() -> int:
     n = 20000
     d1, _ = best_of(3, lambda: [cost.decode_time(8, x1) for _ in range(n)])
     dk, _ = best_of(3, lambda: [cost.decode_time(8, xk) for _ in range(n)])
+    scale = [scale_point(label, rate) for label, rate in SCALE_POINTS]
+    ratio = scale[1]["us_per_event"] / scale[0]["us_per_event"]
 
     rps = len(reqs) / sim_s
     out = {
@@ -88,6 +101,12 @@ def main() -> int:
         "decode_time_us": {"len1": d1 / n * 1e6, "len1000": dk / n * 1e6},
         "target_requests_per_s": TARGET_RPS,
         "meets_target": rps >= TARGET_RPS,
+        "cluster_size": {
+            "points": scale,
+            "us_per_event_ratio": ratio,
+            "max_ratio": MAX_SCALE_RATIO,
+            "meets_target": ratio <= MAX_SCALE_RATIO,
+        },
     }
     dest = ROOT / "results" / "bench"
     dest.mkdir(parents=True, exist_ok=True)
@@ -106,8 +125,52 @@ def main() -> int:
     print(f"decode_time       {d1 / n * 1e6:.2f} µs (1 ctx)  {dk / n * 1e6:.2f} µs (1,000 ctx)")
     verdict = "meets" if rps >= TARGET_RPS else "MISSES"
     print(f"target >= {TARGET_RPS:,.0f} requests/s: {verdict}")
+    for p in scale:
+        print(
+            f"{p['label']:<11} (x10 lengths, rate x{p['rate_scale']:g})  {p['wall_s']:.3f} s  "
+            f"{p['events']:,} events  {p['us_per_event']:.1f} µs/event  "
+            f"(peak {p['gpus_peak']} GPUs)"
+        )
+    verdict = "meets" if ratio <= MAX_SCALE_RATIO else "MISSES"
+    print(
+        f"µs/event at {scale[1]['label']} / at {scale[0]['label']}: {ratio:.2f}x "
+        f"(target <= {MAX_SCALE_RATIO:g}x): {verdict}"
+    )
     print(f"written to {dest / 'sim_speed.json'}")
-    return 0 if rps >= TARGET_RPS and same else 1
+    return 0 if rps >= TARGET_RPS and same and ratio <= MAX_SCALE_RATIO else 1
+
+
+def scale_point(label: str, rate_scale: float) -> dict[str, object]:
+    """The benchmark trace with Mell's x10 lengths at ``rate_scale`` on the elastic
+    pool, stack bf: wall time (best of 2), events, µs per event, peak GPUs."""
+    cfg = config_from_dict(
+        {
+            "model": "llama-2-7b",
+            "cluster": {"gpu": "a100-40gb", "elastic": True},
+            "policy": {"stack": "bf"},
+            "workload": {
+                "trace": str(TRACE),
+                "format": "azure",
+                "if_missing": "synthetic",
+                "synthetic_duration_s": 3600.0,
+                "length_scale": 10.0,
+                "cap_lengths": True,
+                "rate_scale": rate_scale,
+            },
+        }
+    )
+    reqs = build_workload(cfg).requests
+    wall, res = best_of(2, lambda: Simulator(cfg, reqs).run())
+    events = res.sim_events or 0
+    return {
+        "label": label,
+        "rate_scale": rate_scale,
+        "requests": len(reqs),
+        "wall_s": wall,
+        "events": events,
+        "us_per_event": wall / max(events, 1) * 1e6,
+        "gpus_peak": summarize(res)["gpus"]["peak"],
+    }
 
 
 if __name__ == "__main__":

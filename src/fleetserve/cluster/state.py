@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from fleetserve.cluster.index import ModelIndex
 
 
 class SeqView(Protocol):
@@ -96,6 +98,33 @@ class InstanceView(Protocol):
         ...
 
 
+class TrackedView(InstanceView, Protocol):
+    """An instance that reports its changes, so a :class:`ClusterState` can index it
+    (:mod:`fleetserve.cluster.index`); the simulator's instances are such views."""
+
+    def avail_bounds(self) -> tuple[int, int]:
+        """``(lo, hi)``: ``hi`` is ``available_blocks`` now; until the view next
+        reports a change, ``available_blocks`` stays in ``[lo, hi]`` and never
+        increases (as virtual time passes, a decode segment only grows)."""
+        ...
+
+    def track(self, log: dict[int, Any]) -> None:
+        """From now on, write ``log[self.id] = self`` on every change of its
+        blocks, queue or batch (``available_blocks``, ``num_running``,
+        ``num_waiting``, or the bounds)."""
+        ...
+
+    def untrack(self, log: dict[int, Any]) -> None:
+        """Stop reporting to ``log``."""
+        ...
+
+
+INDEX_FROM = 16
+"""Instances of a model from which :meth:`ClusterState.index_of` keeps an index
+(below ``INDEX_FROM // 2`` it drops it again): a scan of a few instances is
+cheaper than keeping an index up to date."""
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``tokens`` tokens: ceil(tokens / block_size)."""
     return -(-tokens // block_size)
@@ -118,6 +147,11 @@ class ClusterState:
             may fill (total blocks minus the admission watermark): the largest
             request an instance holds, and Mell's per-GPU capacity ``C``.
         block_size: tokens per KV block.
+
+    Indexes. When every instance added is a :class:`TrackedView` (the
+    simulator's are), :meth:`index_of` keeps a :class:`ModelIndex` of each model
+    with at least :data:`INDEX_FROM` instances, which the dispatch policies use
+    instead of a scan (same decisions, cost sub-linear in instances).
     """
 
     instances: dict[int, InstanceView] = field(default_factory=dict)
@@ -129,6 +163,9 @@ class ClusterState:
     gpus_per_node: int = 8
     request_blocks: dict[str, int] = field(default_factory=dict)
     block_size: int = 16
+    _index: dict[str, ModelIndex] = field(default_factory=dict, repr=False, compare=False)
+    _log: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    _untracked: int = field(default=0, repr=False, compare=False)
 
     def instances_of(self, model: str) -> list[InstanceView]:
         """Active instances serving ``model``, in activation order."""
@@ -140,13 +177,79 @@ class ClusterState:
         self.instances[view.id] = view
         self.by_model.setdefault(view.model, []).append(view.id)
         self.gpus_active += len(view.gpus)
+        if getattr(view, "track", None) is None:
+            self._untracked += 1
+            self._drop_indexes()
+            return
+        idx = self._index.get(view.model)
+        if idx is not None:
+            view.track(self._log)  # type: ignore[attr-defined]
+            idx.add(view)  # type: ignore[arg-type]
 
     def remove(self, instance_id: int) -> InstanceView:
         """Unregister an instance that was released."""
         view = self.instances.pop(instance_id)
-        self.by_model[view.model].remove(instance_id)
+        ids = self.by_model[view.model]
+        if ids[-1] == instance_id:
+            ids.pop()
+        else:
+            ids.remove(instance_id)
         self.gpus_active -= len(view.gpus)
+        if getattr(view, "track", None) is None:
+            self._untracked -= 1
+            return view
+        idx = self._index.get(view.model)
+        if idx is not None:
+            self._log.pop(instance_id, None)
+            view.untrack(self._log)  # type: ignore[attr-defined]
+            idx.remove(instance_id)
+            if len(idx) < INDEX_FROM // 2:
+                self._drop_index(view.model)
         return view
+
+    def index_of(self, model: str) -> ModelIndex | None:
+        """The up-to-date index of ``model``'s instances, or None when they are
+        few (or cannot report changes): then scan :meth:`instances_of`."""
+        idx = self._index.get(model)
+        if idx is None:
+            ids = self.by_model.get(model)
+            if ids is None or len(ids) < INDEX_FROM or self._untracked:
+                return None
+            views: list[TrackedView] = [self.instances[i] for i in ids]  # type: ignore[misc]
+            for v in views:
+                v.track(self._log)
+            idx = self._index[model] = ModelIndex(views)
+        elif self._log:
+            self._refresh()
+        return idx if idx.uniform else None
+
+    def _refresh(self) -> None:
+        """Re-read every indexed instance that reported a change."""
+        index = self._index
+        for v in self._log.values():
+            index[v.model].refresh(v)
+        self._log.clear()
+
+    def _drop_index(self, model: str) -> None:
+        idx = self._index.pop(model)
+        for e in idx.entries.values():
+            self._log.pop(e.id, None)
+            e.view.untrack(self._log)
+
+    def _drop_indexes(self) -> None:
+        for m in list(self._index):
+            self._drop_index(m)
+
+    def check_index(self) -> None:
+        """Raise AssertionError if an index disagrees with its instances (testing)."""
+        if self._log:
+            self._refresh()
+        for m, idx in self._index.items():
+            assert sorted(idx.entries) == sorted(self.by_model.get(m, ())), m
+            assert [e.id for e in sorted(idx.entries.values(), key=lambda e: e.pos)] == (
+                self.by_model[m]
+            ), m
+            idx.check()
 
     def can_activate(self, tp: int) -> bool:
         """Whether ``tp`` more GPUs may be activated."""

@@ -7,11 +7,18 @@ the prompt's blocks): activate a new GPU (group) when the pool may grow
 request"), otherwise pick among all instances with the policy's own
 criterion, and the request waits in that instance's queue. A model with no
 instance at all on a full pool is rejected with a reason.
+
+Cost. On a cluster that keeps indexes (:meth:`ClusterState.index_of`: the
+simulator's, from :data:`~fleetserve.cluster.state.INDEX_FROM` instances of a
+model) each policy asks the model's :class:`~fleetserve.cluster.index.ModelIndex`,
+which reads a few instances instead of all; otherwise it scans
+:meth:`ClusterState.instances_of`. Both give the same decision, ties included
+(tests/test_dispatch_index.py checks it against the scans below).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,13 +33,18 @@ def _fits(view: InstanceView, req: Request) -> bool:
     return view.available_blocks >= blocks_for(req.prompt_tokens, view.block_size)
 
 
-def _no_room(state: ClusterState, req: Request, fallback: InstanceView | None) -> DispatchAction:
+def _no_room(
+    state: ClusterState, req: Request, fallback: Callable[[], InstanceView | None]
+) -> DispatchAction:
+    """No instance has room: a new GPU if the pool may grow, else ``fallback()``'s
+    queue (computed only then), else a rejection."""
     tp = state.model_tp.get(req.model, 1)
     if state.can_activate(tp):
         return ActivateGpu(req.model, tp, req.id)
-    if fallback is None:
+    view = fallback()
+    if view is None:
         return Reject(req.id, f"no instance of {req.model} and the GPU pool is full")
-    return Dispatch(req.id, fallback.id)
+    return Dispatch(req.id, view.id)
 
 
 @DISPATCH.register("round_robin")
@@ -50,6 +62,18 @@ class RoundRobin(DispatchPolicy):
     def dispatch(
         self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
     ) -> DispatchAction:
+        idx = state.index_of(req.model)
+        if idx is not None:
+            n = len(idx)
+            start = self._cursor.get(req.model, 0) % n
+            got = idx.first_fit(blocks_for(req.prompt_tokens, idx.block_size), start)
+            if got is not None:
+                self._cursor[req.model] = start + (got[1] - start) % n + 1
+                return Dispatch(req.id, got[0].id)
+            action = _no_room(state, req, lambda: idx.nth(start))
+            if isinstance(action, Dispatch):
+                self._cursor[req.model] = start + 1
+            return action
         views = state.instances_of(req.model)
         n = len(views)
         start = self._cursor.get(req.model, 0) % n if n else 0
@@ -58,7 +82,7 @@ class RoundRobin(DispatchPolicy):
             if _fits(v, req):
                 self._cursor[req.model] = start + k + 1
                 return Dispatch(req.id, v.id)
-        action = _no_room(state, req, views[start] if n else None)
+        action = _no_room(state, req, lambda: views[start] if n else None)
         if isinstance(action, Dispatch):
             self._cursor[req.model] = start + 1
         return action
@@ -71,11 +95,17 @@ class LeastLoaded(DispatchPolicy):
     def dispatch(
         self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
     ) -> DispatchAction:
+        idx = state.index_of(req.model)
+        if idx is not None:
+            got = idx.least_loaded(blocks_for(req.prompt_tokens, idx.block_size))
+            if got is not None:
+                return Dispatch(req.id, got.id)
+            return _no_room(state, req, idx.least_loaded_any)
         views = state.instances_of(req.model)
         fitting = [v for v in views if _fits(v, req)]
         if fitting:
             return Dispatch(req.id, _least_loaded(fitting).id)
-        return _no_room(state, req, _least_loaded(views) if views else None)
+        return _no_room(state, req, lambda: _least_loaded(views) if views else None)
 
 
 @DISPATCH.register("fewest_requests")
@@ -111,6 +141,12 @@ class BestFit(DispatchPolicy):
     def dispatch(
         self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
     ) -> DispatchAction:
+        idx = state.index_of(req.model)
+        if idx is not None:
+            got = idx.best_fit(blocks_for(req.prompt_tokens, idx.block_size))
+            if got is not None:
+                return Dispatch(req.id, got.id)
+            return _no_room(state, req, idx.most_available)
         views = state.instances_of(req.model)
         best: InstanceView | None = None
         best_avail = 0
@@ -122,7 +158,7 @@ class BestFit(DispatchPolicy):
                 best, best_avail = v, avail
         if best is not None:
             return Dispatch(req.id, best.id)
-        return _no_room(state, req, most_available(views))
+        return _no_room(state, req, lambda: most_available(views))
 
 
 @DISPATCH.register("worst_fit")
@@ -132,8 +168,12 @@ class WorstFit(DispatchPolicy):
     def dispatch(
         self, state: ClusterState, req: Request, now: float, rng: np.random.Generator
     ) -> DispatchAction:
-        views = state.instances_of(req.model)
-        best = most_available(views)
+        idx = state.index_of(req.model)
+        best = (
+            idx.most_available()
+            if idx is not None
+            else most_available(state.instances_of(req.model))
+        )
         if best is not None and _fits(best, req):
             return Dispatch(req.id, best.id)
-        return _no_room(state, req, best)
+        return _no_room(state, req, lambda: best)

@@ -58,6 +58,13 @@ is allocated when the iteration starts, as ``used_blocks`` counts it), and
 iteration-by-iteration run shows at the same instant, so policies decide
 the same with or without macro-steps.
 
+Change reports (for :mod:`fleetserve.cluster.index` and
+:mod:`fleetserve.sim.usage`). Every method that changes the blocks, queue or
+batch writes the instance into the logs it is tracked by (:meth:`Instance.track`),
+so an index re-reads only instances that changed. Between two reports the lazy
+view moves only forward through the segment in flight, which
+:meth:`Instance.avail_bounds` bounds.
+
 Migration support (driven by :mod:`fleetserve.sim.migration`). Every change
 of an instance's batch, queue or memory happens either at an iteration
 boundary (``detach``, ``attach``: between :meth:`Instance.complete` and
@@ -77,7 +84,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -296,6 +303,7 @@ class Instance:
         self.mig_out = 0  # blocks held for detached outgoing requests (part of ``used``)
         self.mig_refs = 0  # migrations in flight that touch this instance
         self.preempted_migrating: list[Seq] = []  # preempted while migrating out
+        self._logs: list[dict[int, Any]] = []  # change logs it reports to (see track)
 
     # ------------------------------------------------------------------ view
     @property
@@ -311,8 +319,9 @@ class Instance:
         """Blocks allocated as of ``clock.now`` (including the iteration in flight)."""
         if self.phase < DECODE:
             return self.used
-        k = int(np.searchsorted(self._ends, self.clock.now, side="right"))
-        return self.used + self._grown(min(k, self._n - 1))
+        k = int(self._ends.searchsorted(self.clock.now, side="right"))
+        n1 = self._n - 1
+        return self.used + self._grown(k if k < n1 else n1)
 
     @property
     def free_blocks(self) -> int:
@@ -358,6 +367,30 @@ class Instance:
         bs = self.block_size
         return (j // bs) * self._B + self._C[j % bs]
 
+    # ------------------------------------------------------ change reports
+    def avail_bounds(self) -> tuple[int, int]:
+        """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` its value
+        at the end of the decode segment in flight. Until the next change report
+        it stays in ``[lo, hi]`` and never increases (the segment only grows)."""
+        a = self.total_blocks - self.used - self.reserved_blocks - self.watermark_blocks
+        if self.phase < DECODE:
+            return a, a
+        n1 = self._n - 1
+        k = int(self._ends.searchsorted(self.clock.now, side="right"))
+        return a - self._grown(n1), a - self._grown(k if k < n1 else n1)
+
+    def track(self, log: dict[int, Any]) -> None:
+        """Write ``log[self.id] = self`` on every change of blocks, queue or batch."""
+        self._logs.append(log)
+
+    def untrack(self, log: dict[int, Any]) -> None:
+        """Stop reporting to ``log``."""
+        self._logs = [g for g in self._logs if g is not log]
+
+    def _changed(self) -> None:
+        for log in self._logs:
+            log[self.id] = self
+
     # -------------------------------------------------------------- actions
     def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> float | None:
         """Queue a request (at the head: a preempted or migrated-in one).
@@ -370,6 +403,8 @@ class Instance:
         else:
             self.waiting.append(seq)
         self.reserved_blocks += blocks_for(seq.prefill_tokens, self.block_size)
+        if self._logs:
+            self._changed()
         if self.phase == IDLE:
             return self.schedule(now)
         # The batch may change at the end of the iteration in flight.
@@ -383,10 +418,12 @@ class Instance:
         an iteration-end event for the new ``version``), else None.
         """
         if self.phase == DECODE:
-            k = int(np.searchsorted(self._ends, now, side="right"))
+            k = int(self._ends.searchsorted(now, side="right"))
             if k + 1 < self._n:
                 self._n = k + 1
                 self.version += 1
+                if self._logs:
+                    self._changed()
                 return float(self._ends[k])
         return None
 
@@ -406,18 +443,24 @@ class Instance:
         """
         self.used += blocks
         self.mig_in += blocks
+        if self._logs:
+            self._changed()
         return self.truncate(now)
 
     def unreserve(self, blocks: int, now: float) -> float | None:
         """Free a reservation of an aborted incoming copy (memory grows: re-plan)."""
         self.used -= blocks
         self.mig_in -= blocks
+        if self._logs:
+            self._changed()
         return self.truncate(now)
 
     def release_held(self, blocks: int, now: float) -> float | None:
         """Free the blocks of a detached request once its final copy is done."""
         self.used -= blocks
         self.mig_out -= blocks
+        if self._logs:
+            self._changed()
         return self.truncate(now)
 
     def remove_waiting(self, seq: Seq, now: float) -> float | None:
@@ -425,6 +468,8 @@ class Instance:
         self.waiting.remove(seq)
         self.reserved_blocks -= blocks_for(seq.prefill_tokens, self.block_size)
         seq.inst = None
+        if self._logs:
+            self._changed()
         return self.truncate(now)
 
     def detach(self, seq: Seq, *, keep_blocks: bool) -> int:
@@ -449,6 +494,8 @@ class Instance:
             self.mig_out += blocks_for(kv, bs)
         else:
             self.used -= blocks_for(kv, bs)
+        if self._logs:
+            self._changed()
         return kv
 
     def attach(self, seq: Seq, kv: int, blocks: int) -> None:
@@ -459,6 +506,8 @@ class Instance:
         self.mig_in -= blocks
         seq.inst = self
         self._run(seq, kv)
+        if self._logs:
+            self._changed()
 
     def _run(self, s: Seq, kv: int) -> None:
         """Start running ``s`` holding ``kv`` tokens (``generated = kv - prompt + 1``)."""
@@ -473,6 +522,8 @@ class Instance:
 
     def schedule(self, now: float) -> float | None:
         """Start the next iteration at ``now``; its end time, or None when idle."""
+        if self._logs:
+            self._changed()
         while True:
             if self.chunked and (self.waiting or self._prefilling):
                 end = self._start_mixed(now)
@@ -637,6 +688,8 @@ class Instance:
         """
         bs = self.block_size
         done: list[Seq] = []
+        if self._logs:
+            self._changed()
         if self.phase == PREFILL:
             for s in self._prefill:
                 self._prefilled(s, now, done)

@@ -65,6 +65,7 @@ from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
+from fleetserve.sim.usage import UsageTotals
 from fleetserve.spec import ModelSpec, get_gpu, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload.request import Request, check_run_order
@@ -256,6 +257,10 @@ class Simulator:
         self._next_iid += 1
         self.instances[inst.id] = inst
         self.state.add(inst)
+        usage: UsageTotals | None = getattr(self, "_usage", None)
+        if usage is None:  # the totals _sample reads, made with the first instance
+            usage = self._usage = UsageTotals(self.cfg.sample_interval_s)
+        usage.add(inst, self.specs[model].kv_bytes_per_token * cl.block_size)
         return inst
 
     # ----------------------------------------------------------------- loop
@@ -404,6 +409,7 @@ class Simulator:
             raise RuntimeError(f"released busy instance {inst.id}")
         del self.instances[inst.id]
         self.state.remove(inst.id)
+        self._usage.remove(inst.id)
         self.pool.release(inst.gpus, now)
         self.migration.on_release(inst.id, now)
 
@@ -525,16 +531,25 @@ class Simulator:
         return []
 
     def _sample(self, now: float) -> None:
-        used = cap = demand = queued = running = 0
-        bs = self.cfg.cluster.block_size
-        for inst in self.instances.values():
-            bb = self.specs[inst.model].kv_bytes_per_token * bs
-            u = inst.used_blocks
-            used += u * bb
-            cap += inst.total_blocks * bb
-            demand += (u + inst.reserved_blocks) * bb
-            queued += len(inst.waiting)
-            running += len(inst.running) + len(inst.prefilling())
+        """Record the time series at ``now``: from the kept totals of a large
+        cluster (sim/usage.py: cost per instance changed, not per instance), or
+        a scan of a small one (the same numbers)."""
+        usage: UsageTotals | None = getattr(self, "_usage", None)
+        got = usage.totals(now) if usage is not None else None
+        if got is not None:
+            used, cap, demand, queued, running = got
+        else:
+            used = cap = demand = queued = running = 0
+            bs = self.cfg.cluster.block_size
+            bbs = {m: s.kv_bytes_per_token * bs for m, s in self.specs.items()}
+            for inst in self.instances.values():
+                bb = bbs[inst.model]
+                u = inst.used_blocks
+                used += u * bb
+                cap += inst.total_blocks * bb
+                demand += (u + inst.reserved_blocks) * bb
+                queued += len(inst.waiting)
+                running += len(inst.running) + len(inst._prefill) + len(inst._prefilling)
         queued += len(self.held) + len(self.mig.transit)
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 
