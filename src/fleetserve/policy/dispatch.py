@@ -122,7 +122,7 @@ class FewestRequests(DispatchPolicy):
         views = state.instances_of(req.model)
         if views:
             return Dispatch(req.id, _least_loaded(views).id)
-        return _no_room(state, req, None)
+        return _no_room(state, req, lambda: None)
 
 
 def _least_loaded(views: Sequence[InstanceView]) -> InstanceView:
