@@ -97,6 +97,24 @@ def diff(old: Any, new: Any, path: str = "") -> list[str]:
     return []
 
 
+INPUTS = (("workload", "source"), ("kunserve", "stack"))
+"""Inputs echoed in a summary, left out of a check: ``workload.source`` names
+the trace by its path, which depends on where the checkout is (so a check from
+another clone or worktree compares the rest); ``kunserve.stack`` is the
+stack's name, which ``--rename`` maps."""
+
+
+def portable(results: Any) -> Any:
+    """``results`` without the :data:`INPUTS` fields."""
+    if not isinstance(results, dict):
+        return results
+    out = dict(results)
+    for section, key in INPUTS:
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
+
+
 def check(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed from ``base`` to ``new`` (empty: identical results)."""
     report = []
@@ -105,8 +123,8 @@ def check(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
             report.append(f"{run}: only in the baseline")
         elif run not in base:
             report.append(f"{run}: new run, not in the baseline")
-        elif base[run]["sha256"] != new[run]["sha256"]:
-            fields = diff(base[run]["results"], new[run]["results"])
+        elif (b := portable(base[run]["results"])) != (n := portable(new[run]["results"])):
+            fields = diff(b, n)
             report.append(f"{run}: {len(fields)} field(s) differ")
             report += [f"    {x}" for x in fields[:40]]
     return report
