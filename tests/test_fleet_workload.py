@@ -150,7 +150,12 @@ def test_models_are_the_configured_ones_and_context_is_respected() -> None:
 
 
 def test_config_section_selects_the_generator() -> None:
-    c = config_from_dict({"fleet": {"generator": "fleet", "rate": 4, "models": ["llama-2-7b"]}})
+    c = config_from_dict(
+        {
+            "cluster": {"gpus": 2},
+            "fleet": {"generator": "fleet", "rate": 4, "models": ["llama-2-7b"]},
+        }
+    )
     kw = c.fleet.generator_kwargs()
     assert kw["rate"] == 4.0 and kw["models"] == ("llama-2-7b",)
     assert set(kw) | {"generator"} == {f for f in FleetConfigSection.__dataclass_fields__}
