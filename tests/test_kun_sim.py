@@ -553,7 +553,7 @@ def test_the_stacks_dispatch_family_picks_among_the_candidates(stack: str, polic
     )
     sim = _simulator(cfg, [])
     assert type(sim.dispatcher).__name__ == policy
-    assert type(sim.batching).__name__ == "Fcfs"  # the catalog's batching family
+    assert type(sim.batching.scheduler).__name__ == "GroupFcfs"  # the catalog's batching family
     for family in ("dispatch", "batching"):
         over = config_from_dict({**cfg.to_dict(), "policy": {"stack": stack, family: "nope"}})
         with pytest.raises(UnknownNameError, match="nope"):

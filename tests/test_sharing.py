@@ -11,8 +11,8 @@ import pytest
 
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.sharing import (
+    BATCHING,
     DECODE,
-    GROUP_BATCHING,
     PREFILL,
     Adbs,
     DoublingBudget,
@@ -218,7 +218,7 @@ def test_replicas_split_a_service_and_unknown_names_are_clear_errors() -> None:
     assert used == {0, 1}
     with pytest.raises(Exception, match="batching policy"):
         MultiSimulator(MultiConfig(n_gpus=2, scheduler="nope"), svc, plan, reqs)
-    assert set(SCHEDULERS) <= set(GROUP_BATCHING.names())
+    assert set(SCHEDULERS) <= set(BATCHING.names())
 
 
 def test_weights_that_leave_no_kv_room_are_a_config_error() -> None:

@@ -31,7 +31,6 @@ from fleetserve.policy.catalog import (
 )
 from fleetserve.policy.group_placement import GROUP_PLACEMENTS
 from fleetserve.policy.pressure import PRESSURES, KunSettings
-from fleetserve.policy.sharing import GROUP_BATCHING
 from fleetserve.sim.kvlayout import LAYOUTS
 
 # The three tables before the catalog, copied from policy/stacks.py,
@@ -153,7 +152,7 @@ def test_every_family_name_resolves_in_its_registry(name: str) -> None:
     assert set(s.families()) == set(FAMILIES)
     assert s.placement in (*PLACEMENT.names(), *GROUP_PLACEMENTS)
     DISPATCH.get(s.dispatch)
-    assert s.batching in (*BATCHING.names(), *GROUP_BATCHING.names())
+    BATCHING.get(s.batching)  # one registry for every world
     assert s.layout in LAYOUTS
     MIGRATION.get(s.migration)
     MECHANISM.get(s.mechanism)
@@ -170,7 +169,8 @@ def test_every_family_name_resolves_in_its_registry(name: str) -> None:
         }
     if s.runs_in(MULTI):
         assert s.placement in GROUP_PLACEMENTS
-        GROUP_BATCHING.get(s.batching)
+    if s.runs_in(SINGLE) or s.runs_in(KUNSERVE):
+        assert BATCHING.get(s.batching).one_model
     for w in s.worlds:
         assert set(WORLDS[w].reads) | set(WORLDS[w].fixed) == set(FAMILIES), w
 

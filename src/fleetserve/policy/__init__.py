@@ -14,7 +14,6 @@ from fleetserve.policy.actions import (
     ReleaseGpu,
 )
 from fleetserve.policy.base import (
-    BATCHING,
     DISPATCH,
     MEMORY,
     MIGRATION,
@@ -30,6 +29,7 @@ from fleetserve.policy.catalog import STACKS, Stack, get_stack, resolve_policies
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, MigrationMechanism, PendingMove
 from fleetserve.policy.mell import scheduler as mell_scheduler
 from fleetserve.policy.pressure import KunSettings
+from fleetserve.policy.sharing import BATCHING
 
 __all__ = [
     "BATCHING",

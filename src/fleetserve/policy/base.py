@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -62,9 +62,13 @@ class AdmissionBudget(ABC):
         """Commit ``seq`` to the next batch (call only after ``fits`` said yes)."""
 
 
-class BatchingPolicy(Policy):
-    """Per-instance batch scheduler: whom to admit from the waiting queue and
-    whom to preempt when the KV cache runs out.
+class BatchingPolicy(ABC):
+    """What a one-model instance (the single-model and KunServe simulators,
+    the runtime's engine) asks its batching policy: whom to admit from the
+    waiting queue and whom to preempt when the KV cache runs out. The
+    policies themselves are the catalog's group schedulers
+    (:data:`fleetserve.policy.sharing.BATCHING`), run through
+    :class:`fleetserve.policy.batching.OneModel`.
 
     Attributes:
         macro_step_safe: True when the policy's decisions depend only on the
@@ -74,7 +78,7 @@ class BatchingPolicy(Policy):
             or with iterations (MLFQ, DB) must leave it False.
     """
 
-    macro_step_safe: ClassVar[bool] = False
+    macro_step_safe: bool = False
 
     @abstractmethod
     def admit(
@@ -147,7 +151,6 @@ class MigrationPolicy(Policy):
 
 
 DISPATCH: Registry[DispatchPolicy] = Registry("dispatch")
-BATCHING: Registry[BatchingPolicy] = Registry("batching")
 MEMORY: Registry[MemoryPolicy] = Registry("memory")
 PLACEMENT: Registry[PlacementPolicy] = Registry("placement")
 MIGRATION: Registry[MigrationPolicy] = Registry("migration")

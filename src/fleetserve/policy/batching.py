@@ -1,42 +1,74 @@
-"""Per-instance batch schedulers (the ``batching`` family).
+"""Batching on a one-model instance: the one-model case of a sharing group.
 
-Only vLLM's FCFS lives here for now; round-robin, skip-join MLFQ, SeaLLM DB
-and MuxServe ADBS join in the multi-LLM issue.
+Every batching policy of the catalog is a group scheduler
+(:data:`fleetserve.policy.sharing.BATCHING`: FCFS, RR, MLFQ, DB, ADBS). A
+one-model instance (the single-model and KunServe simulators, the runtime's
+engine) runs those whose one-model case needs no per-service statistics
+(:attr:`~fleetserve.policy.sharing.GroupScheduler.one_model`: FCFS and RR)
+through :class:`OneModel`:
+
+* admission: the queue in order while prompts fit (vLLM admission,
+  :func:`~fleetserve.policy.sharing.admit_in_order`, the same function every
+  group scheduler admits with); the instance prefills what was admitted and
+  otherwise runs a decode step, which is these schedulers' one-model case;
+* the victim when memory runs out: the scheduler's own
+  (:meth:`~fleetserve.policy.sharing.GroupScheduler.victim`: the request that
+  arrived last, as vLLM preempts).
+
+MLFQ, DB and ADBS need per-service statistics (execution-time estimates,
+quotas) that only the multi-LLM world computes today; a one-model world
+asking for them gets a clear error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 from fleetserve.cluster.state import InstanceView, SeqView
-from fleetserve.policy.base import BATCHING, AdmissionBudget, BatchingPolicy
+from fleetserve.errors import ConfigError
+from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.policy.sharing import BATCHING, GroupScheduler, GroupSeq, GroupState, admit_in_order
 
 
-@BATCHING.register("fcfs")
-class Fcfs(BatchingPolicy):
-    """vLLM's first-come-first-served scheduler.
+class OneModel(BatchingPolicy):
+    """A catalog batching policy on a one-model instance (see the module docstring)."""
 
-    Admission walks the waiting queue in order and stops at the first request
-    that does not fit (no skipping, so a large prompt at the head blocks those
-    behind it, as in vLLM). Preempted requests re-enter at the queue's head
-    (the backend puts them there). The victim is the running request that
-    arrived last (vLLM preempts the lowest-priority, i.e. latest, sequence).
-    Decisions depend only on queue order and free memory, so the backend may
-    advance a fixed decode batch several iterations at once.
-    """
+    __slots__ = ("macro_step_safe", "scheduler")
 
-    macro_step_safe = True
+    def __init__(self, scheduler: GroupScheduler) -> None:
+        if not scheduler.one_model:
+            raise ValueError(f"{type(scheduler).__name__} has no one-model case")
+        self.scheduler = scheduler
+        self.macro_step_safe = scheduler.macro_step_safe
 
     def admit(
         self, inst: InstanceView, waiting: Sequence[SeqView], budget: AdmissionBudget
     ) -> list[SeqView]:
-        out: list[SeqView] = []
-        for seq in waiting:
-            if not budget.fits(seq):
-                break
-            budget.take(seq)
-            out.append(seq)
-        return out
+        return admit_in_order(waiting, budget)
 
     def victim(self, inst: InstanceView, running: Sequence[SeqView]) -> SeqView:
-        return max(running, key=lambda s: (s.arrival_s, s.id))
+        state = cast(GroupState, None)  # the one-model victims read no group state
+        got = self.scheduler.victim(state, inst.model, cast(Sequence[GroupSeq], running))
+        return cast(SeqView, got)
+
+
+def one_model_batching() -> list[str]:
+    """Names of the batching policies a one-model instance can run."""
+    return [n for n in BATCHING.names() if BATCHING.get(n).one_model]
+
+
+def instance_batching(name: str, **params: Any) -> OneModel:
+    """The catalog's batching policy ``name`` for one one-model instance.
+
+    Raises:
+        UnknownNameError: not a batching policy (with suggestions).
+        ConfigError: one that needs per-service statistics.
+    """
+    cls = BATCHING.get(name)
+    if not cls.one_model:
+        raise ConfigError(
+            f"batching {name!r} needs per-service statistics, which only the multi-LLM "
+            f"world computes; a one-model instance runs: {', '.join(one_model_batching())}"
+        )
+    return OneModel(cls(**params))

@@ -9,9 +9,10 @@ placement       ``dedicated`` (:data:`~fleetserve.policy.base.PLACEMENT`),
                 ``muxserve``, ``seallm`` (sharing groups,
                 :data:`~fleetserve.policy.group_placement.GROUP_PLACEMENTS`)
 dispatch        :data:`~fleetserve.policy.base.DISPATCH`
-batching        ``fcfs`` (:data:`~fleetserve.policy.base.BATCHING`); the group
-                schedulers ``fcfs``, ``rr``, ``mlfq``, ``db``, ``adbs``
-                (:data:`~fleetserve.policy.sharing.GROUP_BATCHING`)
+batching        ``fcfs``, ``rr``, ``mlfq``, ``db``, ``adbs``: one registry
+                (:data:`~fleetserve.policy.sharing.BATCHING`); a one-model
+                instance runs ``fcfs`` and ``rr``
+                (:mod:`fleetserve.policy.batching`)
 layout          KV layout: ``partitioned``, ``merged``, ``headwise``
                 (:data:`~fleetserve.sim.kvlayout.LAYOUTS`)
 migration       :data:`~fleetserve.policy.base.MIGRATION`
@@ -51,9 +52,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError, UnknownNameError
-from fleetserve.policy.base import BATCHING, DISPATCH, MEMORY, MIGRATION, PLACEMENT
+from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION, PLACEMENT
+from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.mechanism import MECHANISM
 from fleetserve.policy.pressure import KunSettings
+from fleetserve.policy.sharing import BATCHING
 
 if TYPE_CHECKING:
     from fleetserve.config import SimConfig
@@ -517,5 +520,6 @@ def resolve_policies(config: SimConfig) -> dict[str, str]:
         ("memory", MEMORY),
     ):
         registry.get(names[fam])
+    instance_batching(names["batching"])  # a one-model instance must be able to run it
     MECHANISM.get(names["mechanism"])
     return names

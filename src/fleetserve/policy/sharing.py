@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter, is_
-from typing import ClassVar, Protocol, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.base import Policy
@@ -43,8 +43,8 @@ from fleetserve.policy.db_theory import db_priority
 from fleetserve.policy.registry import Registry
 
 __all__ = [
+    "BATCHING",
     "DECODE",
-    "GROUP_BATCHING",
     "PREFILL",
     "Adbs",
     "DoublingBudget",
@@ -57,9 +57,19 @@ __all__ = [
     "RoundRobin",
     "ServiceStats",
     "SkipJoinMlfq",
+    "admit_in_order",
 ]
 
 PREFILL, DECODE = "prefill", "decode"
+_S = TypeVar("_S")
+
+
+class _Budget(Protocol):
+    """A check/commit pair over requests (:class:`GroupBudget`, or a one-model
+    instance's :class:`~fleetserve.policy.base.AdmissionBudget`)."""
+
+    def fits(self, seq: Any, /) -> bool: ...
+    def take(self, seq: Any, /) -> None: ...
 
 
 _ID = attrgetter("id")
@@ -169,6 +179,16 @@ class GroupScheduler(Policy):
     """
 
     spatial: ClassVar[bool] = False
+    one_model: ClassVar[bool] = False
+    """Whether a one-model instance (the single-model and KunServe worlds, the
+    runtime's engine) can run it: its one-model case needs no per-service
+    statistics, admits the queue in order while prompts fit (vLLM admission,
+    :func:`admit_in_order`) and otherwise runs a decode step; its victim is
+    :meth:`victim`. ``tests/test_batching_one_model.py`` checks that
+    :meth:`schedule` agrees."""
+    macro_step_safe: ClassVar[bool] = False
+    """On a one-model instance: decisions depend only on queue order and free
+    memory, so a fixed decode batch may advance several iterations at once."""
 
     def setup(self, services: Mapping[str, ServiceStats], kv_capacity_bytes: int) -> None:
         """Called once per group before anything runs (services it hosts)."""
@@ -233,12 +253,15 @@ class GroupScheduler(Policy):
         """A request finished or left the group."""
 
 
-GROUP_BATCHING: Registry[GroupScheduler] = Registry("batching")
+BATCHING: Registry[GroupScheduler] = Registry("batching")
+"""The batching policies of every world (one registry: FCFS, RR, MLFQ, DB, ADBS)."""
 
 
-def _admit(waiting: Iterable[GroupSeq], budget: GroupBudget) -> list[GroupSeq]:
-    """vLLM admission: in queue order while the head fits (no skipping)."""
-    out: list[GroupSeq] = []
+def admit_in_order(waiting: Iterable[_S], budget: _Budget) -> list[_S]:
+    """vLLM admission: in queue order while the head fits (no skipping). The
+    one admission rule of every batching policy (each passes its own order)
+    and of every world (a one-model instance's budget works the same way)."""
+    out: list[_S] = []
     for s in waiting:
         if not budget.fits(s):
             break
@@ -251,7 +274,7 @@ def _job(model: str, phase: str, seqs: Sequence[GroupSeq], share: float = 1.0) -
     return Job(model, phase, tuple(s.id for s in seqs), share)
 
 
-@GROUP_BATCHING.register("fcfs")
+@BATCHING.register("fcfs")
 class GroupFcfs(GroupScheduler):
     """First-come-first-served across the group's services (vLLM; AlpaServe's
     temporal sharing).
@@ -264,11 +287,14 @@ class GroupFcfs(GroupScheduler):
     keeps FCFS's head-of-line blocking, which SeaLLM's Fig. 2 illustrates.
     """
 
+    one_model = True
+    macro_step_safe = True
+
     def schedule(self, state: GroupState, budget: GroupBudget, now: float) -> list[Job]:
         heads = [(q[0].arrival_s, q[0].id, m) for m in state.models if (q := state.waiting(m))]
         if heads:
             _, _, m = min(heads)
-            got = _admit(state.waiting(m), budget)
+            got = admit_in_order(state.waiting(m), budget)
             if got:
                 return [_job(m, PREFILL, got)]
         oldest = [(min(s.arrival_s for s in r), m) for m in state.models if (r := state.ready(m))]
@@ -278,7 +304,7 @@ class GroupFcfs(GroupScheduler):
         return []
 
 
-@GROUP_BATCHING.register("rr")
+@BATCHING.register("rr")
 class RoundRobin(GroupScheduler):
     """Round-robin over the group's services, one iteration each in turn.
 
@@ -286,6 +312,8 @@ class RoundRobin(GroupScheduler):
     it runs a prefill of its queue if the head prompt fits, else a decode step
     of its running requests.
     """
+
+    one_model = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,7 +325,7 @@ class RoundRobin(GroupScheduler):
         for k in range(1, n + 1):
             i = (self._last + k) % n
             m = models[i]
-            got = _admit(state.waiting(m), budget) if state.waiting(m) else []
+            got = admit_in_order(state.waiting(m), budget) if state.waiting(m) else []
             if got:
                 self._last = i
                 return [_job(m, PREFILL, got)]
@@ -308,7 +336,7 @@ class RoundRobin(GroupScheduler):
         return []
 
 
-@GROUP_BATCHING.register("mlfq")
+@BATCHING.register("mlfq")
 class SkipJoinMlfq(GroupScheduler):
     """FastServe's skip-join multi-level feedback queue, per group.
 
@@ -369,7 +397,7 @@ class SkipJoinMlfq(GroupScheduler):
         if phase == DECODE:
             return [_job(m, DECODE, state.ready(m))]
         order = sorted(state.waiting(m), key=lambda s: self._key(s, now))
-        got = _admit(order, budget)
+        got = admit_in_order(order, budget)
         if got:
             return [_job(m, PREFILL, got)]
         # the top prompt does not fit: serve the best running requests instead
@@ -555,7 +583,7 @@ class _Scan:
         )
 
 
-@GROUP_BATCHING.register("db")
+@BATCHING.register("db")
 class DoublingBudget(GroupScheduler):
     """SeaLLM's doubling-budget (DB) scheduler (§4.2, Algorithm 2).
 
@@ -816,7 +844,7 @@ class DoublingBudget(GroupScheduler):
                 j = overs.index(worst)
         m, phase = sc.labels[j]
         if phase == PREFILL:
-            got = _admit(self._first(sc, j), budget)
+            got = admit_in_order(self._first(sc, j), budget)
             if got:
                 return [_job(m, PREFILL, got)]
             # no memory for the best prompt: run the best decodable batch
@@ -891,7 +919,7 @@ class DoublingBudget(GroupScheduler):
         return max(1, min(k, n))
 
 
-@GROUP_BATCHING.register("adbs")
+@BATCHING.register("adbs")
 class Adbs(GroupScheduler):
     """MuxServe's adaptive batch scheduling (Algorithm 3), spatial-temporal.
 
@@ -1015,7 +1043,7 @@ class Adbs(GroupScheduler):
                 prefill_waiting = True
                 if free + 1e-12 >= need:
                     for m in cands:
-                        got = _admit(state.waiting(m), budget)
+                        got = admit_in_order(state.waiting(m), budget)
                         if got:
                             self._rr_prefill = models.index(m)
                             share = min(need, free) if busy_decode else free

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.base import BATCHING
+from fleetserve.policy.batching import instance_batching
 from fleetserve.runtime.buddy import (
     GroupRunner,
     StageResult,
@@ -174,7 +174,7 @@ class WorkerCore:
             block_size=spec.block_size,
             device=spec.device,
             dtype=DTYPES[spec.dtype],
-            batching=BATCHING.get(spec.batching)(),
+            batching=instance_batching(spec.batching),
             max_running=spec.max_running,
             max_batch_tokens=spec.max_batch_tokens,
             engine_id=spec.worker_id,

@@ -139,7 +139,8 @@ from fleetserve.policy.actions import (
     Reject,
     Restore,
 )
-from fleetserve.policy.base import BATCHING, DISPATCH, AdmissionBudget
+from fleetserve.policy.base import DISPATCH, AdmissionBudget
+from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.kunserve import (
     ExecutorLoad,
     dispatch_candidates,
@@ -600,7 +601,7 @@ class KunSimulator:
             block_size=VIEW_BLOCK,
         )
         self.dispatcher = DISPATCH.get(dispatch)()
-        self.batching = BATCHING.get(batching)()
+        self.batching = instance_batching(batching)
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.base import BATCHING, DISPATCH
+from fleetserve.policy.base import DISPATCH
+from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.catalog import KUNSERVE, stack_for
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun import KunSimulator, ProgressFn
@@ -44,7 +45,7 @@ def kun_batching(cfg: SimConfig) -> str:
     """The executors' batching policy: the config's ``policy.batching``, else
     the stack's (checked against the registry)."""
     name = cfg.policy.batching or stack_for(cfg.policy.stack, KUNSERVE).batching
-    BATCHING.get(name)  # a clear error for an unknown name
+    instance_batching(name)  # a clear error for an unknown or multi-LLM-only name
     return name
 
 

@@ -64,7 +64,7 @@ from fleetserve.policy.actions import Dispatch
 from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
-from fleetserve.policy.sharing import GROUP_BATCHING, GroupScheduler, ServiceStats
+from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import GROUP_READY, ITER_END, KV_ARRIVED, REPLACE, SAMPLE, Event
 from fleetserve.sim.group import GSeq, SharingGroup
@@ -342,7 +342,7 @@ class MultiSimulator:
             self.services, self.requests, self.gpu, self.cost_model
         )
         self.stats = dict(stats) if stats is not None else computed
-        GROUP_BATCHING.get(config.scheduler)  # a clear error for unknown names
+        BATCHING.get(config.scheduler)  # a clear error for unknown names
         self.dispatcher = DISPATCH.get(config.dispatch)()
         # the dispatch policies are deterministic; the generator is their
         # interface's, seeded for any that would draw from it
@@ -431,7 +431,7 @@ class MultiSimulator:
         cfg = self.cfg
         specs = {s: self.services[s].spec for s in names}
         layout = make_layout(cfg.layout, kv, specs, cfg.block_size)
-        sched: GroupScheduler = GROUP_BATCHING.get(cfg.scheduler)(**dict(cfg.scheduler_params))
+        sched: GroupScheduler = BATCHING.get(cfg.scheduler)(**dict(cfg.scheduler_params))
         sched.setup({s: self.stats[s] for s in names}, kv)
         costs: dict[str, InstanceCost] = {
             s: self.cost_model.bind(specs[s], self.gpu, tp) for s in names

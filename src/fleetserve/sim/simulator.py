@@ -42,7 +42,6 @@ from fleetserve.costmodel import CostModel, InstanceCost
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RequestRecord, RunResult, TimeSeries
 from fleetserve.policy import (
-    BATCHING,
     DISPATCH,
     MECHANISM,
     MEMORY,
@@ -56,7 +55,7 @@ from fleetserve.policy import (
     Reject,
     ReleaseGpu,
 )
-from fleetserve.policy.base import BatchingPolicy
+from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.admission import context_note, context_reason
@@ -148,7 +147,7 @@ class Simulator:
         self.gpu = get_gpu(cl.gpu)
         self.policy_names = pn = resolve_policies(config)
         self.dispatcher = DISPATCH.get(pn["dispatch"]).from_config(config)
-        self.batching_cls: type[BatchingPolicy] = BATCHING.get(pn["batching"])
+        self.batching_name = pn["batching"]
         self.memory = MEMORY.get(pn["memory"]).from_config(config)
         self.migration = MIGRATION.get(pn["migration"]).from_config(config)
         self.migration.attach(self.dispatcher)
@@ -246,7 +245,7 @@ class Simulator:
             self.blocks[model],
             cl.block_size,
             self.costs[model],
-            self.batching_cls.from_config(self.cfg),
+            instance_batching(self.batching_name),
             self.clock,
             max_num_seqs=eng.max_num_seqs,
             max_batched_tokens=eng.max_batched_tokens,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
-from fleetserve.policy.batching import Fcfs
+from fleetserve.policy.batching import instance_batching
 from fleetserve.runtime.engine.config import EngineModelConfig
 from fleetserve.runtime.engine.kvpool import KVPool
 from fleetserve.runtime.engine.migration import (
@@ -415,7 +415,7 @@ class Engine:
             raise ConfigError("device 'cuda' requested but torch sees no CUDA device")
         self.dtype = dtype
         self.engine_id = engine_id
-        self.batching = batching if batching is not None else Fcfs()
+        self.batching = batching if batching is not None else instance_batching("fcfs")
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         srcs: list[tuple[WeightSource, list[int] | None]] = []
