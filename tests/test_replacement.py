@@ -106,7 +106,13 @@ class Alternate:
         return self.plans[len(self.calls) % len(self.plans)], self.est
 
 
-def _run(sched: str, replanner: Alternate | None, layout: str = "merged") -> MultiSimulator:
+def _run(
+    sched: str,
+    replanner: Alternate | None,
+    layout: str = "merged",
+    mechanism: str = "kv",
+    link_share: float = 0.5,
+) -> MultiSimulator:
     svc = services(("a", "llama-2-7b", 6.0), ("b", "llama-2-13b", 3.0))
     reqs = workload({"a": 4.0, "b": 2.0}, 30.0, 3, 1024, 300)
     cfg = MultiConfig(
@@ -116,6 +122,8 @@ def _run(sched: str, replanner: Alternate | None, layout: str = "merged") -> Mul
         layout=layout,
         check_integrity=True,
         max_num_seqs=64,
+        mechanism=mechanism,
+        link_share=link_share,
     )
     repl = ReplacementConfig(initial_interval_s=6.0, min_interval_s=3.0)
     sim = MultiSimulator(
@@ -202,3 +210,28 @@ def test_moved_requests_whose_kv_no_longer_fits_are_recomputed() -> None:
     assert sim.recomputed_after_move > 0
     assert all(r.status == "finished" and r.generated == r.output_tokens for r in res.records)
     assert sum(r.preemptions for r in res.records) >= sim.recomputed_after_move
+
+
+@pytest.mark.parametrize("mechanism", ["kv", "token", "adaptive"])
+def test_the_mechanism_family_moves_the_requests_of_a_replacement(mechanism: str) -> None:
+    """kv copies every moved request's KV; token sends token ids (4 bytes a
+    token) and the destination re-prefills; adaptive (Mell §V) packs the moves
+    into one epoch's link and compute boundaries: with the default link share
+    every move here fits NVLink's (KV); with a share of 0.2 % (300 MB per
+    epoch) the rest go as tokens. Every request still ends once."""
+    share = 0.002 if mechanism == "adaptive" else 0.5
+    sim = _run("fcfs", Alternate([PLAN_A, PLAN_B]), mechanism=mechanism, link_share=share)
+    recs = sim.records
+    assert all(r.status == "finished" and r.generated == r.output_tokens for r in recs)
+    modes = {m.mode for m in sim.migrations}
+    assert sim.migrations
+    if mechanism == "kv":
+        assert modes == {"kv"}
+    elif mechanism == "token":
+        assert modes == {"token"}
+        for m in sim.migrations:
+            assert m.bytes % 4 == 0 and m.bytes < 4 * 10_000
+    else:
+        assert modes == {"kv", "token"}
+        roomy = _run("fcfs", Alternate([PLAN_A, PLAN_B]), mechanism="adaptive")
+        assert {m.mode for m in roomy.migrations} == {"kv"}

@@ -478,6 +478,21 @@ class InstanceCost:
         """Seconds to rebuild ``tokens`` tokens of KV by recomputation (one prefill)."""
         return self.prefill_time([tokens]) if tokens > 0 else 0.0
 
+    def re_prefill_tokens(self, budget_s: float) -> int:
+        """The most tokens a re-prefill rebuilds within ``budget_s`` seconds:
+        the largest ``n`` with ``re_prefill_time(n) <= budget_s`` (binary search;
+        the time grows with ``n``). Mell's computation boundary (§V)."""
+        lo, hi = 0, 1
+        while hi < 1 << 40 and self.re_prefill_time(hi) <= budget_s:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # re_prefill_time(lo) <= budget_s < re_prefill_time(hi)
+            mid = (lo + hi) // 2
+            if self.re_prefill_time(mid) <= budget_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
 
 class CostModel:
     """Factory of :class:`InstanceCost`: default or calibrated efficiency parameters.

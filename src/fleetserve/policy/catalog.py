@@ -141,10 +141,9 @@ WORLDS: dict[str, World] = {
             "multi-LLM",
             "fleetserve.sim.multi",
             "a config with services, multi.generator or fleet.generator",
-            ("placement", "dispatch", "batching", "layout", "replacement"),
+            ("placement", "dispatch", "batching", "layout", "replacement", "mechanism"),
             {
-                "migration": "KV moves only when a re-placement retires a group",
-                "mechanism": "kv",
+                "migration": "requests move only when a re-placement retires a group",
                 "memory": "static",
                 "pressure": "the group scheduler preempts (recompute)",
             },
@@ -359,6 +358,19 @@ STACKS: dict[str, Stack] = _by_name(
         dispatch=_FR,
         batching="db",
         layout="merged",
+    ),
+    # --- composed: designs of several papers in one cluster -----------------------
+    Stack(
+        "seallm-adaptive",
+        "SeaLLM whose re-placements move running requests with Mell's adaptive "
+        "KV/token migration (Mell §V) instead of KV copies only",
+        _WM,
+        placement="seallm",
+        dispatch=_FR,
+        batching="db",
+        layout="merged",
+        replacement=True,
+        mechanism="adaptive",
     ),
     # --- KunServe burst (KunServe's comparison) -----------------------------------
     Stack(

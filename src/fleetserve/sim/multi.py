@@ -63,6 +63,7 @@ from fleetserve.metrics.records import (
 from fleetserve.policy.actions import Dispatch
 from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
+from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
@@ -70,6 +71,7 @@ from fleetserve.sim.events import GROUP_READY, ITER_END, KV_ARRIVED, REPLACE, SA
 from fleetserve.sim.group import GSeq, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kvlayout import make_layout
+from fleetserve.sim.migration import TOKEN_ID_BYTES
 from fleetserve.spec import get_gpu
 from fleetserve.spec.memory import group_kv_bytes, min_tp
 from fleetserve.spec.types import GpuSpec
@@ -121,6 +123,10 @@ class MultiConfig:
         n_gpus: GPUs in the pool.
         scheduler: group scheduler name (``fcfs``, ``rr``, ``mlfq``, ``db``, ``adbs``).
         dispatch: dispatch policy among a service's hosts (registry name).
+        mechanism: how a re-placement moves running requests (``kv``,
+            ``token``, ``adaptive``: Mell §V); ``epoch_s``, ``link_share``
+            and ``compute_share`` give the adaptive mechanism's boundaries
+            (``migration.*`` of the run's config).
         scheduler_params: keyword arguments of the scheduler.
         layout: KV layout (``headwise``, ``merged``, ``partitioned``).
         block_size: tokens per KV block.
@@ -140,6 +146,10 @@ class MultiConfig:
     n_gpus: int = 8
     scheduler: str = "fcfs"
     dispatch: str = "fewest_requests"
+    mechanism: str = "kv"
+    epoch_s: float = 0.5
+    link_share: float = 0.5
+    compute_share: float = 0.1
     scheduler_params: Mapping[str, Any] = field(default_factory=dict)
     layout: str = "headwise"
     block_size: int = 16
@@ -344,6 +354,7 @@ class MultiSimulator:
         self.stats = dict(stats) if stats is not None else computed
         BATCHING.get(config.scheduler)  # a clear error for unknown names
         self.dispatcher = DISPATCH.get(config.dispatch)()
+        self.mechanism = MECHANISM.get(config.mechanism)()
         # the dispatch policies are deterministic; the generator is their
         # interface's, seeded for any that would draw from it
         self.rng = np.random.default_rng(0)
@@ -492,9 +503,9 @@ class MultiSimulator:
         self._on_ready(payload, now)
         return self._caused()
 
-    def _ev_migrated(self, payload: tuple[SharingGroup, GSeq], now: float) -> list[Event]:
-        dst, moved = payload
-        self._on_migrated(dst, moved, now)
+    def _ev_migrated(self, payload: tuple[SharingGroup, GSeq, str], now: float) -> list[Event]:
+        dst, moved, mode = payload
+        self._on_migrated(dst, moved, mode, now)
         return self._caused()
 
     def _ev_sample(self, payload: None, now: float) -> list[Event]:
@@ -660,31 +671,70 @@ class MultiSimulator:
         }
 
     def _retire(self, g: SharingGroup, now: float) -> None:
-        """A retiring group with no job in flight: move its running requests
-        (with their KV) to hosts of the new plan; the group stops."""
+        """A retiring group with no job in flight: move its running requests to
+        hosts of the new plan; the group stops.
+
+        Each request goes to the host of its service with the fewest requests
+        (counting those on their way). The migration mechanism then picks each
+        move's mode: ``kv`` copies the request's KV (the copies leave one after
+        another over the source's link), ``token`` sends its token ids and the
+        destination re-prefills them (Mell §V's two bins; ``adaptive`` packs
+        the moves into one epoch's link and compute boundaries). A move the
+        mechanism would postpone to a later epoch cannot wait here (its source
+        stops), so it goes as a KV copy, the world's move before it read the
+        mechanism family: an implementer's choice.
+        """
         g.state = "stopped"
         self._stopped[g.id] = now
-        clock = now
-        node = self.gpu.gpus_per_node
+        plan: list[tuple[GSeq, SharingGroup, PendingMove]] = []
         for seq in g.take_running():
             m = seq.model
             dst = min(
                 self.hosts[m],
                 key=lambda h: (h.outstanding(m) + h.incoming, h.state != "live", h.id),
             )
+            dst.incoming += 1
+            nbytes = seq.kv_tokens * self.services[m].spec.kv_bytes_per_token
+            move = PendingMove(
+                seq.id, g.id, dst.id, tuple(g.gpus), tuple(dst.gpus), nbytes, seq.kv_tokens
+            )
+            plan.append((seq, dst, move))
+        modes = {
+            mv.request_id: mode
+            for mv, mode in self.mechanism.assign([p[2] for p in plan], self._mech_context())
+        }
+        clock = now
+        node = self.gpu.gpus_per_node
+        for seq, dst, move in plan:
+            mode = modes.get(seq.id, "kv")
             link = (
                 intra_node_link(self.gpu)
                 if g.gpus[0] // node == dst.gpus[0] // node
                 else network_link(self.gpu)
             )
-            nbytes = seq.kv_tokens * self.services[m].spec.kv_bytes_per_token
+            nbytes = move.kv_bytes if mode == "kv" else TOKEN_ID_BYTES * move.tokens
             clock += transfer_time(nbytes / min(g.tp, dst.tp), link)
             arrive = max(clock, self._ready_at.get(dst.id, now))
-            dst.incoming += 1
             self._in_transit[seq.id] = seq
             seq.record.migrations += 1
-            self.migrations.append(MigrationRecord(now, seq.id, g.id, dst.id, "kv", int(nbytes)))
-            self._out.append((arrive, KV_ARRIVED, (dst, seq)))
+            self.migrations.append(MigrationRecord(now, seq.id, g.id, dst.id, mode, int(nbytes)))
+            self._out.append((arrive, KV_ARRIVED, (dst, seq, mode)))
+
+    def _mech_context(self) -> MechanismContext:
+        """One epoch's boundaries (Mell §V) for the moves of a re-placement:
+        bytes per link and re-prefill tokens per destination group."""
+        c = self.cfg
+        per: dict[int, int] = {}
+        for h in self.groups:
+            if h.state in ("live", "loading"):
+                budget = c.compute_share * c.epoch_s
+                per[h.id] = min(h.costs[m].re_prefill_tokens(budget) for m in h.models)
+        return MechanismContext(
+            gpus_per_node=self.gpu.gpus_per_node,
+            intra_node_bytes=int(c.link_share * c.epoch_s * self.gpu.intra_node_bw),
+            inter_node_bytes=int(c.link_share * c.epoch_s * self.gpu.network_bw),
+            compute_tokens=per,
+        )
 
     def _on_ready(self, g: SharingGroup, now: float) -> None:
         if g.state != "loading":
@@ -692,9 +742,19 @@ class MultiSimulator:
         g.state = "live"
         self._push(g, g.schedule(now))
 
-    def _on_migrated(self, g: SharingGroup, seq: GSeq, now: float) -> None:
+    def _on_migrated(self, g: SharingGroup, seq: GSeq, mode: str, now: float) -> None:
         del self._in_transit[seq.id]
         g.incoming -= 1
+        if mode == "token":
+            # token ids arrived: the destination re-prefills them (a migration
+            # by recomputation, not a preemption)
+            seq.kv_tokens = 0
+            if g.state == "live":
+                seq.record.instance = g.id
+                self._push(g, g.enqueue(seq, now, head=True))
+            else:
+                self._dispatch(seq, now, head=True)
+            return
         if g.state == "live" and g.adopt(seq, now):
             seq.record.instance = g.id
             self._push(g, g.truncate(now) + g.schedule(now))

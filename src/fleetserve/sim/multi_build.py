@@ -78,6 +78,10 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         check_integrity=cfg.check_integrity,
         max_model_len=en.max_model_len,
         dispatch=cfg.policy.dispatch,
+        mechanism=cfg.migration.mechanism,
+        epoch_s=cfg.migration.epoch_s,
+        link_share=cfg.migration.link_share,
+        compute_share=cfg.migration.compute_share,
     )
 
 

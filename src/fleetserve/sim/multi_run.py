@@ -64,6 +64,9 @@ class MultiRunSettings:
         check_integrity: check every invariant after every event (tests).
         max_model_len: the context window served (None: each model's own).
         dispatch: the dispatch policy among a service's hosts (None: the stack's).
+        mechanism: how a re-placement moves running requests (None: the stack's).
+        epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
+            boundaries (``migration.*``).
     """
 
     gpu: str = "a800-80gb"
@@ -81,6 +84,10 @@ class MultiRunSettings:
     check_integrity: bool = False
     max_model_len: int | None = None
     dispatch: str | None = None
+    mechanism: str | None = None
+    epoch_s: float = 0.5
+    link_share: float = 0.5
+    compute_share: float = 0.1
 
     def multi_config(self, stack: Stack) -> MultiConfig:
         """The simulator's config for ``stack`` (its group scheduler and KV layout)."""
@@ -89,6 +96,10 @@ class MultiRunSettings:
             n_gpus=self.n_gpus,
             scheduler=stack.batching,
             dispatch=self.dispatch or stack.dispatch,
+            mechanism=self.mechanism or stack.mechanism,
+            epoch_s=self.epoch_s,
+            link_share=self.link_share,
+            compute_share=self.compute_share,
             layout=stack.layout,
             block_size=self.block_size,
             mem_util=self.mem_util,

@@ -499,19 +499,10 @@ class Simulator:
         got = self._compute_tokens.get(model)
         if got is not None:
             return got
-        cost = self.costs[model]
-        budget = self.cfg.migration.compute_share * self.cfg.migration.epoch_s
-        lo, hi = 0, 1
-        while hi < 1 << 40 and cost.re_prefill_time(hi) <= budget:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:  # re_prefill_time(lo) <= budget < re_prefill_time(hi)
-            mid = (lo + hi) // 2
-            if cost.re_prefill_time(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
-        self._compute_tokens[model] = lo
-        return lo
+        mc = self.cfg.migration
+        got = self.costs[model].re_prefill_tokens(mc.compute_share * mc.epoch_s)
+        self._compute_tokens[model] = got
+        return got
 
     def _work_left(self, arrivals_left: bool) -> bool:
         """Whether anything can still happen: arrivals, held requests, pending
