@@ -242,7 +242,8 @@ STACKS: dict[str, Stack] = _by_name(
     # --- in several worlds: one meaning, every family -----------------------------
     Stack(
         "vllm",
-        "vLLM: GPUs split among services by rate, FCFS",
+        "vLLM: one model per GPU (group), round-robin dispatch, FCFS; several services "
+        "split the GPUs by rate; under memory pressure new requests queue",
         (SINGLE, MULTI, KUNSERVE),
     ),
     Stack(
