@@ -556,10 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("config", nargs="?", help="YAML config (optional)")
     sim.add_argument(
         "--stack",
-        help="policy stack: vllm, bf, wf, ll, llumnix, mell; with services or "
-        "multi.generator in the config (multi-LLM): vllm, alpaserve, muxserve, seallm, "
-        "seallm-fcfs, seallm-mlfq, seallm-noplace, seallm-norepl, muxserve-fcfs, muxserve-rr; "
-        "KunServe: kunserve, kv-drop, kv-swap, pipeline, ... (all: fleetserve stacks)",
+        help="policy stack: vllm, bf, wf, ll, llumnix, mell; with services, multi.generator "
+        "or fleet.generator in the config (multi-LLM): vllm, alpaserve, muxserve, seallm, "
+        "seallm-fcfs, seallm-mlfq, seallm-noplace, seallm-norepl, seallm-adaptive, "
+        "muxserve-fcfs, muxserve-rr; KunServe: kunserve, kv-drop, kv-swap, pipeline, ... "
+        "(all, with the worlds each runs in: fleetserve stacks)",
     )
     _add_sim_flags(sim)
     sim.set_defaults(func=cmd_simulate)
@@ -585,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated subset, e.g. bf,wf (default: every stack of the experiment; "
         "mell: bf,wf,llumnix,mell,mell-nobatch; seallm: vllm,alpaserve,muxserve,seallm,"
         "seallm-fcfs,seallm-mlfq,seallm-noplace,seallm-norepl; muxserve: vllm,alpaserve,"
-        "muxserve,muxserve-rr,muxserve-fcfs; kunserve: vllm,kv-drop,kv-swap,llumnix,pipeline,"
+        "muxserve,muxserve-rr,muxserve-fcfs; kunserve: wf,kv-drop,kv-swap,llumnix,pipeline,"
         "kunserve,kunserve-blocking,kunserve-norestore,kunserve-memgreedy)",
     )
     rep.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
