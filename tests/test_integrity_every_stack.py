@@ -98,6 +98,7 @@ def test_every_stack_keeps_its_invariants_after_every_event(
             gpu="a100-80gb",
             n_gpus=2 if small else 4,
             replacement=ReplacementConfig(initial_interval_s=4.0, min_interval_s=2.0),
+            keepalive_s=0.5,  # elastic stacks: groups sleep and wake within the run
             processes=1,
             check_integrity=True,
         )

@@ -116,9 +116,10 @@ def _cfg(stack: str, **extra: Any) -> SimConfig:
 # ------------------------------------------------------------------------- the table
 def test_every_name_of_the_three_old_tables_is_one_stack() -> None:
     old = [*OLD_SINGLE, *OLD_MULTI, *OLD_KUN]
-    composed = {"seallm-adaptive"}  # stacks composed from several papers since
+    # stacks composed from several papers since
+    composed = {"seallm-adaptive", "seallm-mell", "muxserve-mell"}
     assert set(STACKS) == set(old) | composed
-    assert len(STACKS) == len(set(old)) + len(composed) == 23
+    assert len(STACKS) == len(set(old)) + len(composed) == 25
     assert all(name == s.name for name, s in STACKS.items())
     # the names in several tables are one entry each, in every world they were in
     assert get_stack("vllm").worlds == (SINGLE, MULTI, KUNSERVE)
@@ -292,8 +293,8 @@ def test_fleetserve_stacks_json(capsys: pytest.CaptureFixture[str]) -> None:
         ({"policy": {"stack": "kunserve", "migration": "llumnix"}}, "migration"),
         ({"policy": {"stack": "kunserve", "placement": "dedicated"}}, "placement"),
         (
-            {"policy": {"stack": "seallm", "memory": "elastic"}, "multi": {"generator": "seallm"}},
-            "memory",
+            {"policy": {"stack": "seallm", "migration": "mell"}, "multi": {"generator": "seallm"}},
+            "migration",
         ),
     ],
 )

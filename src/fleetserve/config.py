@@ -298,6 +298,12 @@ class MultiConfigSection:
         processes: parallel placement searches (None: one per TP size).
         max_services: services per group at most in SeaLLM's search
             (None: no limit; SeaLLM's evaluation used 2).
+        keepalive_s: with elastic memory (``policy.memory: elastic`` or a
+            stack that has it), how long a sharing group stays idle before it
+            releases its GPUs (its weights are reloaded from host memory when
+            it is needed again). Mell releases an idle GPU at once; a group's
+            weights take seconds to reload, so it waits, as serverless
+            platforms keep an instance warm: an implementer's choice.
     """
 
     generator: str | None = None
@@ -315,8 +321,11 @@ class MultiConfigSection:
     slo_scale: float = 5.0
     processes: int | None = None
     max_services: int | None = None
+    keepalive_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.keepalive_s < 0:
+            raise ConfigError(f"multi.keepalive_s must be >= 0, got {self.keepalive_s}")
         for name in (
             "rate",
             "duration_s",

@@ -141,10 +141,9 @@ WORLDS: dict[str, World] = {
             "multi-LLM",
             "fleetserve.sim.multi",
             "a config with services, multi.generator or fleet.generator",
-            ("placement", "dispatch", "batching", "layout", "replacement", "mechanism"),
+            ("placement", "dispatch", "batching", "layout", "replacement", "mechanism", "memory"),
             {
                 "migration": "requests move only when a re-placement retires a group",
-                "memory": "static",
                 "pressure": "the group scheduler preempts (recompute)",
             },
         ),
@@ -372,6 +371,31 @@ STACKS: dict[str, Stack] = _by_name(
         layout="merged",
         replacement=True,
         mechanism="adaptive",
+    ),
+    Stack(
+        "seallm-mell",
+        "SeaLLM (search placement, DB, adaptive replacement) on Mell's elastic pool: "
+        "idle sharing groups release their GPUs and reload when needed; re-placements "
+        "move requests with Mell's adaptive KV/token migration",
+        _WM,
+        placement="seallm",
+        dispatch=_FR,
+        batching="db",
+        layout="merged",
+        replacement=True,
+        mechanism="adaptive",
+        memory="elastic",
+    ),
+    Stack(
+        "muxserve-mell",
+        "MuxServe (enumeration placement, ADBS, head-wise KV) on Mell's elastic pool: "
+        "idle sharing groups release their GPUs and reload when needed",
+        _WM,
+        placement="muxserve",
+        dispatch=_FR,
+        batching="adbs",
+        layout="headwise",
+        memory="elastic",
     ),
     # --- KunServe burst (KunServe's comparison) -----------------------------------
     Stack(

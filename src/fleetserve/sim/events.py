@@ -18,10 +18,11 @@ were caused:
 2. arrivals (:data:`P_ARRIVAL`; they come from the sorted request list, not
    the heap, and are merged by the kernel): an arrival at the instant an
    iteration ends sees the batch that starts then.
-3. ``EPOCH``: a periodic policy decision (a migration epoch, KunServe's
-   monitor). The plan sees every arrival of its instant (Mell allocates the
-   requests that arrived up to the epoch boundary) and every iteration end
-   and transfer.
+3. ``EPOCH``, ``IDLE_CHECK``: a periodic policy decision (a migration
+   epoch, KunServe's monitor), and the check whether a sharing group idle for
+   its keep-alive may release its GPUs (elastic memory). The plan sees every
+   arrival of its instant (Mell allocates the requests that arrived up to the
+   epoch boundary) and every iteration end and transfer.
 4. ``SAMPLE``, ``REPLACE``: time-series samples (they see the state after
    everything at that instant, a plan included) and SeaLLM's re-placement
    checks. At one instant these two run in the order they were caused.
@@ -46,6 +47,7 @@ ATTACH = 4
 EPOCH = 5
 SAMPLE = 6
 REPLACE = 7
+IDLE_CHECK = 8
 
 PRIORITY: tuple[int, ...] = (
     P_ITER_END,  # ITER_END
@@ -56,6 +58,7 @@ PRIORITY: tuple[int, ...] = (
     P_EPOCH,  # EPOCH
     P_SAMPLE,  # SAMPLE
     P_SAMPLE,  # REPLACE
+    P_EPOCH,  # IDLE_CHECK
 )
 """Each kind's priority, by kind."""
 
@@ -68,6 +71,7 @@ NAMES: tuple[str, ...] = (
     "epoch",
     "sample",
     "replace",
+    "idle_check",
 )
 """Each kind's name, by kind (for messages and tests)."""
 

@@ -67,7 +67,15 @@ from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
-from fleetserve.sim.events import GROUP_READY, ITER_END, KV_ARRIVED, REPLACE, SAMPLE, Event
+from fleetserve.sim.events import (
+    GROUP_READY,
+    IDLE_CHECK,
+    ITER_END,
+    KV_ARRIVED,
+    REPLACE,
+    SAMPLE,
+    Event,
+)
 from fleetserve.sim.group import GSeq, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kvlayout import make_layout
@@ -127,6 +135,10 @@ class MultiConfig:
             ``token``, ``adaptive``: Mell §V); ``epoch_s``, ``link_share``
             and ``compute_share`` give the adaptive mechanism's boundaries
             (``migration.*`` of the run's config).
+        memory: ``static`` (every group holds its GPUs the whole run) or
+            ``elastic``: a group idle for ``keepalive_s`` releases its GPUs
+            (its weights are dropped) and wakes, reloading them from host
+            memory, when a request of its services finds no live or waking host.
         scheduler_params: keyword arguments of the scheduler.
         layout: KV layout (``headwise``, ``merged``, ``partitioned``).
         block_size: tokens per KV block.
@@ -147,6 +159,8 @@ class MultiConfig:
     scheduler: str = "fcfs"
     dispatch: str = "fewest_requests"
     mechanism: str = "kv"
+    memory: str = "static"
+    keepalive_s: float = 30.0
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
@@ -169,6 +183,13 @@ class MultiConfig:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")
         if self.sample_interval_s <= 0:
             raise ConfigError("sample_interval_s must be > 0")
+        if self.memory not in ("static", "elastic"):
+            raise ConfigError(
+                f"memory {self.memory!r}: a multi-LLM run holds its groups' GPUs "
+                "(static) or releases idle groups (elastic)"
+            )
+        if self.keepalive_s < 0:
+            raise ConfigError(f"keepalive_s must be >= 0, got {self.keepalive_s}")
 
 
 def service_stats(
@@ -370,6 +391,13 @@ class MultiSimulator:
         self._started: dict[int, float] = {}
         self._stopped: dict[int, float] = {}
         self._ready_at: dict[int, float] = {}
+        # elastic memory: when each group became idle, the periods its GPUs were
+        # active (closed ones), and since when the active groups are
+        self._idle_since: dict[int, float] = {}
+        self._active_since: dict[int, float] = {}
+        self._periods: list[tuple[tuple[int, ...], float, float]] = []
+        self._wakes = 0
+        self._sleeps = 0
         for gp in plan.groups:
             for g in self._build(gp):
                 self._host(g)
@@ -405,6 +433,7 @@ class MultiSimulator:
                 GROUP_READY: self._ev_ready,
                 KV_ARRIVED: self._ev_migrated,
                 SAMPLE: self._ev_sample,
+                IDLE_CHECK: self._ev_idle_check,
             },
             max_time_s=config.max_time_s,
             check=config.check_integrity,
@@ -428,6 +457,7 @@ class MultiSimulator:
             gpus = tuple(gp.gpus[k * gp.tp : (k + 1) * gp.tp])
             g = self._add_group(gpus, gp.tp, gp.services, kv)
             self._started[g.id] = now
+            self._active_since[g.id] = now
             out.append(g)
         self._by_key[_gkey(gp)] = out
         return out
@@ -469,6 +499,10 @@ class MultiSimulator:
         k = self.kernel
         k.push(self._caused())  # anything set up before the run
         k.push([(0.0, SAMPLE, None)])
+        if self.cfg.memory == "elastic":
+            for g in self.groups:
+                self._idle_since[g.id] = 0.0
+                k.push([(self.cfg.keepalive_s, IDLE_CHECK, (g, 0.0))])
         self._last_arrival = self.requests[-1].arrival_s if self.requests else 0.0
         if self._interval is not None and self._interval.interval_s < self._last_arrival:
             k.push([(self._interval.interval_s, REPLACE, None)])
@@ -547,13 +581,16 @@ class MultiSimulator:
             self.n_done += 1
             return
         live = [g for g in hosts if g.state == "live"]
+        waking = [g for g in hosts if g.state == "loading"]
         state = ClusterState(block_size=self.cfg.block_size)
-        for h in live or hosts:
+        for h in live or waking or hosts:
             state.add(HostView(h, m))
         action = self.dispatcher.dispatch(state, self.requests[seq.id], now, self.rng)
         if not isinstance(action, Dispatch):
             raise RuntimeError(f"dispatch among the hosts of {m} returned {action!r}")
         g = self._group_by_id[action.instance_id]
+        if g.state == "asleep":
+            self._wake(g, now)
         rec.instance = g.id
         self._push(g, g.enqueue(seq, now, head=head))
 
@@ -575,6 +612,9 @@ class MultiSimulator:
         self._push(g, g.schedule(now))
         if g.state == "retiring" and not g.jobs:
             self._retire(g, now)
+        elif self.cfg.memory == "elastic" and g.state == "live" and g.idle and not g.incoming:
+            self._idle_since[g.id] = now
+            self._out.append((now + self.cfg.keepalive_s, IDLE_CHECK, (g, now)))
 
     # ---------------------------------------------------------- replacement
     def _attainment(self, t0: float, t1: float, arrived: int) -> float | None:
@@ -686,6 +726,7 @@ class MultiSimulator:
         """
         g.state = "stopped"
         self._stopped[g.id] = now
+        self._release(g, now)
         plan: list[tuple[GSeq, SharingGroup, PendingMove]] = []
         for seq in g.take_running():
             m = seq.model
@@ -693,6 +734,8 @@ class MultiSimulator:
                 self.hosts[m],
                 key=lambda h: (h.outstanding(m) + h.incoming, h.state != "live", h.id),
             )
+            if dst.state == "asleep":
+                self._wake(dst, now)
             dst.incoming += 1
             nbytes = seq.kv_tokens * self.services[m].spec.kv_bytes_per_token
             move = PendingMove(
@@ -720,6 +763,79 @@ class MultiSimulator:
             self.migrations.append(MigrationRecord(now, seq.id, g.id, dst.id, mode, int(nbytes)))
             self._out.append((arrive, KV_ARRIVED, (dst, seq, mode)))
 
+    # ---------------------------------------------------------- elastic memory
+    def _ev_idle_check(self, payload: tuple[SharingGroup, float], now: float) -> list[Event] | None:
+        g, since = payload
+        if self._idle_since.get(g.id) != since:
+            return None  # it got work (and perhaps went idle again) since
+        if g.state != "live" or not g.idle or g.incoming:
+            return None
+        if not self.kernel.arrivals_left and all(
+            h.idle and not h.incoming for h in self.groups if h.state != "stopped"
+        ):
+            return None  # the run is over: its end is the last request's, not this check's
+        self._sleep(g, now)
+        return self._caused()
+
+    def _sleep(self, g: SharingGroup, now: float) -> None:
+        """An idle live group releases its GPUs (its weights are dropped); it
+        stays a host of its services, to be woken by :meth:`_wake`."""
+        del self._idle_since[g.id]
+        g.state = "asleep"
+        self._sleeps += 1
+        self._release(g, now)
+
+    def _wake(self, g: SharingGroup, now: float) -> None:
+        """An asleep group takes its GPUs back and reloads its weights from host
+        memory (as a re-placement loads a new group); it serves when they are in."""
+        w = sum(self.services[s].spec.weight_bytes for s in g.models) / g.tp
+        ready = now + transfer_time(w, host_link(self.gpu))
+        g.state = "loading"
+        self._ready_at[g.id] = ready
+        self._active_since[g.id] = now
+        self._wakes += 1
+        self._out.append((ready, GROUP_READY, g))
+
+    def _release(self, g: SharingGroup, now: float) -> None:
+        """Close the group's active period (if it has one)."""
+        since = self._active_since.pop(g.id, None)
+        if since is not None:
+            self._periods.append((tuple(g.gpus), since, now))
+
+    def _gpus_active(self) -> int:
+        """GPUs in use now: the plan's (static), or those of the groups that
+        hold their GPUs (elastic: live, waking or retiring)."""
+        if self.cfg.memory == "static":
+            return self.plan.gpus_used
+        by_id = self._group_by_id
+        return len({gpu for gid in self._active_since for gpu in by_id[gid].gpus})
+
+    def _gpu_intervals(self, end_s: float) -> list[GpuInterval]:
+        """When each GPU was active. Static: every GPU of the final plan for the
+        whole run. Elastic: the union, per GPU, of its groups' active periods
+        (an old group retiring and a new one loading on the same GPU overlap)."""
+        if self.cfg.memory == "static":
+            return [GpuInterval(gpu, 0.0, end_s) for gp in self.plan.groups for gpu in gp.gpus]
+        periods = list(self._periods)
+        for gid, since in self._active_since.items():
+            periods.append((tuple(self._group_by_id[gid].gpus), since, end_s))
+        per_gpu: dict[int, list[tuple[float, float]]] = {}
+        for gpus, t0, t1 in periods:
+            for gpu in gpus:
+                per_gpu.setdefault(gpu, []).append((t0, t1))
+        out: list[GpuInterval] = []
+        for gpu in sorted(per_gpu):
+            spans = sorted(per_gpu[gpu])
+            cur0, cur1 = spans[0]
+            for t0, t1 in spans[1:]:
+                if t0 <= cur1:
+                    cur1 = max(cur1, t1)
+                else:
+                    out.append(GpuInterval(gpu, cur0, cur1))
+                    cur0, cur1 = t0, t1
+            out.append(GpuInterval(gpu, cur0, cur1))
+        return out
+
     def _mech_context(self) -> MechanismContext:
         """One epoch's boundaries (Mell §V) for the moves of a re-placement:
         bytes per link and re-prefill tokens per destination group."""
@@ -741,6 +857,9 @@ class MultiSimulator:
             return  # retired again before its weights arrived
         g.state = "live"
         self._push(g, g.schedule(now))
+        if self.cfg.memory == "elastic" and g.idle and not g.incoming and not g.jobs:
+            self._idle_since[g.id] = now
+            self._out.append((now + self.cfg.keepalive_s, IDLE_CHECK, (g, now)))
 
     def _on_migrated(self, g: SharingGroup, seq: GSeq, mode: str, now: float) -> None:
         del self._in_transit[seq.id]
@@ -786,7 +905,7 @@ class MultiSimulator:
             frag_den += st.used_bytes
             stranded += st.stranded_bytes
             entries += st.table_entries
-        self.timeseries.append(now, self.plan.gpus_used, used, cap, demand, queued, running)
+        self.timeseries.append(now, self._gpus_active(), used, cap, demand, queued, running)
         if frag_den > 0:
             self._frag.append(frag_num / frag_den)
         self._stranded.append(float(stranded))
@@ -800,7 +919,7 @@ class MultiSimulator:
             for m in g.models:
                 for s in (*g.waiting[m], *g.running[m].values()):
                     s.record.generated = s.generated
-        intervals = [GpuInterval(gpu, 0.0, end_s) for gp in self.plan.groups for gpu in gp.gpus]
+        intervals = self._gpu_intervals(end_s)
         cfg: dict[str, Any] = {
             "multi": {
                 "gpu": self.cfg.gpu,
@@ -848,6 +967,12 @@ class MultiSimulator:
                 for g in self.groups
             ],
         }
+        if self.cfg.memory == "elastic":
+            extra["elastic"] = {
+                "keepalive_s": self.cfg.keepalive_s,
+                "wakes": self._wakes,
+                "sleeps": self._sleeps,
+            }
         if self._interval is not None:
             assert self.repl is not None
             extra["replacement"] = {

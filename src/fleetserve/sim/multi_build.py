@@ -79,6 +79,8 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         max_model_len=en.max_model_len,
         dispatch=cfg.policy.dispatch,
         mechanism=cfg.migration.mechanism,
+        memory=cfg.policy.memory,
+        keepalive_s=m.keepalive_s,
         epoch_s=cfg.migration.epoch_s,
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,

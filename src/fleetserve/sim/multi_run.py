@@ -65,6 +65,8 @@ class MultiRunSettings:
         max_model_len: the context window served (None: each model's own).
         dispatch: the dispatch policy among a service's hosts (None: the stack's).
         mechanism: how a re-placement moves running requests (None: the stack's).
+        memory: ``static`` or ``elastic`` groups (None: the stack's, else static).
+        keepalive_s: idle time before an elastic group releases its GPUs.
         epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
             boundaries (``migration.*``).
     """
@@ -85,6 +87,8 @@ class MultiRunSettings:
     max_model_len: int | None = None
     dispatch: str | None = None
     mechanism: str | None = None
+    memory: str | None = None
+    keepalive_s: float = 30.0
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
@@ -97,6 +101,8 @@ class MultiRunSettings:
             scheduler=stack.batching,
             dispatch=self.dispatch or stack.dispatch,
             mechanism=self.mechanism or stack.mechanism,
+            memory=self.memory or stack.memory or "static",
+            keepalive_s=self.keepalive_s,
             epoch_s=self.epoch_s,
             link_share=self.link_share,
             compute_share=self.compute_share,
