@@ -279,7 +279,8 @@ def main() -> int:
     )
 
     port = free_port()
-    key = secrets.token_urlsafe(16)
+    # hex: a urlsafe token may start with '-', which a command line reads as an option
+    key = secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     server_log = out / "server.log"
     env = dict(os.environ)
