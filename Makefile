@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-engine serve-overload bench-client fingerprint venv clean
+.PHONY: run test lint bench bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,12 +43,19 @@ bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py
 
-# The simulator's results against the recorded pre-refactor baseline (every
+# The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~3.5 min): lists each changed field.
-# Renamed since the baseline: the KunServe comparison's Llumnix (replication)
-# baseline, vllm -> wf (the one stack catalog, issue 21).
+# session13.json.gz: after session 13 of the "One system" refactor (issue 21);
+# baseline.json.gz: before it (make fingerprint-prerefactor; the differences are
+# explained in docs/architecture.md: vllm -> wf in the KunServe comparison,
+# round-robin vllm in the multi-LLM world).
 FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
+	rm -rf results/fingerprint
+	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
+	  --check benchmarks/fingerprints/session13.json.gz
+
+fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
 	  --check benchmarks/fingerprints/baseline.json.gz $(FINGERPRINT_RENAMES)

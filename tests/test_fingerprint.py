@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("fingerprint", ROOT / "benchmarks/fingerprint.py")
 assert spec is not None and spec.loader is not None
@@ -34,7 +36,8 @@ def test_wall_clock_and_config_do_not_count_results_do(tmp_path: Path) -> None:
     assert fp.load(tmp_path / "fp.json.gz") == a
 
 
-def test_the_committed_baseline_is_readable() -> None:
-    base = fp.load(ROOT / "benchmarks/fingerprints/baseline.json.gz")
+@pytest.mark.parametrize("name", ["baseline.json.gz", "session13.json.gz"])
+def test_the_committed_baseline_is_readable(name: str) -> None:
+    base = fp.load(ROOT / "benchmarks/fingerprints" / name)
     assert len(base) == 141
     assert all(len(v["sha256"]) == 64 for v in base.values())
