@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import RunResult
 from fleetserve.metrics.summary import summarize
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
@@ -31,7 +32,7 @@ def _reqs() -> list[Request]:
     return [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(out)]
 
 
-def _run(memory: str, keepalive_s: float = 5.0) -> MultiSimulator:
+def _run(memory: str, keepalive_s: float = 5.0) -> RunResult:
     cfg = MultiConfig(
         gpu="a100-80gb",
         n_gpus=2,
@@ -41,14 +42,11 @@ def _run(memory: str, keepalive_s: float = 5.0) -> MultiSimulator:
         keepalive_s=keepalive_s,
         check_integrity=True,
     )
-    sim = MultiSimulator(cfg, SERVICES, PLAN, _reqs())
-    sim.result = sim.run()  # type: ignore[attr-defined]
-    return sim
+    return MultiSimulator(cfg, SERVICES, PLAN, _reqs()).run()
 
 
 def test_idle_groups_sleep_wake_on_demand_and_pay_their_reload() -> None:
-    static, elastic = _run("static"), _run("elastic")
-    rs, re_ = static.result, elastic.result  # type: ignore[attr-defined]
+    rs, re_ = _run("static"), _run("elastic")
     assert all(r.status == "finished" for r in re_.records)
     info = re_.extra["elastic"]
     # b sleeps at 5 s (idle from the start), wakes at 40 s; a sleeps after its work
@@ -78,11 +76,10 @@ def test_idle_groups_sleep_wake_on_demand_and_pay_their_reload() -> None:
 
 def test_a_keepalive_longer_than_the_run_is_the_static_pool() -> None:
     static, never = _run("static"), _run("elastic", keepalive_s=1e6)
-    a = summarize(static.result)  # type: ignore[attr-defined]
-    b = summarize(never.result)  # type: ignore[attr-defined]
+    a, b = summarize(static), summarize(never)
     for key in ("requests", "latency_s", "gpus"):
         assert a[key] == b[key]
-    assert never.result.extra["elastic"]["wakes"] == 0  # type: ignore[attr-defined]
+    assert never.extra["elastic"]["wakes"] == 0
 
 
 def test_bad_memory_settings_are_clear_errors() -> None:

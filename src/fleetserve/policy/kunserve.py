@@ -71,6 +71,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from fleetserve.cluster.state import InstanceView
 from fleetserve.errors import ConfigError
 from fleetserve.policy.actions import ActivateSpare, DropLayers, KunAction, Restore
 
@@ -1225,16 +1226,10 @@ def _complement(held: tuple[int, int], num_layers: int) -> tuple[tuple[int, int]
     return _outside((0, num_layers), held)
 
 
-class DispatchTarget(Protocol):
-    """An executor as KunServe's dispatcher filters it (an instance view plus
-    its pipeline degree, whether it accepts new requests, and its batch cap)."""
+class DispatchTarget(InstanceView, Protocol):
+    """An executor as KunServe's dispatcher filters it: an instance view plus
+    its pipeline degree, whether it accepts new requests, and its batch cap."""
 
-    @property
-    def available_blocks(self) -> int: ...
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
     @property
     def k(self) -> int: ...
 
