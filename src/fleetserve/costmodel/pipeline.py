@@ -41,12 +41,16 @@ chunked prefill) go to ``m`` bins by longest-processing-time first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from fleetserve.costmodel.roofline import InstanceCost
+import numpy as np
+import numpy.typing as npt
+
+from fleetserve.costmodel.roofline import InstanceCost, tokens_within
 from fleetserve.costmodel.transfer import Link, transfer_time
 from fleetserve.errors import ConfigError
 
-__all__ = ["PipelineCost"]
+__all__ = ["PipelineCost", "StagedCost"]
 
 
 class PipelineCost:
@@ -93,30 +97,36 @@ class PipelineCost:
         busy = len(cores) * o + max(self._frac) * sum_c
         return max(lat, busy)
 
-    def decode_time(self, batch: int, ctx_total: float, extra_s: float = 0.0) -> float:
+    def decode_time(
+        self, batch: int, ctx_total: float, extra_s: float = 0.0, share: float = 1.0
+    ) -> float:
         """One decode round of ``batch`` requests reading ``ctx_total`` KV tokens in all.
 
         ``extra_s`` is added to the critical path of the first micro-batch
-        (KunServe's remote attention, see the module docstring).
+        (KunServe's remote attention, see the module docstring); ``share``
+        is the fraction of each stage's compute units the round runs on
+        (MuxServe's spatial sharing, as
+        :meth:`~fleetserve.costmodel.roofline.InstanceCost.decode_time_scalar`).
         """
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if self.k == 1:
-            return self.cost.decode_time_scalar(batch, ctx_total) + extra_s
+            return self.cost.decode_time_scalar(batch, ctx_total, share) + extra_s
         m = min(self.k, batch)
         base, rem = divmod(batch, m)
         sizes = [base + (1 if j < rem else 0) for j in range(m)]
-        full = [self.cost.decode_time_scalar(b, ctx_total * b / batch) for b in sizes]
+        full = [self.cost.decode_time_scalar(b, ctx_total * b / batch, share) for b in sizes]
         extra = [extra_s] + [0.0] * (m - 1)
         return self._round(full, sizes, extra)
 
-    def prefill_time(self, prompt_lens: Sequence[int]) -> float:
-        """One prefill round over whole prompts (micro-batches of whole prompts)."""
+    def prefill_time(self, prompt_lens: Sequence[int], share: float = 1.0) -> float:
+        """One prefill round over whole prompts (micro-batches of whole prompts)
+        on a ``share`` of each stage's compute units."""
         n = len(prompt_lens)
         if n == 0:
             return 0.0
         if self.k == 1:
-            return self.cost.prefill_time(prompt_lens)
+            return self.cost.prefill_time(prompt_lens, share)
         m = min(self.k, n)
         bins: list[list[int]] = [[] for _ in range(m)]
         loads = [0] * m
@@ -124,5 +134,49 @@ class PipelineCost:
             j = loads.index(min(loads))
             bins[j].append(length)
             loads[j] += length
-        full = [self.cost.prefill_time(b) for b in bins]
+        full = [self.cost.prefill_time(b, share) for b in bins]
         return self._round(full, loads, [0.0] * m)
+
+
+class StagedCost:
+    """A pipelined group's job times with the surface of
+    :class:`~fleetserve.costmodel.roofline.InstanceCost` a sharing group uses
+    (:class:`~fleetserve.sim.group.SharingGroup`): one service's job on a
+    ``k``-stage pipeline is one round of :class:`PipelineCost` (its
+    micro-batches in flight together), so a group that dropped layers
+    schedules exactly like one that did not.
+
+    Args:
+        pipeline: the round times of the service's pipeline.
+    """
+
+    __slots__ = ("model", "pipeline")
+
+    def __init__(self, pipeline: PipelineCost) -> None:
+        self.pipeline = pipeline
+        self.model = pipeline.cost.model
+
+    def prefill_time(self, prompt_lens: Sequence[int], share: float = 1.0) -> float:
+        """One prefill round over whole prompts."""
+        return self.pipeline.prefill_time([int(x) for x in prompt_lens], share)
+
+    def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
+        """One decode round of ``batch`` requests reading ``ctx_total`` tokens."""
+        return self.pipeline.decode_time(batch, float(ctx_total), 0.0, share)
+
+    def decode_time(
+        self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
+    ) -> npt.NDArray[np.float64]:
+        """:meth:`decode_time_scalar` elementwise."""
+        flat = np.asarray(ctx_total, dtype=np.float64)
+        out = [self.decode_time_scalar(batch, float(x)) for x in flat.ravel()]
+        return np.asarray(out, dtype=np.float64).reshape(flat.shape)
+
+    def re_prefill_time(self, tokens: int) -> float:
+        """Seconds to rebuild ``tokens`` tokens of KV by one prefill round."""
+        return self.prefill_time([tokens]) if tokens > 0 else 0.0
+
+    def re_prefill_tokens(self, budget_s: float) -> int:
+        """The most tokens one re-prefill round rebuilds within ``budget_s``
+        (as :meth:`InstanceCost.re_prefill_tokens`)."""
+        return tokens_within(self.re_prefill_time, budget_s)

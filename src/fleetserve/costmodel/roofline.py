@@ -73,7 +73,7 @@ from :mod:`fleetserve.costmodel.calibration`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -482,16 +482,22 @@ class InstanceCost:
         """The most tokens a re-prefill rebuilds within ``budget_s`` seconds:
         the largest ``n`` with ``re_prefill_time(n) <= budget_s`` (binary search;
         the time grows with ``n``). Mell's computation boundary (§V)."""
-        lo, hi = 0, 1
-        while hi < 1 << 40 and self.re_prefill_time(hi) <= budget_s:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:  # re_prefill_time(lo) <= budget_s < re_prefill_time(hi)
-            mid = (lo + hi) // 2
-            if self.re_prefill_time(mid) <= budget_s:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return tokens_within(self.re_prefill_time, budget_s)
+
+
+def tokens_within(time_of: Callable[[int], float], budget_s: float) -> int:
+    """The largest ``n`` with ``time_of(n) <= budget_s``, for a ``time_of``
+    that grows with ``n`` (doubling, then binary search; at most ``2**40``)."""
+    lo, hi = 0, 1
+    while hi < 1 << 40 and time_of(hi) <= budget_s:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # time_of(lo) <= budget_s < time_of(hi)
+        mid = (lo + hi) // 2
+        if time_of(mid) <= budget_s:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class CostModel:

@@ -141,10 +141,18 @@ WORLDS: dict[str, World] = {
             "multi-LLM",
             "fleetserve.sim.multi",
             "a config with services, multi.generator or fleet.generator",
-            ("placement", "dispatch", "batching", "layout", "replacement", "mechanism", "memory"),
+            (
+                "placement",
+                "dispatch",
+                "batching",
+                "layout",
+                "replacement",
+                "mechanism",
+                "memory",
+                "pressure",
+            ),
             {
                 "migration": "requests move only when a re-placement retires a group",
-                "pressure": "the group scheduler preempts (recompute)",
             },
         ),
         World(
@@ -396,6 +404,22 @@ STACKS: dict[str, Stack] = _by_name(
         batching="adbs",
         layout="headwise",
         memory="elastic",
+    ),
+    Stack(
+        "fleet",
+        "every design at once: SeaLLM's placement, DB scheduler and adaptive "
+        "replacement, on Mell's elastic pool with its adaptive KV/token migration, "
+        "and KunServe's parameter drop/restore among buddy groups under bursts "
+        "(blocking KV exchange)",
+        _WM,
+        placement="seallm",
+        dispatch=_FR,
+        batching="db",
+        layout="merged",
+        replacement=True,
+        mechanism="adaptive",
+        memory="elastic",
+        burst=KunSettings(pressure="kunserve", exchange="blocking"),
     ),
     # --- KunServe burst (KunServe's comparison) -----------------------------------
     Stack(

@@ -36,20 +36,37 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 
 if TYPE_CHECKING:
-    from fleetserve.costmodel import InstanceCost
     from fleetserve.metrics.records import RequestRecord
     from fleetserve.sim.kvlayout import KVLayout
     from fleetserve.workload.request import Request
 
 _EPS = 1e-9
 _MACRO_MAX = 512  # iterations per macro job at most
+
+
+class JobCost(Protocol):
+    """Job times of one service on a group: a replica's
+    :class:`~fleetserve.costmodel.InstanceCost`, or a pipeline's
+    :class:`~fleetserve.costmodel.pipeline.StagedCost` after KunServe dropped
+    layers."""
+
+    def prefill_time(self, prompt_lens: Sequence[int], share: float = 1.0) -> float: ...
+
+    def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float: ...
+
+    def decode_time(
+        self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
+    ) -> npt.NDArray[np.float64]: ...
+
+    def re_prefill_tokens(self, budget_s: float) -> int: ...
 
 
 class GSeq:
@@ -143,7 +160,7 @@ class SharingGroup:
         gid: int,
         gpus: tuple[int, ...],
         tp: int,
-        costs: Mapping[str, InstanceCost],
+        costs: Mapping[str, JobCost],
         layout: KVLayout,
         scheduler: GroupScheduler,
         *,

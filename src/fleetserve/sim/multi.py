@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from fleetserve.cluster.state import ClusterState
-from fleetserve.costmodel import CostModel, InstanceCost
+from fleetserve.costmodel import CostModel
 from fleetserve.costmodel.transfer import host_link, intra_node_link, network_link, transfer_time
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import (
@@ -64,10 +64,12 @@ from fleetserve.policy.actions import Dispatch
 from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import (
+    EPOCH,
     GROUP_READY,
     IDLE_CHECK,
     ITER_END,
@@ -76,10 +78,11 @@ from fleetserve.sim.events import (
     SAMPLE,
     Event,
 )
-from fleetserve.sim.group import GSeq, SharingGroup
+from fleetserve.sim.group import GSeq, JobCost, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.sim.migration import TOKEN_ID_BYTES
+from fleetserve.sim.multi_burst import BurstControl, check_burst
 from fleetserve.spec import get_gpu
 from fleetserve.spec.memory import group_kv_bytes, min_tp
 from fleetserve.spec.types import GpuSpec
@@ -139,6 +142,9 @@ class MultiConfig:
             ``elastic``: a group idle for ``keepalive_s`` releases its GPUs
             (its weights are dropped) and wakes, reloading them from host
             memory, when a request of its services finds no live or waking host.
+        burst: the memory-pressure family (None or ``queue``: the group
+            scheduler preempts; ``kunserve``: KunServe's drop/restore among
+            buddy groups, :mod:`fleetserve.sim.multi_burst`).
         scheduler_params: keyword arguments of the scheduler.
         layout: KV layout (``headwise``, ``merged``, ``partitioned``).
         block_size: tokens per KV block.
@@ -164,6 +170,7 @@ class MultiConfig:
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
+    burst: KunSettings | None = None
     scheduler_params: Mapping[str, Any] = field(default_factory=dict)
     layout: str = "headwise"
     block_size: int = 16
@@ -190,6 +197,8 @@ class MultiConfig:
             )
         if self.keepalive_s < 0:
             raise ConfigError(f"keepalive_s must be >= 0, got {self.keepalive_s}")
+        if self.burst is not None:
+            check_burst(self.burst)
 
 
 def service_stats(
@@ -388,6 +397,7 @@ class MultiSimulator:
         self.groups: list[SharingGroup] = []  # every group ever (any state)
         self.hosts: dict[str, list[SharingGroup]] = {s: [] for s in self.services}
         self._by_key: dict[tuple[tuple[int, ...], int, tuple[str, ...]], list[SharingGroup]] = {}
+        self._key_of: dict[int, tuple[tuple[int, ...], int, tuple[str, ...]]] = {}
         self._started: dict[int, float] = {}
         self._stopped: dict[int, float] = {}
         self._ready_at: dict[int, float] = {}
@@ -425,6 +435,9 @@ class MultiSimulator:
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
         self._out: list[Event] = []  # events caused by the handler running now
+        burst = config.burst
+        kun = burst is not None and burst.pressure == "kunserve"
+        self.burst = BurstControl(self, burst) if burst is not None and kun else None
         self.kernel = Kernel(
             self.requests,
             {
@@ -434,6 +447,7 @@ class MultiSimulator:
                 KV_ARRIVED: self._ev_migrated,
                 SAMPLE: self._ev_sample,
                 IDLE_CHECK: self._ev_idle_check,
+                EPOCH: self._ev_monitor,
             },
             max_time_s=config.max_time_s,
             check=config.check_integrity,
@@ -458,25 +472,43 @@ class MultiSimulator:
             g = self._add_group(gpus, gp.tp, gp.services, kv)
             self._started[g.id] = now
             self._active_since[g.id] = now
+            self._key_of[g.id] = _gkey(gp)
             out.append(g)
         self._by_key[_gkey(gp)] = out
         return out
+
+    def _replace_in_plan(self, old: SharingGroup, new: SharingGroup) -> None:
+        """``new`` stands for replica ``old`` of its placement group from now on."""
+        key = self._key_of.get(old.id)
+        if key is None or key not in self._by_key:
+            return
+        reps = self._by_key[key]
+        reps[reps.index(old)] = new
+        self._key_of[new.id] = key
 
     def _host(self, g: SharingGroup) -> None:
         for s in g.models:
             self.hosts[s].append(g)
 
     def _add_group(
-        self, gpus: tuple[int, ...], tp: int, names: Sequence[str], kv: int
+        self,
+        gpus: tuple[int, ...],
+        tp: int,
+        names: Sequence[str],
+        kv: int,
+        *,
+        costs: Mapping[str, JobCost] | None = None,
+        macro_steps: bool | None = None,
     ) -> SharingGroup:
+        """A new group (any state; not a host yet). ``costs``: job times of
+        each service (default: a replica's); ``macro_steps``: the config's."""
         cfg = self.cfg
         specs = {s: self.services[s].spec for s in names}
         layout = make_layout(cfg.layout, kv, specs, cfg.block_size)
         sched: GroupScheduler = BATCHING.get(cfg.scheduler)(**dict(cfg.scheduler_params))
         sched.setup({s: self.stats[s] for s in names}, kv)
-        costs: dict[str, InstanceCost] = {
-            s: self.cost_model.bind(specs[s], self.gpu, tp) for s in names
-        }
+        if costs is None:
+            costs = {s: self.cost_model.bind(specs[s], self.gpu, tp) for s in names}
         g = SharingGroup(
             len(self.groups),
             gpus,
@@ -486,7 +518,7 @@ class MultiSimulator:
             sched,
             max_num_seqs=cfg.max_num_seqs,
             max_batched_tokens=cfg.max_batched_tokens,
-            macro_steps=cfg.macro_steps,
+            macro_steps=cfg.macro_steps if macro_steps is None else macro_steps,
         )
         self.groups.append(g)
         self._group_by_id[g.id] = g
@@ -506,6 +538,8 @@ class MultiSimulator:
         self._last_arrival = self.requests[-1].arrival_s if self.requests else 0.0
         if self._interval is not None and self._interval.interval_s < self._last_arrival:
             k.push([(self._interval.interval_s, REPLACE, None)])
+        if self.burst is not None:
+            k.push([(self.burst.settings.monitor_interval_s, EPOCH, None)])
         end_s = k.run(self)
         self._sample(end_s)
         if self.progress is not None:
@@ -548,6 +582,22 @@ class MultiSimulator:
             self._out.append((now + self.cfg.sample_interval_s, SAMPLE, None))
         # else: nothing runs, nothing arrives and nothing could start: requests
         # still queued stay unfinished (counted as such)
+        return self._caused()
+
+    def _ev_monitor(self, payload: None, now: float) -> list[Event] | None:
+        """KunServe's monitor interval (pressure ``kunserve``). Once nothing
+        runs, moves, loads or arrives, no decision could change anything: the
+        ticks stop (and the last one does not extend the run)."""
+        assert self.burst is not None
+        if not (
+            self.kernel.arrivals_left
+            or self.burst.busy
+            or self._in_transit
+            or any(g.jobs or g.state == "loading" for g in self.groups)
+        ):
+            return None
+        self.burst.tick(now)
+        self._out.append((now + self.burst.settings.monitor_interval_s, EPOCH, None))
         return self._caused()
 
     def _push(self, g: SharingGroup, started: list[tuple[float, int]]) -> None:
@@ -612,6 +662,9 @@ class MultiSimulator:
         self._push(g, g.schedule(now))
         if g.state == "retiring" and not g.jobs:
             self._retire(g, now)
+        elif g.state == "merging" and not g.jobs:
+            assert self.burst is not None
+            self.burst.drained(g, now)
         elif self.cfg.memory == "elastic" and g.state == "live" and g.idle and not g.incoming:
             self._idle_since[g.id] = now
             self._out.append((now + self.cfg.keepalive_s, IDLE_CHECK, (g, now)))
@@ -657,6 +710,8 @@ class MultiSimulator:
                 m_est_next=est,
             )
             if not diff.unchanged:
+                if self.burst is not None:
+                    self.burst.before_switch(now)
                 entry.update(self._switch(plan, diff.removed, diff.added, now))
             self._m_est = est
         self.replacements.append(entry)
@@ -770,6 +825,8 @@ class MultiSimulator:
             return None  # it got work (and perhaps went idle again) since
         if g.state != "live" or not g.idle or g.incoming:
             return None
+        if self.burst is not None and self.burst.is_pipeline(g):
+            return None  # a pipelined group is restored, not put to sleep
         if not self.kernel.arrivals_left and all(
             h.idle and not h.incoming for h in self.groups if h.state != "stopped"
         ):
@@ -890,6 +947,8 @@ class MultiSimulator:
         stranded = 0
         entries = 0
         for g in self.groups:
+            if g.state == "merged":
+                continue  # its memory is its pipelined group's now
             st = g.layout.stats()
             used += st.used_bytes
             cap += st.capacity_bytes
@@ -973,6 +1032,8 @@ class MultiSimulator:
                 "wakes": self._wakes,
                 "sleeps": self._sleeps,
             }
+        if self.burst is not None:
+            extra["kunserve"] = self.burst.summary()
         if self._interval is not None:
             assert self.repl is not None
             extra["replacement"] = {
@@ -1010,7 +1071,7 @@ class MultiSimulator:
             for i in ids:
                 assert i not in seen, f"request {i} in two places"
                 seen.add(i)
-            if g.state == "stopped":
+            if g.state in ("stopped", "merged"):
                 assert not ids and g.layout.stats().used_bytes == 0, f"group {g.id} not empty"
         for i in self._in_transit:
             assert i not in seen, f"request {i} in transit and in a group"

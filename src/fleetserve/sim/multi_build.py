@@ -84,6 +84,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         epoch_s=cfg.migration.epoch_s,
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,
+        burst_overrides=cfg.kunserve.overrides(),
     )
 
 

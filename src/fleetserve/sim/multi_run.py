@@ -32,6 +32,7 @@ from fleetserve.policy.catalog import MULTI, Stack, stack_for
 from fleetserve.policy.group_placement import dedicated_place
 from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig, MultiSimulator, ProgressFn, ReplacementConfig
@@ -69,6 +70,8 @@ class MultiRunSettings:
         keepalive_s: idle time before an elastic group releases its GPUs.
         epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
             boundaries (``migration.*``).
+        burst_overrides: ``kunserve.*`` overrides of the stack's memory-pressure
+            settings (:func:`burst_settings`).
     """
 
     gpu: str = "a800-80gb"
@@ -92,6 +95,11 @@ class MultiRunSettings:
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
+    burst_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def burst(self, stack: Stack) -> KunSettings | None:
+        """The stack's memory-pressure settings for this run."""
+        return burst_settings(stack, self.burst_overrides)
 
     def multi_config(self, stack: Stack) -> MultiConfig:
         """The simulator's config for ``stack`` (its group scheduler and KV layout)."""
@@ -106,6 +114,7 @@ class MultiRunSettings:
             epoch_s=self.epoch_s,
             link_share=self.link_share,
             compute_share=self.compute_share,
+            burst=self.burst(stack),
             layout=stack.layout,
             block_size=self.block_size,
             mem_util=self.mem_util,
@@ -116,6 +125,25 @@ class MultiRunSettings:
             check_integrity=self.check_integrity,
             max_model_len=self.max_model_len,
         )
+
+
+def burst_settings(stack: Stack, overrides: Mapping[str, Any]) -> KunSettings | None:
+    """The stack's memory-pressure settings with the config's ``kunserve.*``
+    overrides (None: the group scheduler preempts, nothing to override).
+
+    Raises:
+        ConfigError: overrides for a stack without KunServe's pressure (they
+            would be ignored).
+    """
+    if stack.pressure == "queue":
+        if overrides:
+            raise ConfigError(
+                f"kunserve.{sorted(overrides)[0]}: stack {stack.name!r} has no KunServe "
+                "drop/restore in the multi-LLM world (its pressure is queue); e.g. the "
+                "fleet stack has"
+            )
+        return None
+    return stack.burst.with_overrides(**dict(overrides))
 
 
 def services_from_window(
@@ -175,8 +203,10 @@ def place_for_stack(
                 f"stack {stack.name!r} searches its placement on a history of requests; "
                 "the history is empty"
             )
+        # SeaLLM's estimator simulates its own design: the candidates without
+        # KunServe's drop/restore (a composed stack's pressure is not SeaLLM's)
         ev = PlanEvaluator(
-            settings.multi_config(stack),
+            replace(settings.multi_config(stack), burst=None),
             services,
             history,
             slo_scale=settings.slo_scale,

@@ -1,0 +1,184 @@
+"""KunServe's drop/restore in the multi-LLM world (the ``fleet`` stack's
+pressure family, :mod:`fleetserve.sim.multi_burst`): buddy groups merge into a
+pipeline under a burst, the pipeline holds the dropped weights as KV, and it
+restores when the load falls; nothing is lost and memory is never
+over-committed (integrity checks after every event)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleetserve.config import config_from_dict
+from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import RunResult
+from fleetserve.metrics.summary import summarize
+from fleetserve.policy.catalog import MULTI, get_stack
+from fleetserve.policy.groups import GroupPlacement, PlacementPlan
+from fleetserve.policy.pressure import KunSettings
+from fleetserve.sim.multi import MultiConfig, MultiSimulator
+from fleetserve.sim.multi_build import multi_settings
+from fleetserve.sim.multi_run import burst_settings
+from fleetserve.spec import get_model
+from fleetserve.workload.request import Request
+from fleetserve.workload.service import Service
+
+A = get_model("llama-2-7b")
+SERVICES = {
+    "a": Service("a", A, 2.0, 1500, 100),
+    "b": Service("b", get_model("opt-6.7b"), 0.5, 300, 50),
+}
+# two replicas of "a" (buddies), one group of "b"
+PLAN = PlacementPlan(
+    (GroupPlacement((0, 1), 1, ("a",)), GroupPlacement((2,), 1, ("b",))),
+    3,
+)
+KUN = KunSettings(pressure="kunserve", exchange="blocking", restore_min_s=2.0)
+
+
+def _burst() -> list[Request]:
+    """A burst of long prompts on "a" (far more KV than two replicas hold at
+    mem_util 0.2), a trickle on "b", and a late request so the run goes on
+    after the burst drains."""
+    out = [(0.05 * i, "a", 1500, 100) for i in range(60)]
+    out += [(1.0 * i, "b", 300, 50) for i in range(10)]
+    out += [(60.0, "a", 100, 10)]
+    out.sort()
+    return [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(out)]
+
+
+def _run(burst: KunSettings | None, reqs: list[Request], **kw: Any) -> RunResult:
+    cfg = MultiConfig(
+        gpu="a100-80gb",
+        n_gpus=3,
+        scheduler="fcfs",
+        layout="merged",
+        mem_util=kw.pop("mem_util", 0.2),
+        burst=burst,
+        check_integrity=True,
+        **kw,
+    )
+    return MultiSimulator(cfg, SERVICES, PLAN, reqs).run()
+
+
+def _all_finish(res: RunResult, n: int) -> None:
+    s = summarize(res)["requests"]
+    assert s["finished"] == s["total"] == n
+
+
+def test_a_burst_merges_buddies_into_a_pipeline_and_low_load_restores_them() -> None:
+    reqs = _burst()
+    res = _run(KUN, reqs)
+    _all_finish(res, len(reqs))
+    k = res.extra["kunserve"]
+    assert k["drops"] >= 1 and k["restores"] >= 1
+    first = k["pipelines"][0]
+    assert first["services"] == ["a"] and first["stages"] == [[0, 16], [16, 32]]
+    # the pipeline's KV = both replicas' KV + the layer weights one of them dropped
+    # (each member drops half of its 32 layers: one replica's worth in all)
+    dropped = A.num_layers * A.weight_bytes_per_layer
+    assert first["kv_bytes"] - first["kv_bytes_as_replicas"] == dropped
+    assert first["ended_by"] == "restore" and first["end_s"] > first["start_s"]
+    assert first["exchange_bytes"] > 0 and first["exchange_s"] > 0
+    # the group of "b" has no buddy: never merged
+    assert all(p["services"] == ["a"] for p in k["pipelines"])
+    # requests served by the pipeline are recorded on it
+    pipes = {p["id"] for p in k["pipelines"]}
+    assert any(r.instance in pipes for r in res.records)
+
+
+def test_without_pressure_the_control_changes_nothing() -> None:
+    """Ample memory: KunServe observes but never acts, and every request's
+    timeline equals the run without it."""
+    reqs = _burst()
+    base = _run(None, reqs, mem_util=0.9)
+    kun = _run(KUN, reqs, mem_util=0.9)
+    assert kun.extra["kunserve"]["drops"] == 0
+    assert [(r.first_token_s, r.finish_s, r.instance) for r in base.records] == [
+        (r.first_token_s, r.finish_s, r.instance) for r in kun.records
+    ]
+    assert base.end_s == kun.end_s
+
+
+def test_a_spare_asleep_replica_is_woken_on_an_elastic_pool() -> None:
+    """One live replica of "a" cannot drop (no buddy awake) but an asleep one
+    can be woken: the policy's ActivateSpare."""
+    reqs = [Request(0, "a", 0.0, 100, 5)] + [
+        Request(i, "a", 20.0 + 0.05 * (i - 1), 1500, 100) for i in range(1, 50)
+    ]
+    res = _run(KUN, reqs, memory="elastic", keepalive_s=5.0)
+    _all_finish(res, len(reqs))
+    k = res.extra["kunserve"]
+    assert k["spares_woken"] + k["drops"] >= 1
+    assert res.extra["elastic"]["wakes"] >= 1
+
+
+streams = st.lists(
+    st.tuples(
+        st.floats(0.0, 0.5, allow_nan=False),
+        st.integers(1, 3000),
+        st.integers(1, 150),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=streams, elastic=st.booleans())
+def test_drop_and_restore_keep_every_invariant(
+    items: list[tuple[float, int, int, bool]], elastic: bool
+) -> None:
+    t, reqs = 0.0, []
+    for i, (gap, p, o, b) in enumerate(items):
+        t += gap
+        reqs.append(Request(i, "b" if b else "a", t, p, o))
+    kw: dict[str, Any] = {"memory": "elastic", "keepalive_s": 0.5} if elastic else {}
+    res = _run(replace(KUN, restore_min_s=0.5), reqs, **kw)
+    s = summarize(res)["requests"]
+    assert s["finished"] + s["rejected"] == s["total"] == len(reqs)
+    for r in res.records:
+        assert r.status in ("finished", "rejected")
+        assert (r.status == "finished") == (r.generated == r.output_tokens)
+
+
+def test_the_fleet_stack_and_bad_settings() -> None:
+    st_ = get_stack("fleet")
+    assert st_.worlds == (MULTI,)
+    assert (st_.placement, st_.batching, st_.memory, st_.mechanism) == (
+        "seallm",
+        "db",
+        "elastic",
+        "adaptive",
+    )
+    assert st_.pressure == "kunserve" and st_.replacement
+    # what the multi-LLM world does not model is refused, not substituted
+    for bad, words in (
+        (KunSettings(pressure="kv-swap"), "kunserve world only"),
+        (KunSettings(pressure="kunserve"), "exchange 'live'"),
+        (KunSettings(pressure="queue", static_stages=2), "static pipeline"),
+        (
+            KunSettings(pressure="kunserve", exchange="blocking", live_restore=False),
+            "live_restore",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            MultiConfig(burst=bad)
+    # kunserve.* overrides reach the fleet stack; on a stack without KunServe they are an error
+    cfg = config_from_dict(
+        {
+            "cluster": {"gpu": "a100-80gb", "gpus": 4},
+            "fleet": {"generator": "fleet", "duration_s": 60, "bursts": 0},
+            "policy": {"stack": "fleet"},
+            "kunserve": {"restore_min_s": 7.0},
+        }
+    )
+    got = burst_settings(st_, multi_settings(cfg).burst_overrides)
+    assert got is not None and got.restore_min_s == 7.0
+    with pytest.raises(ConfigError, match=r"kunserve\.restore_min_s"):
+        burst_settings(get_stack("seallm"), {"restore_min_s": 7.0})
