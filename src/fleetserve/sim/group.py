@@ -190,9 +190,12 @@ class SharingGroup:
         self.preemptions = 0
         self.busy_s = 0.0  # time with at least one job in flight
         self._busy_since: float | None = None
-        # lifecycle under replacement: "live" serves; "loading" waits for its
-        # weights; "retiring" finishes its jobs in flight, then hands its
-        # requests over; "stopped" is empty and gone
+        # lifecycle: "live" serves; "loading" waits for its weights (or, a
+        # pipelined group, for its KV exchange); "retiring" finishes its jobs
+        # in flight, then hands its requests over; "stopped" is empty and gone;
+        # elastic memory: "asleep" holds no GPU; KunServe's drop
+        # (sim/multi_burst.py): "merging" takes requests but starts no job until
+        # it joins a pipelined group, then it is "merged" (empty)
         self.state = "live"
         self.incoming = 0  # migrated requests on their way here
 

@@ -32,6 +32,12 @@ of an interval is the SLO attainment of the requests whose deadline
 deadline leaves the interval length unchanged). No replacement is scheduled
 after the last arrival.
 
+Memory pressure (``MultiConfig.burst``): by default the group scheduler
+preempts (the newest request is recomputed later); with ``pressure:
+kunserve`` KunServe's policy merges buddy groups (same TP degree and services)
+into pipelined groups under a burst and restores them when the load falls
+(:mod:`fleetserve.sim.multi_burst`; the ``fleet`` stack).
+
 Every group of ``len(gpus) // tp`` replicas runs as its own
 :class:`~fleetserve.sim.group.SharingGroup`. Each request's ``ideal_s`` (the
 denominator of normalized latency and SLO scales) is its execution time alone
