@@ -27,12 +27,13 @@ from fleetserve.cli.serve import load_serve_config, serve_config_dict
 from fleetserve.config import SimConfig, config_from_dict
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError, UnknownNameError
-from fleetserve.policy.catalog import resolve_policies
+from fleetserve.policy.catalog import get_stack, resolve_policies
 from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.runtime.plan import (
     plan_workers,
+    runtime_gaps,
     runtime_policy_config,
     runtime_policy_names,
     sharing_placement,
@@ -282,3 +283,14 @@ def test_mell_activates_workers_under_load_and_releases_them() -> None:
         info = httpx.get(srv.url + "/v1/cluster").json()
         assert all(w["active"] == [] for w in info["workers"])
         assert info["requests_in_flight"] == 0
+
+
+def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:
+    """The runtime places a multi-LLM stack once and runs FCFS: each family it
+    does not run is listed (and logged when served), none silently."""
+    assert runtime_gaps(get_stack("alpaserve")) == []
+    gaps = runtime_gaps(get_stack("fleet"))
+    assert len(gaps) == 5
+    for words in ("re-placement", "'db'", "elastic", "'adaptive'", "'kunserve'"):
+        assert any(words in g for g in gaps), words
+    assert any("'adbs'" in g for g in runtime_gaps(get_stack("muxserve")))

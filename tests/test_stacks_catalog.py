@@ -117,7 +117,7 @@ def _cfg(stack: str, **extra: Any) -> SimConfig:
 def test_every_name_of_the_three_old_tables_is_one_stack() -> None:
     old = [*OLD_SINGLE, *OLD_MULTI, *OLD_KUN]
     # stacks composed from several papers since
-    composed = {"seallm-adaptive", "seallm-mell", "muxserve-mell"}
+    composed = {"seallm-adaptive", "seallm-mell", "muxserve-mell", "fleet"}
     assert set(STACKS) == set(old) | composed
     assert len(STACKS) == len(set(old)) + len(composed) == 26
     assert all(name == s.name for name, s in STACKS.items())

@@ -142,6 +142,25 @@ def sharing_stack(config: SimConfig) -> Stack | None:
     return stack
 
 
+def runtime_gaps(stack: Stack) -> list[str]:
+    """What the runtime does not run of multi-LLM ``stack`` (the simulator
+    does), one line each; logged as a warning when the stack is served, so a
+    difference between the two clocks is never silent. Runtime parity is
+    issue 24's work."""
+    out = []
+    if stack.replacement:
+        out.append("adaptive re-placement: the plan is made once, at start")
+    if stack.batching != "fcfs":
+        out.append(f"group scheduler {stack.batching!r}: each worker's engine runs FCFS")
+    if stack.memory == "elastic":
+        out.append("elastic groups: every worker keeps its weights loaded")
+    if stack.mechanism != "kv":
+        out.append(f"migration mechanism {stack.mechanism!r}: nothing is re-placed to migrate")
+    if stack.pressure != "queue":
+        out.append(f"pressure {stack.pressure!r} among groups: workers queue under pressure")
+    return out
+
+
 def runtime_policy_config(config: SimConfig) -> SimConfig:
     """The config the controller resolves its policy families from.
 
@@ -279,6 +298,8 @@ def sharing_placement(
             f"stack {stack.name!r} places sharing groups with the simulator's placement; "
             "pass placer=fleetserve.sim.multi_build.history_placement"
         )
+    for gap in runtime_gaps(stack):
+        logger.warning("stack %s at runtime: not run: %s", stack.name, gap)
     pcfg = _placement_config(config, models, dict(sources or {}))
     gpu = placement_gpu(config)
     services, plan, est = placer(stack, pcfg, gpu)
