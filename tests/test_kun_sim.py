@@ -269,7 +269,45 @@ def test_kv_drop_drops_each_request_at_most_once() -> None:
     sim = _sim(wl, "kv-drop")
     sim.run()
     _terminal_once(sim, len(wl))
-    assert any(s is not None and s.dropped for s in sim.seqs)
+    assert sim.reaction.dropped_ids
+
+
+def test_the_pressure_reaction_is_a_pure_policy() -> None:
+    """kv-drop frees victims until the head fits, never the same request
+    twice; kv-swap swaps one out at a time, within swap_max_out, and back in
+    only when the queue's head does not fit anyway; the others preempt."""
+    from fleetserve.policy.actions import DropKV, Preempt, SwapIn, SwapOut
+    from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView
+
+    class S:
+        def __init__(self, i: int) -> None:
+            self.id = i
+
+    run = [S(i) for i in range(4)]
+
+    def newest(c: list) -> Any:
+        return max(c, key=lambda s: s.id)
+
+    drop = PressureReaction(KunSettings(pressure="kv-drop"))
+    v = PressureView(room_tokens=10, head_tokens=50, running=run)
+    got = [drop.head_blocked(v, newest) for _ in range(5)]
+    assert got == [DropKV(3), DropKV(2), DropKV(1), DropKV(0), None]
+    assert drop.head_blocked(PressureView(60, 50, run), newest) is None  # fits
+    swap = PressureReaction(KunSettings(pressure="kv-swap", swap_max_out=1))
+    assert swap.head_blocked(v, newest) == SwapOut(3)
+    busy = PressureView(10, 50, run, swap_out_busy=True)
+    assert swap.head_blocked(busy, newest) is None
+    assert swap.decode_short(busy, newest) is None  # wait for the swap-out
+    full = PressureView(10, 50, run, swapped=(7,), swapped_tokens=(5,))
+    assert swap.decode_short(full, newest) == Preempt(3)  # swap_max_out reached
+    assert swap.swap_in(full) == SwapIn(7)  # the head does not fit anyway
+    assert swap.swap_in(PressureView(10, 8, run, (7,), (5,))) is None  # the head first
+    assert swap.swap_in(PressureView(10, 0, run, (7,), (5,))) == SwapIn(7)
+    assert swap.swap_in(PressureView(4, 0, run, (7,), (5,))) is None  # does not fit
+    queue = PressureReaction(KunSettings(pressure="queue"))
+    assert queue.head_blocked(v, newest) is None
+    assert queue.decode_short(v, newest) == Preempt(3)
+    assert queue.swap_in(full) is None
 
 
 def test_llumnix_migrates_from_a_loaded_instance() -> None:

@@ -140,6 +140,40 @@ class ActivateSpare:
     shortfall_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Free running request ``request_id``'s KV; it is recomputed later, from
+    the head of its queue (vLLM's recompute preemption)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropKV:
+    """Free running request ``request_id``'s KV to admit the queue's head; it
+    goes to the tail of the queue and is recomputed (KunServe's ``kv-drop``
+    baseline)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapOut:
+    """Copy running request ``request_id``'s KV to host memory and free it on
+    the GPU (vLLM's swap preemption, KunServe's ``kv-swap`` baseline)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SwapIn:
+    """Copy swapped-out request ``request_id``'s KV back; it runs again once
+    the copy is in."""
+
+    request_id: int
+
+
+PressureAction = Preempt | DropKV | SwapOut | SwapIn
 DispatchAction = Dispatch | Reject | ActivateGpu | Defer
 KunAction = DropLayers | Restore | ActivateSpare
 Action = (
@@ -152,4 +186,8 @@ Action = (
     | DropLayers
     | Restore
     | ActivateSpare
+    | Preempt
+    | DropKV
+    | SwapOut
+    | SwapIn
 )

@@ -7,20 +7,31 @@ field in :data:`~fleetserve.policy.catalog.STACKS`): the KunServe simulator
 the pure :class:`~fleetserve.policy.kunserve.KunServePolicy` that makes
 KunServe's drop/restore decisions from it (in the simulator and in the
 runtime's controller, :mod:`fleetserve.runtime.kun_control`).
+
+:class:`PressureReaction` is the rest of the family's decisions, the
+baselines' (vLLM's recompute, ``kv-drop``, ``kv-swap``): what an executor does
+when the queue's head does not fit, when the next decode token does not fit,
+and when a swapped-out request comes back. It is pure (no clock, no
+randomness): a backend shows it a :class:`PressureView` and applies the
+:data:`~fleetserve.policy.actions.PressureAction` it returns; the victim is
+the batching policy's (passed in).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from fleetserve.cluster.state import SeqView
 from fleetserve.errors import ConfigError
+from fleetserve.policy.actions import DropKV, Preempt, SwapIn, SwapOut
 from fleetserve.policy.kunserve import KunServePolicy
 
 if TYPE_CHECKING:
     from fleetserve.spec import ModelSpec
 
-__all__ = ["PRESSURES", "KunSettings"]
+__all__ = ["PRESSURES", "KunSettings", "PressureReaction", "PressureView"]
 
 PRESSURES = ("queue", "kv-drop", "kv-swap", "llumnix", "kunserve")
 
@@ -146,3 +157,103 @@ class KunSettings:
             restore_min_s=self.restore_min_s,
             restore_from=self.restore_from,
         )
+
+
+Victim = Callable[[list[SeqView]], SeqView]
+"""The batching policy's victim among candidates (the newest, for FCFS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PressureView:
+    """One executor as :class:`PressureReaction` reads it (KV in tokens).
+
+    Attributes:
+        room_tokens: KV tokens free above the admission watermark.
+        head_tokens: what the head of the queue needs (0: empty queue).
+        running: the running requests, in the executor's order.
+        swapped: requests swapped out to host memory, oldest first (ids).
+        swapped_tokens: the KV tokens of each, same order.
+        swap_out_busy: a swap-out is in flight.
+        swap_in_busy: a swap-in is in flight.
+    """
+
+    room_tokens: int
+    head_tokens: int
+    running: Sequence[SeqView]
+    swapped: tuple[int, ...] = ()
+    swapped_tokens: tuple[int, ...] = ()
+    swap_out_busy: bool = False
+    swap_in_busy: bool = False
+
+
+class PressureReaction:
+    """The baselines' reactions to a KV shortage (module docstring).
+
+    ``queue``, ``llumnix`` and ``kunserve`` preempt (recompute) when a decode
+    token does not fit, and leave a blocked queue head waiting (Llumnix and
+    KunServe act on memory in their own periodic decisions). ``kv-drop``
+    frees running requests' KV until the head fits, each request at most
+    once (one dropped again and again would never finish; real systems bound
+    this too: an implementer's choice). ``kv-swap`` swaps a victim out instead
+    of recomputing it, one swap-out at a time and at most ``swap_max_out``
+    requests out (or on their way in or out) per executor, and swaps the
+    oldest back in when its KV fits and the queue's head does not.
+
+    Args:
+        settings: the stack's memory-pressure settings.
+    """
+
+    def __init__(self, settings: KunSettings) -> None:
+        self.settings = settings
+        self._dropped: set[int] = set()
+
+    @property
+    def dropped_ids(self) -> frozenset[int]:
+        """Requests whose KV ``kv-drop`` has dropped (each at most once)."""
+        return frozenset(self._dropped)
+
+    def may_swap_out(self, view: PressureView) -> bool:
+        """``kv-swap``: one swap-out at a time, at most ``swap_max_out`` out."""
+        out = len(view.swapped) + view.swap_out_busy + view.swap_in_busy
+        return not view.swap_out_busy and out < self.settings.swap_max_out
+
+    def head_blocked(self, view: PressureView, victim: Victim) -> DropKV | SwapOut | None:
+        """The queue's head has a batch slot but not the memory, and requests
+        are running: one step of the reaction (None: the head waits). A
+        backend applies the action and asks again while it gets ``DropKV``."""
+        pressure = self.settings.pressure
+        if pressure == "kv-drop":
+            if view.room_tokens >= view.head_tokens:
+                return None
+            cands = [s for s in view.running if s.id not in self._dropped]
+            if not cands:
+                return None
+            v = victim(cands)
+            self._dropped.add(v.id)
+            return DropKV(v.id)
+        if pressure == "kv-swap" and self.may_swap_out(view):
+            return SwapOut(victim(list(view.running)).id)
+        return None
+
+    def decode_short(self, view: PressureView, victim: Victim) -> Preempt | SwapOut | None:
+        """The next decode token of every running request does not fit: free
+        a victim (None: wait for the swap-out in flight to free memory)."""
+        v = victim(list(view.running))
+        if self.settings.pressure == "kv-swap":
+            if self.may_swap_out(view):
+                return SwapOut(v.id)
+            if view.swap_out_busy:
+                return None
+        return Preempt(v.id)
+
+    def swap_in(self, view: PressureView) -> SwapIn | None:
+        """``kv-swap``, before a decode iteration: bring the oldest swapped-out
+        request back when its KV fits and the queue's head does not (a head
+        that fits is admitted first: swapping exists to admit it)."""
+        if self.settings.pressure != "kv-swap" or view.swap_in_busy or not view.swapped:
+            return None
+        if view.head_tokens and view.head_tokens <= view.room_tokens:
+            return None
+        if view.swapped_tokens[0] > view.room_tokens:
+            return None
+        return SwapIn(view.swapped[0])

@@ -133,11 +133,13 @@ from fleetserve.metrics.records import (
 from fleetserve.policy.actions import (
     ActivateSpare,
     Dispatch,
+    DropKV,
     DropLayers,
     KunAction,
     Migrate,
     Reject,
     Restore,
+    SwapOut,
 )
 from fleetserve.policy.base import DISPATCH, AdmissionBudget
 from fleetserve.policy.batching import instance_batching
@@ -149,7 +151,7 @@ from fleetserve.policy.kunserve import (
     split_layers,
 )
 from fleetserve.policy.llumnix import Llumnix
-from fleetserve.policy.pressure import KunSettings
+from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView, Victim
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
@@ -602,6 +604,7 @@ class KunSimulator:
         )
         self.dispatcher = DISPATCH.get(dispatch)()
         self.batching = instance_batching(batching)
+        self.reaction = PressureReaction(st)
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
@@ -884,22 +887,18 @@ class KunSimulator:
             exe.static -= s.tokens
             exe.run(s, s.tokens)
         exe.pending_attach.clear()
-        pressure = self.settings.pressure
         draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
         if exe.waiting and not draining and not (exe.last_prefill and exe.running):
             admitted = self._admit(exe)
-            if not admitted and exe.running and self._head_blocked_by_memory(exe):
-                if pressure == "kv-drop":
-                    self._drop_for_head(exe, now)
-                    admitted = self._admit(exe)
-                elif pressure == "kv-swap" and self._may_swap_out(exe):
-                    self._swap_out(exe, self._victim(exe), now)
+            blocked = not admitted and exe.running and self._head_blocked_by_memory(exe)
+            if blocked and self._react_blocked(exe, now):
+                admitted = self._admit(exe)
             if admitted:
                 exe.last_prefill = True
                 self._start_prefill(exe, admitted, now)
                 return
         exe.last_prefill = False
-        if pressure == "kv-swap":
+        if exe.swapped:
             self._swap_in(exe, now)
         if exe.running:
             self._start_decode(exe, now)
@@ -947,23 +946,57 @@ class KunSimulator:
         exe.version += 1
         self._push_iter(exe, now + exe.pcost.prefill_time(lens))
 
-    def _victim(self, exe: Executor, among: list[KSeq] | None = None) -> KSeq:
-        """The batching policy's victim among ``among`` (default: the running batch)."""
-        running = list(exe.running.values()) if among is None else among
-        return self.batching.victim(exe, running)  # type: ignore[return-value]
+    def _pview(self, exe: Executor) -> PressureView:
+        """``exe`` as the pressure reaction reads it."""
+        return PressureView(
+            room_tokens=exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
+            head_tokens=exe.waiting[0].need_tokens() if exe.waiting else 0,
+            running=list(exe.running.values()),
+            swapped=tuple(s.id for s in exe.swapped),
+            swapped_tokens=tuple(s.tokens for s in exe.swapped),
+            swap_out_busy=exe.swap_out_busy,
+            swap_in_busy=exe.swap_in_busy,
+        )
+
+    def _victim_of(self, exe: Executor) -> Victim:
+        """The batching policy's victim choice on ``exe``."""
+        return lambda among: self.batching.victim(exe, among)
+
+    def _seq(self, rid: int) -> KSeq:
+        s = self.seqs[rid]
+        assert s is not None, rid
+        return s
+
+    def _react_blocked(self, exe: Executor, now: float) -> bool:
+        """The queue's head does not fit: apply the pressure reaction's steps
+        (:meth:`PressureReaction.head_blocked`); whether it freed KV. Requests
+        whose KV was dropped go to the tail of the queue, newest last."""
+        dropped: list[KSeq] = []
+        while True:
+            action = self.reaction.head_blocked(self._pview(exe), self._victim_of(exe))
+            if action is None:
+                break
+            s = self._seq(action.request_id)
+            if isinstance(action, DropKV):
+                self._evict(exe, s, now)
+                dropped.append(s)
+                continue
+            self._swap_out(exe, s, now)
+            break
+        exe.waiting.extend(reversed(dropped))
+        return bool(dropped)
 
     def _start_decode(self, exe: Executor, now: float) -> None:
-        pressure = self.settings.pressure
         while exe.running and exe.room_tokens() < len(exe.running):
-            victim = self._victim(exe)
-            if pressure == "kv-swap":
-                if self._may_swap_out(exe):
-                    self._swap_out(exe, victim, now)
-                    continue
-                if exe.swap_out_busy:
-                    exe.phase = IDLE  # wait for the swap-out in flight to free memory
-                    return
-            self._preempt(exe, victim, now)
+            action = self.reaction.decode_short(self._pview(exe), self._victim_of(exe))
+            if action is None:
+                exe.phase = IDLE  # wait for the swap-out in flight to free memory
+                return
+            s = self._seq(action.request_id)
+            if isinstance(action, SwapOut):
+                self._swap_out(exe, s, now)
+            else:
+                self._preempt(exe, s, now)
         B = len(exe.running)
         if B == 0:
             exe.phase = IDLE
@@ -1022,24 +1055,6 @@ class KunSimulator:
         """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
         self._evict(exe, s, now)
         exe.waiting.appendleft(s)
-
-    def _drop_for_head(self, exe: Executor, now: float) -> None:
-        """KV drop: free the newest running requests until the head of the
-        queue fits; they are requeued at the tail and recomputed. A request's
-        KV is dropped at most once (a request dropped again and again would
-        never finish; real systems bound this too)."""
-        head = exe.waiting[0]
-        wm = int(self.watermark * exe.capacity_tokens())
-        dropped: list[KSeq] = []
-        while exe.room_tokens() - wm < head.need_tokens():
-            cands = [s for s in exe.running.values() if not s.dropped]
-            if not cands:
-                break
-            s = self._victim(exe, cands)
-            s.dropped = True
-            self._evict(exe, s, now)
-            dropped.append(s)
-        exe.waiting.extend(reversed(dropped))
 
     def _on_iter_end(self, exe: Executor, now: float) -> None:
         exe.last_end = now
@@ -1488,11 +1503,6 @@ class KunSimulator:
                 self._schedule(e, now)
 
     # ------------------------------------------------------------------ swap
-    def _may_swap_out(self, exe: Executor) -> bool:
-        """One swap-out at a time, and at most ``swap_max_out`` requests out."""
-        out = len(exe.swapped) + (1 if exe.swap_out_busy else 0) + (1 if exe.swap_in_busy else 0)
-        return not exe.swap_out_busy and out < self.settings.swap_max_out
-
     def _swap_out(self, exe: Executor, s: KSeq, now: float) -> None:
         kv = exe.unrun(s)
         s.state = "stalled"
@@ -1516,15 +1526,11 @@ class KunSimulator:
         )
 
     def _swap_in(self, exe: Executor, now: float) -> None:
-        if exe.swap_in_busy or not exe.swapped:
+        action = self.reaction.swap_in(self._pview(exe))
+        if action is None:
             return
-        s = exe.swapped[0]
-        wm = int(self.watermark * exe.capacity_tokens())
-        if exe.waiting and exe.waiting[0].need_tokens() <= exe.room_tokens() - wm:
-            return  # queued requests first (swapping exists to admit them)
-        if s.tokens > exe.room_tokens() - wm:
-            return
-        exe.swapped.popleft()
+        s = exe.swapped.popleft()
+        assert s.id == action.request_id, (s.id, action)
         kv = s.tokens
         exe.static += kv
         s.state = "transit"

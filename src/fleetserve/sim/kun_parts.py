@@ -48,7 +48,6 @@ class KSeq:
 
     __slots__ = (
         "base",
-        "dropped",
         "exe",
         "finish_step",
         "gen",
@@ -76,7 +75,6 @@ class KSeq:
         self.exe: Executor | None = None
         self.state = "new"
         self.base = 0
-        self.dropped = False  # its KV was dropped once (kv-drop)
         self.finish_step = 0
         self.gen = 0  # generated tokens while not running
         self.tokens = 0  # KV tokens held while not running
