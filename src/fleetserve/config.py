@@ -304,6 +304,9 @@ class MultiConfigSection:
             it is needed again). Mell releases an idle GPU at once; a group's
             weights take seconds to reload, so it waits, as serverless
             platforms keep an instance warm: an implementer's choice.
+        contention: jobs a spatial scheduler (MuxServe's ADBS) runs at once
+            share the GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`);
+            false gives each the full bandwidth (the model before issue 22).
     """
 
     generator: str | None = None
@@ -322,8 +325,11 @@ class MultiConfigSection:
     processes: int | None = None
     max_services: int | None = None
     keepalive_s: float = 30.0
+    contention: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.contention, bool):
+            raise ConfigError(f"multi.contention must be true or false, got {self.contention!r}")
         if self.keepalive_s < 0:
             raise ConfigError(f"multi.keepalive_s must be >= 0, got {self.keepalive_s}")
         for name in (

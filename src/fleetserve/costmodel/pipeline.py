@@ -172,6 +172,16 @@ class StagedCost:
         out = [self.decode_time_scalar(batch, float(x)) for x in flat.ravel()]
         return np.asarray(out, dtype=np.float64).reshape(flat.shape)
 
+    def prefill_memory_s(self, prompt_lens: Sequence[int]) -> float:
+        """0: a pipelined group's rounds are not re-timed for memory contention
+        (its stages are on different GPUs; no stack runs a spatial scheduler on
+        a pipelined group)."""
+        return 0.0
+
+    def decode_memory_s(self, batch: int, ctx_total: float) -> float:
+        """0 (see :meth:`prefill_memory_s`)."""
+        return 0.0
+
     def re_prefill_time(self, tokens: int) -> float:
         """Seconds to rebuild ``tokens`` tokens of KV by one prefill round."""
         return self.prefill_time([tokens]) if tokens > 0 else 0.0

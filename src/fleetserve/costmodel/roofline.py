@@ -359,6 +359,24 @@ class InstanceCost:
         a_m = self._m_w + batch * self._m_kv + k
         return scale * max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
 
+    # --- memory traffic (contention between concurrent jobs) ----------------
+    def prefill_memory_s(self, prompt_lens: Sequence[int] | npt.NDArray[np.integer]) -> float:
+        """Seconds of HBM traffic of :meth:`prefill_time`'s iteration at the
+        GPUs' full memory bandwidth (the memory term of the roofline): the
+        weights once and the prompts' new KV. Concurrent jobs on one GPU group
+        share this bandwidth (:func:`fleetserve.sim.contention.bandwidth_shares`)."""
+        if len(prompt_lens) == 0:
+            return 0.0
+        total = sum(int(x) for x in prompt_lens)
+        return self._m_w + total * self._m_kv
+
+    def decode_memory_s(self, batch: int, ctx_total: float) -> float:
+        """Seconds of HBM traffic of :meth:`decode_time_scalar`'s iteration at
+        full memory bandwidth: weights, the KV read and the new tokens' KV (the
+        decode batch scale, when calibrated, applies to it as to the time)."""
+        scale = self.params.decode_scale(batch) if self._scaled else 1.0
+        return scale * (self._m_w + batch * self._m_kv + float(ctx_total) * self._m_kv)
+
     def mixed_time(
         self,
         chunks: Sequence[tuple[int, int]],

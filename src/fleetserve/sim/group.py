@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
+from fleetserve.sim.contention import BandwidthSharing
 
 if TYPE_CHECKING:
     from fleetserve.metrics.records import RequestRecord
@@ -67,6 +68,10 @@ class JobCost(Protocol):
     ) -> npt.NDArray[np.float64]: ...
 
     def re_prefill_tokens(self, budget_s: float) -> int: ...
+
+    def prefill_memory_s(self, prompt_lens: Sequence[int]) -> float: ...
+
+    def decode_memory_s(self, batch: int, ctx_total: float) -> float: ...
 
 
 class GSeq:
@@ -153,6 +158,9 @@ class SharingGroup:
         max_batched_tokens: prompt tokens per prefill job.
         macro_steps: advance a lone decode batch several iterations at once
             (temporal schedulers; see :meth:`_macro_ends`).
+        contention: jobs running at once (a spatial scheduler's) share the
+            GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`): each
+            start or end of a job re-times the others.
     """
 
     def __init__(
@@ -167,6 +175,7 @@ class SharingGroup:
         max_num_seqs: int = 256,
         max_batched_tokens: int = 8192,
         macro_steps: bool = True,
+        contention: bool = False,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -184,6 +193,8 @@ class SharingGroup:
         self._next_token = 0
         self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
         self.macro = macro_steps and not scheduler.spatial
+        self._bw = BandwidthSharing() if contention and scheduler.spatial else None
+        self._superseded: set[int] = set()  # job tokens re-timed under new ones
         self._state = _StateView(self)  # what the scheduler reads
         self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
@@ -262,7 +273,7 @@ class SharingGroup:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
         sched = self.scheduler
         if self.state != "live" or (not sched.spatial and self.jobs):
-            return []
+            return self._retimed(now, [])
         started: list[tuple[float, int]] = []
         while True:
             jobs = sched.schedule(self._state, _GroupBudget(self), now)
@@ -283,7 +294,38 @@ class SharingGroup:
                 break
         if self.jobs and self._busy_since is None:
             self._busy_since = now
-        return started
+        return self._retimed(now, started)
+
+    def _retimed(self, now: float, started: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        """``started`` with the jobs that memory-bandwidth contention re-timed:
+        a new job's end as re-timed, and each other job whose end moved under
+        a new token (the old one is superseded: :meth:`stale`)."""
+        bw = self._bw
+        if bw is None or not bw:
+            return started
+        moved = bw.retime(now)
+        if not moved:
+            return started
+        new = {tok for _, tok in started}
+        out = [(moved.get(tok, end), tok) for end, tok in started]
+        for tok, end in moved.items():
+            if tok in new:
+                continue
+            fresh = self._next_token
+            self._next_token += 1
+            self.jobs[fresh] = self.jobs.pop(tok)
+            bw.rekey(tok, fresh)
+            self._superseded.add(tok)
+            out.append((end, fresh))
+        return out
+
+    def stale(self, token: int) -> bool:
+        """Whether job end ``token`` was superseded by a re-timed one (then
+        forgotten: each token ends once)."""
+        if token in self._superseded:
+            self._superseded.discard(token)
+            return True
+        return False
 
     def _start(self, job: Job, now: float) -> tuple[float, int] | None:
         m = job.model
@@ -305,7 +347,11 @@ class SharingGroup:
                 q.clear()
             else:
                 self.waiting[m] = deque(s for s in q if s.id not in ids)
-            cost = self.costs[m].prefill_time([s.prompt_tokens + s.generated for s in seqs], share)
+            lens = [s.prompt_tokens + s.generated for s in seqs]
+            cost = self.costs[m].prefill_time(lens, share)
+            traffic = 0.0
+            if self._bw is not None:
+                traffic = self.costs[m].prefill_memory_s(lens)
         else:
             seqs = [run[i] for i in job.seqs]
             if any(s.in_job for s in seqs):
@@ -322,9 +368,14 @@ class SharingGroup:
                 return None
             ctx = sum(s.kv_tokens for s in seqs)
             cost = self.costs[m].decode_time_scalar(len(seqs), float(ctx), share)
+            traffic = 0.0
+            if self._bw is not None:
+                traffic = self.costs[m].decode_memory_s(len(seqs), float(ctx))
         token = self._register(
             Job(m, job.phase, tuple(x.id for x in seqs), share), seqs, now, share
         )
+        if self._bw is not None:
+            self._bw.add(token, now, cost, traffic)
         return (now + cost, token)
 
     def _register(self, job: Job, seqs: list[GSeq], now: float, share: float) -> int:
@@ -442,6 +493,8 @@ class SharingGroup:
         entry = self.jobs.pop(token, None)
         if entry is None:
             return []
+        if self._bw is not None:
+            self._bw.remove(token)
         job, seqs, start, share = entry
         ends = self._ends.pop(token, None)
         if ends is not None and len(ends) > 1:  # a macro job: all but its last iteration
@@ -545,6 +598,8 @@ class SharingGroup:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
         assert self.held_share <= 1.0 + 1e-6, self.held_share
+        if self._bw is not None:
+            assert self._bw.tokens() == set(self.jobs), (self._bw.tokens(), set(self.jobs))
         for m in self._models:
             limit = self.scheduler.kv_limit(m)
             assert lay.used_bytes(m) <= limit + 1e-6, (m, lay.used_bytes(m), limit)

@@ -164,6 +164,9 @@ class MultiConfig:
             ``max_context``); longer requests are rejected.
         macro_steps: advance lone decode batches several iterations at once
             (same results; see ``SharingGroup._macro_steps``).
+        contention: jobs a spatial scheduler (ADBS) runs at once share the
+            GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`); False:
+            each job streams memory at full bandwidth (before issue 22).
     """
 
     gpu: str = "a100-80gb"
@@ -188,6 +191,7 @@ class MultiConfig:
     check_integrity: bool = False
     max_model_len: int | None = None
     macro_steps: bool = True
+    contention: bool = True
 
     def __post_init__(self) -> None:
         if self.n_gpus < 1 or self.block_size < 1 or self.max_num_seqs < 1:
@@ -525,6 +529,7 @@ class MultiSimulator:
             max_num_seqs=cfg.max_num_seqs,
             max_batched_tokens=cfg.max_batched_tokens,
             macro_steps=cfg.macro_steps if macro_steps is None else macro_steps,
+            contention=cfg.contention,
         )
         self.groups.append(g)
         self._group_by_id[g.id] = g
@@ -564,8 +569,11 @@ class MultiSimulator:
         out, self._out = self._out, []
         return out
 
-    def _ev_job_end(self, payload: tuple[SharingGroup, int], now: float) -> list[Event]:
+    def _ev_job_end(self, payload: tuple[SharingGroup, int], now: float) -> list[Event] | None:
         g, token = payload
+        if g.stale(token):  # re-timed (memory contention): its new end is pending
+            self._job_end.pop((g.id, token), None)
+            return None
         self._on_job_end(g, token, now)
         return self._caused()
 

@@ -81,6 +81,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         mechanism=cfg.migration.mechanism,
         memory=cfg.policy.memory,
         keepalive_s=m.keepalive_s,
+        contention=m.contention,
         epoch_s=cfg.migration.epoch_s,
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,

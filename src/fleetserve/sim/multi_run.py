@@ -68,6 +68,7 @@ class MultiRunSettings:
         mechanism: how a re-placement moves running requests (None: the stack's).
         memory: ``static`` or ``elastic`` groups (None: the stack's, else static).
         keepalive_s: idle time before an elastic group releases its GPUs.
+        contention: concurrent jobs share memory bandwidth (``multi.contention``).
         epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
             boundaries (``migration.*``).
         burst_overrides: ``kunserve.*`` overrides of the stack's memory-pressure
@@ -92,6 +93,7 @@ class MultiRunSettings:
     mechanism: str | None = None
     memory: str | None = None
     keepalive_s: float = 30.0
+    contention: bool = True
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
@@ -111,6 +113,7 @@ class MultiRunSettings:
             mechanism=self.mechanism or stack.mechanism,
             memory=self.memory or stack.memory or "static",
             keepalive_s=self.keepalive_s,
+            contention=self.contention,
             epoch_s=self.epoch_s,
             link_share=self.link_share,
             compute_share=self.compute_share,

@@ -1,0 +1,130 @@
+r"""Memory-bandwidth contention between jobs running at once on one GPU group.
+
+MuxServe's spatial sharing runs jobs of several models at once, each on a
+share of the compute units (SMs). The roofline cost model divides a job's
+compute term by its share, but the GPUs' memory bandwidth is not partitioned
+by SMs: concurrent jobs also *share* it. This module is how a sharing group
+(:class:`~fleetserve.sim.group.SharingGroup`) accounts for that.
+
+Model (fluid, piecewise constant between job starts and ends). Job ``j``
+alone on its compute share would take ``T_j`` (the cost model's time: fixed
+terms + ``max(compute / share, memory)``) and move ``M_j`` seconds' worth of
+HBM traffic (its memory term at full bandwidth), so alone it uses the
+fraction ``u_j = M_j / T_j`` of the bandwidth on average. While the jobs in
+flight ask for more than the whole bandwidth (``sum u_j > 1``), the bandwidth
+is divided max-min fairly (:func:`bandwidth_shares`: water-filling, every job
+gets at most what it asks), and a job that gets ``b_j < u_j`` progresses at
+``b_j / u_j`` of its alone speed. Each start or end of a job re-times the
+others.
+
+Limiting cases (tested): a job alone takes exactly ``T_j`` (today's time);
+``k`` equal memory-bound jobs (``u ~ 1``) started together each get ``1/k``
+of the bandwidth and take ``k u T`` (about ``k`` times as long: the memory
+traffic of all ``k`` goes through one memory system); a compute-bound
+prefill (small ``u``) beside a decode barely slows it. Simplifications: a
+job's bandwidth use is spread evenly over its duration (its fixed launch and
+collective terms included), and compute is not contended beyond the shares
+(the scheduler keeps the shares' sum at most 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BandwidthSharing", "bandwidth_shares"]
+
+_EPS = 1e-12
+
+
+def bandwidth_shares(demands: Sequence[float], capacity: float = 1.0) -> list[float]:
+    """Max-min fair division of ``capacity`` among ``demands`` (water-filling).
+
+    Every job gets at most its demand; when the demands exceed the capacity,
+    the smallest are met in full and the rest split what is left equally.
+
+    Raises:
+        ValueError: a negative demand or capacity.
+    """
+    if capacity < 0 or any(d < 0 for d in demands):
+        raise ValueError(f"demands and capacity must be >= 0, got {list(demands)}, {capacity}")
+    if sum(demands) <= capacity:
+        return [float(d) for d in demands]
+    out = [0.0] * len(demands)
+    left = capacity
+    order = sorted(range(len(demands)), key=lambda i: demands[i])
+    for n, i in enumerate(order):
+        level = left / (len(order) - n)
+        got = min(float(demands[i]), level)
+        out[i] = got
+        left -= got
+    return out
+
+
+@dataclass(slots=True)
+class _Job:
+    remaining: float  # seconds of work left at its alone speed
+    use: float  # u_j, average bandwidth fraction alone
+    slow: float  # its speed now, as a fraction of its alone speed
+    since: float  # when ``remaining`` was last brought up to date
+    end: float  # the end time it was last given
+
+
+class BandwidthSharing:
+    """The jobs in flight on one group and their progress (module docstring).
+
+    Keys are the group's job tokens. :meth:`retime` brings every job's
+    progress up to ``now``, recomputes the shares, and returns the jobs whose
+    end time changed. A job whose speed does not change keeps its end time
+    exactly (so a job that is never slowed ends exactly ``T_j`` after its
+    start, as without contention).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, _Job] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def tokens(self) -> set[int]:
+        """The tokens of the jobs in flight."""
+        return set(self._jobs)
+
+    def add(self, token: int, now: float, alone_s: float, memory_s: float) -> None:
+        """A job starts: ``alone_s`` its time alone, ``memory_s`` its HBM traffic."""
+        use = min(1.0, memory_s / alone_s) if alone_s > 0 else 0.0
+        self._jobs[token] = _Job(alone_s, use, 1.0, now, now + alone_s)
+
+    def remove(self, token: int) -> None:
+        """A job ended (or was cancelled)."""
+        self._jobs.pop(token, None)
+
+    def rekey(self, old: int, new: int) -> None:
+        """The group gave job ``old`` a new token."""
+        self._jobs[new] = self._jobs.pop(old)
+
+    def end_of(self, token: int) -> float:
+        """The end time job ``token`` was last given."""
+        return self._jobs[token].end
+
+    def slowdown(self, token: int) -> float:
+        """Job ``token``'s speed now as a fraction of its speed alone."""
+        return self._jobs[token].slow
+
+    def retime(self, now: float) -> dict[int, float]:
+        """Progress to ``now``, new shares; ``{token: new end}`` of the jobs
+        whose speed (hence end time) changed."""
+        jobs = self._jobs
+        keys = list(jobs)
+        got = bandwidth_shares([jobs[k].use for k in keys])
+        out: dict[int, float] = {}
+        for k, b in zip(keys, got, strict=True):
+            j = jobs[k]
+            j.remaining = max(0.0, j.remaining - (now - j.since) * j.slow)
+            j.since = now
+            slow = 1.0 if j.use <= _EPS or b >= j.use - _EPS else b / j.use
+            if slow != j.slow:
+                j.slow = slow
+                j.end = now + j.remaining / slow
+                out[k] = j.end
+        return out
