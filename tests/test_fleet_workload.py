@@ -158,7 +158,9 @@ def test_config_section_selects_the_generator() -> None:
     )
     kw = c.fleet.generator_kwargs()
     assert kw["rate"] == 4.0 and kw["models"] == ("llama-2-7b",)
-    assert set(kw) | {"generator"} == {f for f in FleetConfigSection.__dataclass_fields__}
+    trace_only = {"trace", "format", "if_missing", "end_s", "length_scale"}
+    assert set(kw) | {"generator"} | trace_only == set(FleetConfigSection.__dataclass_fields__)
+    assert not set(kw) & trace_only  # fleet_workload's arguments only
     w = fleet_workload(**{**kw, "duration_s": 60.0, "bursts": 0}, sampler=LENGTHS)
     assert {r.model for r in w.requests} == {"llama-2-7b"}
     assert FleetConfigSection().generator is None  # off unless chosen

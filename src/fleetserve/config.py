@@ -28,6 +28,7 @@ import yaml
 
 from fleetserve.errors import ConfigError, InputError
 from fleetserve.workload.fleet import FLEET_DEFAULTS, check_fleet_args
+from fleetserve.workload.fleet_trace import TRACE_DEFAULTS, check_trace_args
 
 DEFAULT_SLO_SCALES: tuple[float, ...] = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
@@ -452,37 +453,54 @@ class KunConfigSection:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-FLEET_GENERATORS: tuple[str, ...] = ("fleet",)
+FLEET_GENERATORS: tuple[str, ...] = ("fleet", "trace")
+
+_FLEET_SHARED: tuple[str, ...] = ("models", "zipf", "fit_context")
+"""Fields of the ``fleet`` section both generators read."""
+_FLEET_TRACE_ONLY: tuple[str, ...] = ("trace", "format", "if_missing", "end_s", "length_scale")
+"""Fields only ``fleet.generator: trace`` reads."""
 
 
 @dataclass(frozen=True)
 class FleetConfigSection:
-    """The fleet workload: many models, Zipf popularity, a diurnal curve, bursts.
+    """The fleet workload: many models, Zipf popularity; synthetic or from a trace.
 
     ``fleet.generator: fleet`` selects
-    :func:`fleetserve.workload.fleet.fleet_workload` (seeded by the top-level
-    ``seed``) instead of ``workload.trace``. Every other field is that
-    function's argument of the same name; the defaults are
+    :func:`fleetserve.workload.fleet.fleet_workload` (a diurnal curve and bursts),
+    ``fleet.generator: trace`` selects
+    :func:`fleetserve.workload.fleet_trace.trace_fleet_workload` (a recorded trace,
+    each request given a model by Zipf popularity); both are seeded by the
+    top-level ``seed`` and replace ``workload`` and ``services``. Every other
+    field is the generator's argument of the same name; the defaults are
     :data:`fleetserve.workload.fleet.FLEET_DEFAULTS` (the diurnal and burst
-    shapes fitted to the shared Azure conversation trace, see docs/fleet.md).
+    shapes fitted to the shared Azure conversation trace, see docs/fleet.md) and
+    :data:`fleetserve.workload.fleet_trace.TRACE_DEFAULTS`. A field of the
+    other generator must be left out (it would be ignored).
 
     Attributes:
-        generator: ``fleet``, or None (not used).
-        rate: mean base rate of the whole fleet over a period, req/s.
-        duration_s: the run's length.
-        period_s: the compressed day.
-        models: distinct catalog models, most popular first.
-        zipf: power-law popularity exponent (>= 0).
-        peak_trough: peak / trough ratio of the diurnal curve (>= 1).
-        peak_at: where the peak is, a fraction of ``period_s`` in [0, 1).
-        bursts: number of burst windows (>= 0).
-        burst_height: the fleet's total rate during a burst / its base (>= 1).
-        burst_len_s: length of a burst window.
-        burst_gap_s: mean gap between consecutive burst starts.
-        burst_models: models sharing each burst's extra load.
-        cv: inter-arrival CV of each model's arrivals (> 0).
-        lengths: ``azure-conv`` or ``sharegpt``.
-        fit_context: cut requests to each model's context window.
+        generator: ``fleet``, ``trace``, or None (not used).
+        rate: mean base rate of the whole fleet over a period, req/s (fleet).
+        duration_s: the run's length (fleet).
+        period_s: the compressed day (fleet).
+        models: distinct catalog models, most popular first (both).
+        zipf: power-law popularity exponent (>= 0) (both).
+        peak_trough: peak / trough ratio of the diurnal curve (>= 1) (fleet).
+        peak_at: where the peak is, a fraction of ``period_s`` in [0, 1) (fleet).
+        bursts: number of burst windows (>= 0) (fleet).
+        burst_height: the fleet's total rate during a burst / its base (>= 1) (fleet).
+        burst_len_s: length of a burst window (fleet).
+        burst_gap_s: mean gap between consecutive burst starts (fleet).
+        burst_models: models sharing each burst's extra load (fleet).
+        cv: inter-arrival CV of each model's arrivals (> 0) (fleet).
+        lengths: ``azure-conv`` or ``sharegpt`` (fleet).
+        fit_context: cut requests to each model's context window (both).
+        trace: the trace file; relative paths are resolved against the config
+            file's folder (trace).
+        format: its format: azure, mooncake, burstgpt or jsonl (trace).
+        if_missing: ``error``, or ``synthetic``: the built-in workload with the
+            Azure conversation statistics when the file is absent (trace).
+        end_s: keep the trace's arrivals in ``[0, end_s)``; None: all (trace).
+        length_scale: prompt and output lengths multiplier (trace).
     """
 
     generator: str | None = None
@@ -501,6 +519,11 @@ class FleetConfigSection:
     cv: float = FLEET_DEFAULTS.cv
     lengths: str = FLEET_DEFAULTS.lengths
     fit_context: bool = FLEET_DEFAULTS.fit_context
+    trace: str | None = TRACE_DEFAULTS.trace
+    format: str | None = TRACE_DEFAULTS.format
+    if_missing: str = TRACE_DEFAULTS.if_missing
+    end_s: float | None = TRACE_DEFAULTS.end_s
+    length_scale: float = TRACE_DEFAULTS.length_scale
 
     def __post_init__(self) -> None:
         if self.generator is not None and self.generator not in FLEET_GENERATORS:
@@ -508,16 +531,39 @@ class FleetConfigSection:
                 f"fleet.generator must be one of {', '.join(FLEET_GENERATORS)}, "
                 f"got {self.generator!r}"
             )
+        trace = self.generator == "trace"
+        for f in dataclasses.fields(self):
+            if f.name == "generator" or f.name in _FLEET_SHARED:
+                continue
+            if (f.name in _FLEET_TRACE_ONLY) == trace:
+                continue
+            if getattr(self, f.name) != f.default:
+                used_by = "trace" if f.name in _FLEET_TRACE_ONLY else "fleet"
+                raise ConfigError(
+                    f"fleet.{f.name} applies only to fleet.generator: {used_by} "
+                    f"(here {self.generator or 'not set'}); leave it out"
+                )
         try:
-            check_fleet_args(**self.generator_kwargs())
+            if trace:
+                check_trace_args(**self.generator_kwargs())
+            else:
+                check_fleet_args(**self._kwargs(fleet=True))
         except ConfigError as e:
             raise ConfigError(f"fleet.{e}") from None
 
-    def generator_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`~fleetserve.workload.fleet.fleet_workload`."""
+    def _kwargs(self, *, fleet: bool) -> dict[str, Any]:
         return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "generator"
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "generator"
+            and (f.name in _FLEET_SHARED or (f.name in _FLEET_TRACE_ONLY) != fleet)
         }
+
+    def generator_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the selected generator:
+        :func:`~fleetserve.workload.fleet.fleet_workload` (``fleet`` or not set) or
+        :func:`~fleetserve.workload.fleet_trace.trace_fleet_workload` (``trace``)."""
+        return self._kwargs(fleet=self.generator != "trace")
 
 
 SERVE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
@@ -696,6 +742,17 @@ class SimConfig:
             raise ConfigError(
                 "fleet.generator makes its own workload; it cannot be combined with "
                 "multi.generator or kunserve.generator"
+            )
+        if self.fleet.generator is not None and self.workload != WorkloadConfig():
+            changed = [
+                f"workload.{f.name}"
+                for f in dataclasses.fields(WorkloadConfig)
+                if getattr(self.workload, f.name) != f.default
+            ]
+            raise ConfigError(
+                f"{', '.join(changed)}: fleet.generator makes its own workload and would "
+                "ignore the workload section (a trace goes under fleet.trace with "
+                "fleet.generator: trace); leave it out"
             )
 
     @property

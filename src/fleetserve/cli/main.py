@@ -370,6 +370,65 @@ def _reproduce_kunserve(
 # --- reproduce kunserve (end) -----------------------------------------------------------
 
 
+def _reproduce_fleet(
+    args: argparse.Namespace,
+    console: Console,
+    jobs: int,
+    stacks: list[str] | None,
+    out: Path,
+) -> int:
+    """``fleetserve reproduce fleet``."""
+    from fleetserve.experiments.fleet import Mode, plan
+    from fleetserve.experiments.fleet_report import write_report
+
+    mode = Mode(quick=args.quick, scale=args.scale, seed=args.seed)
+    wall: float | None = None
+    failed: list[Any] = []
+    notes: list[str] = []
+    if args.report_only:
+        if not (out / "runs").is_dir():
+            raise FleetserveError(
+                f"{out}: no runs/ folder to report on (run without --report-only)"
+            )
+    else:
+        specs, notes = plan(out, mode, stacks)
+        sizes = mode.sizes()
+        console.print(
+            f"fleet ({mode.name}): {len(specs)} runs (bursty {sizes.duration_s:g} s, trace "
+            f"[0, {sizes.end_s:g}) s, each after a {sizes.history_s:g} s placement history), "
+            f"{jobs} jobs",
+            highlight=False,
+        )
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+    files, report = write_report(out, mode, wall_s=wall, jobs=jobs, extra_notes=notes)
+    console.print(_rows_table(report["table"]))
+    found = report["findings"]
+    tally = {v: sum(f["verdict"] == v for f in found) for v in ("win", "loss", "tie")}
+    console.print(
+        f"composed stacks vs vllm and the stacks they compose: {tally['win']} wins, "
+        f"{tally['loss']} losses, {tally['tie']} no difference (listed in report.md)",
+        highlight=False,
+    )
+    losses: dict[tuple[str, str, str], list[str]] = {}
+    for f in found:
+        if f["verdict"] == "loss":
+            key = (f["scenario"], f["stack"], f["baseline"])
+            losses.setdefault(key, []).append(f"{f['metric']} {f['change']}")
+    for (scenario, stack, baseline), what in losses.items():
+        console.print(
+            f"[yellow]loses:[/] {scenario}: {stack} vs {baseline}: {', '.join(what)}",
+            highlight=False,
+        )
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    took = f" in {wall:.1f} s" if wall is not None else ""
+    console.print(
+        f"fleet {report['mode']['name']} run{took}; results in [bold]{out}[/] "
+        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
+    )
+    return _report_failures(failed)
+
+
 def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     from fleetserve.experiments import check_experiment
 
@@ -385,6 +444,8 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     out = Path(args.out)
     if args.experiment == "kunserve":
         return _reproduce_kunserve(args, console, jobs, stacks, out)
+    if args.experiment == "fleet":
+        return _reproduce_fleet(args, console, jobs, stacks, out)
     if args.experiment != "mell":
         return _reproduce_multi(args, console, jobs, stacks, out)
 
@@ -572,12 +633,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.set_defaults(func=cmd_compare)
 
     rep = sub.add_parser("reproduce", help="re-run a paper's headline experiment")
-    rep.add_argument("experiment", help="experiment name: mell, seallm, muxserve or kunserve")
+    rep.add_argument(
+        "experiment", help="experiment name: mell, seallm, muxserve, kunserve or fleet"
+    )
     rep.add_argument(
         "--quick",
         action="store_true",
         help="reduced run (mell: 10-minute windows; seallm/muxserve/kunserve: fewer points "
-        "and shorter runs; each under 2 minutes on 2 cores)",
+        "and shorter runs; fleet: 5-minute workloads; each under 2 minutes on 2 cores)",
     )
     rep.add_argument("--out", required=True, help="output folder")
     rep.add_argument("--jobs", type=int, help="parallel simulations (default: CPU count)")
@@ -587,14 +650,16 @@ def build_parser() -> argparse.ArgumentParser:
         "mell: bf,wf,llumnix,mell,mell-nobatch; seallm: vllm,alpaserve,muxserve,seallm,"
         "seallm-fcfs,seallm-mlfq,seallm-noplace,seallm-norepl; muxserve: vllm,alpaserve,"
         "muxserve,muxserve-rr,muxserve-fcfs; kunserve: wf,kv-drop,kv-swap,llumnix,pipeline,"
-        "kunserve,kunserve-blocking,kunserve-norestore,kunserve-memgreedy)",
+        "kunserve,kunserve-blocking,kunserve-norestore,kunserve-memgreedy; fleet: vllm,"
+        "vllm-elastic,seallm,muxserve,seallm-mell,muxserve-mell (+ fleet once the catalog "
+        "has it; any multi-LLM stack may be named))",
     )
     rep.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
     rep.add_argument(
         "--report-only",
         action="store_true",
-        help="rebuild table.md, results and figures from OUT/runs without simulating "
-        "(give --quick if the runs were quick)",
+        help="rebuild the tables (table.md; fleet: report.md), results and figures from "
+        "OUT/runs without simulating (give --quick if the runs were quick)",
     )
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
     # Test-only: multiply the arrival windows / run lengths (e.g. 0.02 for a seconds-long

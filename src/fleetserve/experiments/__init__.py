@@ -16,6 +16,8 @@ name          what
               (:mod:`fleetserve.experiments.multi_llm`)
 ``kunserve``  KunServe §5, Figs. 10, 11 and 14-16
               (:mod:`fleetserve.experiments.kunserve`)
+``fleet``     issue 21 item 6: the composed stacks vs each paper's own and vLLM
+              on two fleet workloads (:mod:`fleetserve.experiments.fleet`)
 ============  ==========================================================
 """
 
@@ -31,6 +33,9 @@ EXPERIMENTS: dict[str, str] = {
     "and MuxServe over the popularity skew; ADBS vs round-robin vs FCFS",
     "kunserve": "KunServe §5: P99 TTFT, TBT and SLO violations of memory-throttling "
     "strategies under bursts; live exchange, live restore and planner ablations",
+    "fleet": "the composed stacks (seallm-mell, muxserve-mell, fleet) vs each paper's own "
+    "and vllm on the bursty fleet and the Azure trace over 8 models: GPU-hours, peak GPUs, "
+    "P99 TTFT/TPOT, SLO attainment",
 }
 """Experiment name → one-line description."""
 

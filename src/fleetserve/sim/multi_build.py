@@ -1,10 +1,13 @@
 """From a multi-LLM :class:`~fleetserve.config.SimConfig` to services, history and run.
 
-Two sources:
+Three sources:
 
 * ``multi.generator`` (``seallm`` or ``muxserve``): the synthetic workloads of
   :mod:`fleetserve.workload.multi` (history before the run, services measured
   on the history).
+* ``fleet.generator`` (``fleet`` or ``trace``): the fleet workloads of
+  :mod:`fleetserve.workload.fleet` and :mod:`fleetserve.workload.fleet_trace`,
+  one service per model, split like a ``services`` list's (below).
 * a ``services`` list with the ``workload`` section (a trace, or the built-in
   synthetic workload): requests are assigned to the service names
   (``workload.models``/``model_weights``; uniformly when not given). The
@@ -137,13 +140,24 @@ def _history_and_run(
     return hist, run
 
 
-def _fleet_input(cfg: SimConfig, *, require_run: bool) -> MultiInput:
+def _fleet_input(cfg: SimConfig, base_dir: Path | None, *, require_run: bool) -> MultiInput:
     """The fleet workload (``fleet.generator``) as services, history and run:
     one service per model; placement sees the first ``multi.history_s``
-    seconds, with each service's rate and mean lengths measured there."""
-    from fleetserve.workload.fleet import fleet_workload
+    seconds, with each service's rate and mean lengths measured there.
+    ``fleet.generator: trace`` resolves a relative ``fleet.trace`` against
+    ``base_dir`` (the config file's folder; None: the working directory)."""
+    from fleetserve.workload.fleet import FleetWorkload, fleet_workload
+    from fleetserve.workload.fleet_trace import TraceFleetWorkload, trace_fleet_workload
 
-    wl = fleet_workload(**cfg.fleet.generator_kwargs(), seed=cfg.seed)
+    kwargs = cfg.fleet.generator_kwargs()
+    wl: FleetWorkload | TraceFleetWorkload
+    if cfg.fleet.generator == "trace":
+        trace = Path(kwargs.pop("trace"))
+        if not trace.is_absolute() and base_dir is not None:
+            trace = (base_dir / trace).resolve()
+        wl = trace_fleet_workload(trace, kwargs.pop("format"), **kwargs, seed=cfg.seed)
+    else:
+        wl = fleet_workload(**kwargs, seed=cfg.seed)
     hist, run = _history_and_run(
         wl.source, list(wl.requests), cfg.multi.history_s, require_run=require_run
     )
@@ -174,7 +188,7 @@ def build_multi(
     """
     m = cfg.multi
     if cfg.fleet.generator is not None:
-        return _fleet_input(cfg, require_run=require_run)
+        return _fleet_input(cfg, base_dir, require_run=require_run)
     if m.generator is not None:
         from fleetserve.workload.multi import muxserve_workload, seallm_workload
 

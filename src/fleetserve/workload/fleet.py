@@ -65,6 +65,7 @@ __all__ = [
     "check_fleet_args",
     "diurnal_factor",
     "diurnal_fit",
+    "fit_to_context",
     "fleet_workload",
 ]
 
@@ -443,6 +444,24 @@ def _diurnal_integral(
 # --------------------------------------------------------------------------- generator
 
 
+def fit_to_context(
+    prompts: IntArray, outputs: IntArray, context: int | IntArray
+) -> tuple[IntArray, IntArray, NDArray[np.bool_]]:
+    """Cut (prompt, output) pairs to a context window of ``context`` tokens (one
+    window for all, or one per pair).
+
+    The output first, to ``context - 1``, then the prompt, to ``context - output``,
+    so ``prompt + output <= context`` and both stay >= 1.
+
+    Returns:
+        ``(prompts, outputs, capped)``: the new lengths and which pairs changed.
+    """
+    new_out = np.minimum(outputs, context - 1)
+    new_prompt = np.minimum(prompts, context - new_out)
+    capped = (new_out != outputs) | (new_prompt != prompts)
+    return new_prompt, new_out, np.asarray(capped, dtype=bool)
+
+
 def _root_seed(seed: object, rng: object) -> np.random.SeedSequence:
     if rng is not None:
         if not isinstance(rng, np.random.Generator):
@@ -615,11 +634,7 @@ def fleet_workload(
         prompts, outputs = _draw_lengths(sampler, len(times), rng_l)
         capped = np.zeros(len(times), dtype=bool)
         if fit_context:
-            ctx = int(spec.max_context)
-            new_out = np.minimum(outputs, ctx - 1)
-            new_prompt = np.minimum(prompts, ctx - new_out)
-            capped = (new_out != outputs) | (new_prompt != prompts)
-            prompts, outputs = new_prompt, new_out
+            prompts, outputs, capped = fit_to_context(prompts, outputs, int(spec.max_context))
         capped_by[spec.name] = int(capped.sum())
         t_parts.append(times)
         m_parts.append(np.full(len(times), i, dtype=np.int64))
