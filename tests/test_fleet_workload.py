@@ -127,6 +127,28 @@ def test_bursts_are_where_reported() -> None:
         assert len(inside) < base + 1.4 * extra
 
 
+@given(after=st.floats(0.0, 1500.0), seed=st.integers(0, 50))
+@settings(max_examples=25, deadline=None)
+def test_no_burst_starts_before_burst_after_s(after: float, seed: int) -> None:
+    """``burst_after_s`` keeps the bursts out of a placement history."""
+    w = fleet_workload(
+        5.0, duration_s=1800, period_s=1800, bursts=2, burst_len_s=10, burst_gap_s=200,
+        burst_after_s=after, seed=seed, sampler=fixed_lengths(10, 10),
+    )  # fmt: skip
+    assert len(w.bursts) == 2
+    for b in w.bursts:
+        assert after <= b.start_s and b.start_s + b.len_s <= 1800 + 1e-9
+
+
+def test_burst_after_s_must_leave_room_for_the_bursts() -> None:
+    for after, words in ((1800.0, "burst_after_s must be in"), (1700.0, "burst_gap_s")):
+        with pytest.raises(ConfigError, match=words):
+            fleet_workload(
+                5.0, duration_s=1800, period_s=1800, bursts=2, burst_len_s=10,
+                burst_gap_s=200, burst_after_s=after, sampler=fixed_lengths(10, 10),
+            )  # fmt: skip
+
+
 def test_models_are_the_configured_ones_and_context_is_respected() -> None:
     models = ("llama-2-7b", "opt-6.7b", "qwen-2.5-14b")
     w = fleet_workload(

@@ -491,6 +491,8 @@ class FleetConfigSection:
         burst_len_s: length of a burst window (fleet).
         burst_gap_s: mean gap between consecutive burst starts (fleet).
         burst_models: models sharing each burst's extra load (fleet).
+        burst_after_s: no burst starts before this time (fleet; e.g. the
+            placement history, ``multi.history_s``).
         cv: inter-arrival CV of each model's arrivals (> 0) (fleet).
         lengths: ``azure-conv`` or ``sharegpt`` (fleet).
         fit_context: cut requests to each model's context window (both).
@@ -516,6 +518,7 @@ class FleetConfigSection:
     burst_len_s: float = FLEET_DEFAULTS.burst_len_s
     burst_gap_s: float = FLEET_DEFAULTS.burst_gap_s
     burst_models: int = FLEET_DEFAULTS.burst_models
+    burst_after_s: float = FLEET_DEFAULTS.burst_after_s
     cv: float = FLEET_DEFAULTS.cv
     lengths: str = FLEET_DEFAULTS.lengths
     fit_context: bool = FLEET_DEFAULTS.fit_context

@@ -245,6 +245,25 @@ def _rows_table(spec: dict[str, Any]) -> Table:
     return t
 
 
+def _fleet_tables(spec: dict[str, Any]) -> list[Table]:
+    """``reproduce fleet``'s table as one narrow table per scenario (the
+    ratios to vllm are left to report.md, so it fits an 80-column terminal)."""
+    cols = list(spec["columns"])
+    keep = [i for i, c in enumerate(cols) if c not in ("scenario", "x")]
+    out: list[Table] = []
+    by: dict[str, list[list[str]]] = {}
+    for row in spec["rows"]:
+        by.setdefault(row[0], []).append(row)
+    for scenario, rows in by.items():
+        t = Table(title=f"{scenario}: {spec['title']}".replace("; x = relative to vllm", ""))
+        for n, i in enumerate(keep):
+            t.add_column(cols[i], justify="left" if n == 0 else "right", no_wrap=n == 0)
+        for row in rows:
+            t.add_row(*(row[i] for i in keep))
+        out.append(t)
+    return out
+
+
 def _run_specs(
     console: Console, specs: list[Any], jobs: int, show: bool
 ) -> tuple[float, list[Any]]:
@@ -401,24 +420,25 @@ def _reproduce_fleet(
         )
         wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs, extra_notes=notes)
-    console.print(_rows_table(report["table"]))
+    for t in _fleet_tables(report["table"]):
+        console.print(t)
     found = report["findings"]
     tally = {v: sum(f["verdict"] == v for f in found) for v in ("win", "loss", "tie")}
     console.print(
         f"composed stacks vs vllm and the stacks they compose: {tally['win']} wins, "
-        f"{tally['loss']} losses, {tally['tie']} no difference (listed in report.md)",
+        f"{tally['loss']} losses, {tally['tie']} no difference (ratios in report.md)",
         highlight=False,
     )
-    losses: dict[tuple[str, str, str], list[str]] = {}
-    for f in found:
-        if f["verdict"] == "loss":
-            key = (f["scenario"], f["stack"], f["baseline"])
-            losses.setdefault(key, []).append(f"{f['metric']} {f['change']}")
-    for (scenario, stack, baseline), what in losses.items():
-        console.print(
-            f"[yellow]loses:[/] {scenario}: {stack} vs {baseline}: {', '.join(what)}",
-            highlight=False,
-        )
+    for verdict, tag in (("win", "[green]wins:[/]"), ("loss", "[yellow]loses:[/]")):
+        grouped: dict[tuple[str, str, str], list[str]] = {}
+        for f in found:
+            if f["verdict"] == verdict:
+                key = (f["scenario"], f["stack"], f["baseline"])
+                grouped.setdefault(key, []).append(f"{f['metric']} {f['change']}")
+        for (scenario, stack, baseline), what in grouped.items():
+            console.print(
+                f"{tag} {scenario}: {stack} vs {baseline}: {', '.join(what)}", highlight=False
+            )
     for note in report["notes"]:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     took = f" in {wall:.1f} s" if wall is not None else ""

@@ -332,6 +332,7 @@ def workload_config(sc: Scenario, mode: Mode) -> dict[str, Any]:
             "burst_gap_s": s.burst_gap_s,
             "burst_len_s": s.burst_len_s,
             "burst_height": 4.0,
+            "burst_after_s": s.history_s,  # the bursts fall in the run, not its history
         }
     else:
         fleet = {

@@ -267,6 +267,7 @@ class _Defaults:
     burst_len_s: float = AZURE_BURSTS.duration_s
     burst_gap_s: float = float(round(AZURE_BURSTS.gap_s))
     burst_models: int = 1
+    burst_after_s: float = 0.0
     cv: float = 1.09
     lengths: str = "azure-conv"
     fit_context: bool = True
@@ -314,6 +315,7 @@ def check_fleet_args(
     cv: object,
     lengths: object,
     fit_context: object,
+    burst_after_s: object = 0.0,
 ) -> None:
     """Validate :func:`fleet_workload`'s parameters (the config's ``fleet`` section too).
 
@@ -342,10 +344,14 @@ def check_fleet_args(
             f"burst_models must be at most the number of models ({len(specs)}), "
             f"got {burst_models!r}"
         )
-    if k and (k - 1) * max(gap, ln) + ln > d:
+    after = _num("burst_after_s", burst_after_s)
+    if not 0 <= after < d:
+        raise ConfigError(f"burst_after_s must be in [0, duration_s={d:g}), got {burst_after_s!r}")
+    if k and (k - 1) * max(gap, ln) + ln > d - after:
         raise ConfigError(
             f"burst_gap_s: {k} bursts of {ln:g} s, {max(gap, ln):g} s apart, do not fit in "
-            f"duration_s={d:g}; expected (bursts - 1) * burst_gap_s + burst_len_s <= duration_s"
+            f"duration_s={d:g} after burst_after_s={after:g}; expected (bursts - 1) * "
+            "burst_gap_s + burst_len_s <= duration_s - burst_after_s"
         )
     _pos("cv", cv)
     if lengths not in LENGTH_SOURCES:
@@ -518,6 +524,7 @@ def fleet_workload(
     burst_len_s: float = FLEET_DEFAULTS.burst_len_s,
     burst_gap_s: float = FLEET_DEFAULTS.burst_gap_s,
     burst_models: int = FLEET_DEFAULTS.burst_models,
+    burst_after_s: float = FLEET_DEFAULTS.burst_after_s,
     cv: float = FLEET_DEFAULTS.cv,
     lengths: str = FLEET_DEFAULTS.lengths,
     fit_context: bool = FLEET_DEFAULTS.fit_context,
@@ -548,6 +555,9 @@ def fleet_workload(
             ``burst_len_s`` is kept); the train must fit: ``(bursts - 1) *
             max(burst_gap_s, burst_len_s) + burst_len_s <= duration_s``.
         burst_models: models that share each burst's extra load (1 .. len(models)).
+        burst_after_s: no burst starts before this time (``[0, duration_s)``; e.g.
+            the placement history a multi-LLM run cuts off the front); the train
+            must fit in ``[burst_after_s, duration_s)``.
         cv: inter-arrival CV of each model's Gamma renewal process (> 0; 1 is Poisson).
         lengths: ``"azure-conv"`` or ``"sharegpt"``.
         fit_context: cut requests to each model's ``max_context`` (flagged
@@ -583,6 +593,7 @@ def fleet_workload(
         cv=cv,
         lengths=lengths,
         fit_context=fit_context,
+        burst_after_s=burst_after_s,
     )
     specs = _model_specs(models, distinct=True)
     names = tuple(s.name for s in specs)
@@ -598,15 +609,19 @@ def fleet_workload(
 
     root = _root_seed(seed, rng)
     plan_seq, *model_seqs = root.spawn(1 + n)
-    plan = _plan_bursts(
-        int(bursts),
-        float(burst_len_s),
-        float(burst_gap_s),
-        d,
-        n,
-        int(burst_models),
-        np.random.default_rng(plan_seq),
-    )
+    after = float(burst_after_s)
+    plan = [
+        (after + start, chosen)
+        for start, chosen in _plan_bursts(
+            int(bursts),
+            float(burst_len_s),
+            float(burst_gap_s),
+            d - after,
+            n,
+            int(burst_models),
+            np.random.default_rng(plan_seq),
+        )
+    ]
     ln = float(burst_len_s)
     extra = (h - 1.0) * r / int(burst_models)  # per burst model, times D(t)
 
