@@ -44,7 +44,9 @@ bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_migration.py
 
 # The simulator's results against the last recorded fingerprints (every
-# reproduce --quick grid and a compare run, ~3.5 min): lists each changed field.
+# reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session14.json.gz: with memory-bandwidth contention in MuxServe's groups
+# (issue 22; docs/reproduce-muxserve.md) and the fleet grid;
 # session13.json.gz: after session 13 of the "One system" refactor (issue 21);
 # baseline.json.gz: before it (make fingerprint-prerefactor; the differences are
 # explained in docs/architecture.md: vllm -> wf in the KunServe comparison,
@@ -53,7 +55,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session13.json.gz
+	  --check benchmarks/fingerprints/session14.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint

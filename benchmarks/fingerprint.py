@@ -9,10 +9,13 @@ anything named ``*wall*``, ``placement_search_s``) and the headline metrics in p
     python benchmarks/fingerprint.py --out results/fp-new \\
         --check benchmarks/fingerprints/baseline.json.gz
 
-The committed baseline is the simulator before the "One system" refactor
-(commit 23c82c3; the simulator's code is unchanged since 0ce15c6): 141 runs,
-3 min 20 s on this 2-core machine. Two runs of the same code give identical
-fingerprints (checked when the baseline was recorded).
+The committed baselines: ``baseline.json.gz``, the simulator before the "One
+system" refactor (commit 23c82c3; 141 runs, 3 min 20 s on this 2-core
+machine); ``session13.json.gz``, after session 13's refactor; and
+``session14.json.gz``, what ``make fingerprint`` checks: memory-bandwidth
+contention in MuxServe's groups (issue 22) and the ``fleet`` experiment's
+quick grid added (155 runs). Two runs of the same code give identical
+fingerprints (checked when each baseline was recorded).
 
 ``--check`` lists every run whose results changed, and for each the fields
 that differ (old -> new), so a refactor's differences can be explained one by
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = ("mell", "seallm", "muxserve", "kunserve")
+EXPERIMENTS = ("mell", "seallm", "muxserve", "kunserve", "fleet")
 SINGLE = [
     ["compare", "configs/default.yaml", "--stacks", "bf,wf,vllm,llumnix,mell"],
 ]

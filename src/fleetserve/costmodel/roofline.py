@@ -297,8 +297,10 @@ class InstanceCost:
         compute-bound prefill thus takes ``1 / share`` times longer, while a
         memory-bound decode (weights and KV streamed from HBM) barely slows
         down until its compute term, stretched, overtakes the memory term.
-        Concurrent jobs do not slow each other's memory traffic in this model
-        (HBM bandwidth is not partitioned): a documented simplification.
+        This is one job's time on its share; jobs running at once also share
+        the HBM bandwidth, which the sharing group accounts for with each
+        job's traffic (:meth:`prefill_memory_s`, :meth:`decode_memory_s`;
+        :mod:`fleetserve.sim.contention`).
 
         Args:
             prompt_lens: prompt length of each sequence in the batch (each >= 1).
