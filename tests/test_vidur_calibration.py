@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,9 @@ SHAPE = {"n_head": 32, "n_kv_head": 8, "n_embd": 4096, "n_expanded_embd": 14336}
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096]
 
 
-def _write(path: Path, ce: float, me: float, lat: float, *, drop: str | None = None) -> Path:
+def _write(
+    path: Path, ce: float, me: float, lat: float, *, drop: str | None = None, knee: float = math.inf
+) -> Path:
     """A profile in Vidur's format whose matmul times are the roofline's."""
     from fleetserve.costmodel.vidur import MlpRow
 
@@ -45,7 +48,7 @@ def _write(path: Path, ce: float, me: float, lat: float, *, drop: str | None = N
         for tp in (1, 2, 4, 8):
             for n in TOKENS:
                 row = MlpRow("x", 0, 32, 8, 4096, 14336, True, n, tp, 0.0, 0.0)
-                t_ms = float(matmul_time([row], gpu, ce, me, lat)[0]) * 1e3
+                t_ms = float(matmul_time([row], gpu, ce, me, lat, knee)[0]) * 1e3
                 out: dict[str, object] = {
                     **SHAPE,
                     "vocab_size": 128256,
@@ -74,6 +77,18 @@ def test_the_fit_recovers_the_parameters_of_a_roofline_profile(tmp_path: Path) -
     assert fit.fitted_errors["all"]["median_abs"] < 0.01
     assert fit.default_errors["all"]["median_abs"] > 0.05  # the defaults are not these
     assert 0 < fit.held_out < fit.rows
+
+
+def test_the_smooth_knee_is_found_where_the_kernels_have_one(tmp_path: Path) -> None:
+    """A profile with a soft knee (q = 2): the max form cannot fit its middle, the
+    knee form recovers it."""
+    f = _write(tmp_path / "k.csv", 0.7, 0.8, 5e-6, knee=2.0)
+    fit = fit_efficiencies("a100", load_mlp_profile(f), get_gpu("a100-80gb"), (0.65, 0.8))
+    assert fit.knee == 2.0
+    assert fit.knee_compute_eff == pytest.approx(0.7, abs=0.01)
+    assert fit.knee_mem_eff == pytest.approx(0.8, abs=0.01)
+    assert fit.knee_errors["all"]["median_abs"] < 0.01
+    assert fit.fitted_errors["17-256 tokens"]["median_abs"] > 0.03  # the max misses the knee
 
 
 def test_bad_profiles_are_named_errors(tmp_path: Path) -> None:

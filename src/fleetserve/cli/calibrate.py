@@ -31,27 +31,26 @@ from fleetserve.spec import get_gpu
 from fleetserve.workload.data import data_candidates
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%" if x < 0 or x > 0 else "0%"
+def _cell(d: dict[str, float]) -> str:
+    return f"{100 * d['median_abs']:.1f}% / {100 * d['p90_abs']:.0f}%"
 
 
 def fit_table(fits: list[VidurFit]) -> Table:
-    """Per GPU and token class: median |error| and P90 |error| of the held-out
-    rows, default efficiencies vs fitted."""
-    t = Table(title="Layer matmuls, roofline vs Vidur's measured kernels (held-out rows)")
-    for col in ("GPU", "tokens", "rows", "default median", "default P90", "fit median", "fit P90"):
+    """Per GPU and token class, the held-out rows' median / P90 absolute
+    error: the roofline's ``max`` with the default efficiencies, with fitted
+    ones, and the smooth knee fitted."""
+    t = Table(title="Layer matmuls vs Vidur's measured kernels: median / P90 |error|, held out")
+    for col in ("GPU", "tokens", "rows", "max, defaults", "max, fitted", "knee, fitted"):
         t.add_column(col, justify="left" if col in ("GPU", "tokens") else "right")
     for f in fits:
         for name, d in f.default_errors.items():
-            fe = f.fitted_errors[name]
             t.add_row(
                 f.gpu,
                 name.replace(" tokens", ""),
                 f"{int(d['n'])}",
-                f"{100 * d['median_abs']:.1f}% ({_pct(d['median_signed'])})",
-                f"{100 * d['p90_abs']:.1f}%",
-                f"{100 * fe['median_abs']:.1f}% ({_pct(fe['median_signed'])})",
-                f"{100 * fe['p90_abs']:.1f}%",
+                _cell(d),
+                _cell(f.fitted_errors[name]),
+                _cell(f.knee_errors[name]),
             )
     return t
 
@@ -92,6 +91,12 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
             f"{default[0]:g}, {default[1]:g}, none per kernel); {f.rows} rows, "
             f"{f.held_out} held out; element-wise operators {100 * f.others_share:.0f}% of a "
             "layer's measured time (median, not in the roofline)",
+            highlight=False,
+        )
+        console.print(
+            f"{f.gpu} smooth knee (c^q + m^q)^(1/q): q {f.knee:g}, compute_eff "
+            f"{f.knee_compute_eff:.3f}, mem_eff {f.knee_mem_eff:.3f}, "
+            f"{f.knee_latency_s * 1e6:.2f} µs per matmul kernel",
             highlight=False,
         )
     console.print(

@@ -32,6 +32,11 @@ tokens) weighing the same (the grid is dense at many tokens), by a grid
 search refined by a finer one (three parameters); rows whose ``num_tokens`` is
 every fifth value of the grid are *held out* and the errors are reported on
 them, per operation class (few tokens: memory-bound; many: compute-bound).
+A smooth knee. The ``max`` is optimistic where neither term dominates (the
+profiles show it between 17 and 256 tokens); :func:`fit_efficiencies` also
+fits ``(c^q + m^q)^(1/q) + 4 l`` with ``q`` from :data:`KNEES` (``q = 1`` adds
+the two terms, ``q -> inf`` is the ``max``) and reports its errors too.
+
 The fit is reported, not applied: the catalog's defaults move every result
 of the simulator, so they change together with the re-run of every
 experiment (issue 22, item 3).
@@ -202,16 +207,31 @@ def matmul_time(
     compute_eff: float,
     mem_eff: float,
     kernel_latency_s: float = 0.0,
+    knee: float = math.inf,
 ) -> np.ndarray:
     """The roofline's time of each row's four matmuls (module docstring), plus
-    ``kernel_latency_s`` per matmul kernel, seconds."""
+    ``kernel_latency_s`` per matmul kernel, seconds. ``knee`` ``q`` < inf
+    replaces ``max(c, m)`` by the smooth ``(c^q + m^q)^(1/q)``."""
     n = np.array([r.tokens for r in rows], dtype=np.float64)
     p = np.array([r.params for r in rows], dtype=np.float64)
     tp = np.array([r.tp for r in rows], dtype=np.float64)
     compute = 2.0 * n * p / (tp * gpu.bf16_flops * compute_eff)
     memory = 2.0 * p / (tp * gpu.hbm_bw * mem_eff)
-    out: np.ndarray = np.maximum(compute, memory) + len(MATMULS) * kernel_latency_s
+    out: np.ndarray = _combine(compute, memory, knee) + len(MATMULS) * kernel_latency_s
     return out
+
+
+def _combine(c: np.ndarray, m: np.ndarray, knee: float) -> np.ndarray:
+    if math.isinf(knee):
+        out: np.ndarray = np.maximum(c, m)
+        return out
+    big = np.maximum(c, m)  # scaled, so the powers stay finite
+    out = big * ((c / big) ** knee + (m / big) ** knee) ** (1.0 / knee)
+    return out
+
+
+KNEES = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The smooth-knee exponents tried (``q``; 1 is ``c + m``, large q tends to ``max``)."""
 
 
 def held_out(rows: Sequence[MlpRow]) -> np.ndarray:
@@ -239,6 +259,11 @@ class VidurFit:
     default_errors: dict[str, dict[str, float]]
     fitted_errors: dict[str, dict[str, float]]
     others_share: float
+    knee: float
+    knee_compute_eff: float
+    knee_mem_eff: float
+    knee_latency_s: float
+    knee_errors: dict[str, dict[str, float]]
 
 
 CLASSES = ((1, 16, "1-16 tokens"), (17, 256, "17-256 tokens"), (257, 1 << 30, "257+ tokens"))
@@ -301,12 +326,16 @@ def fit_efficiencies(
     m_unit = 2.0 * p / (tp * gpu.hbm_bw)  # memory seconds at me = 1
 
     def search(
-        ces: np.ndarray, mes: np.ndarray, lats: np.ndarray, best: tuple[float, float, float, float]
+        ces: np.ndarray,
+        mes: np.ndarray,
+        lats: np.ndarray,
+        best: tuple[float, float, float, float],
+        knee: float = math.inf,
     ) -> tuple[float, float, float, float]:
         extra = len(MATMULS) * lats[:, None]
         for ce in ces:
             for me in mes:
-                base = np.maximum(c_unit / ce, m_unit / me)
+                base = _combine(c_unit / ce, m_unit / me, knee)
                 err = (base[None, :] + extra) / m_train[None, :] - 1.0
                 loss = (err * err) @ weights
                 k = int(np.argmin(loss))
@@ -328,9 +357,31 @@ def fit_efficiencies(
         best,
     )
     _, ce, me, lat = best
+    # the smooth knee: every exponent, coarse, then the best one refined
+    knee_best: tuple[float, float, float, float, float] = (math.inf, math.inf, ce, me, lat)
+    for q in KNEES:
+        got = search(
+            np.linspace(0.1, 1.0, 37),
+            np.linspace(0.1, 1.0, 37),
+            np.arange(0.0, 21e-6, 1e-6),
+            (math.inf, ce, me, lat),
+            q,
+        )
+        if got[0] < knee_best[0]:
+            knee_best = (got[0], q, got[1], got[2], got[3])
+    _, q, kce0, kme0, klat0 = knee_best
+    kfit = search(
+        np.linspace(max(0.01, kce0 - 0.025), min(1.0, kce0 + 0.025), 21),
+        np.linspace(max(0.01, kme0 - 0.025), min(1.0, kme0 + 0.025), 21),
+        np.linspace(max(0.0, klat0 - 1e-6), klat0 + 1e-6, 9),
+        (knee_best[0], kce0, kme0, klat0),
+        q,
+    )
+    _, kce, kme, klat = kfit
     tokens = np.array([r.tokens for r in test], dtype=np.float64)
     err_default = matmul_time(test, gpu, *default) / m_test - 1.0
     err_fit = matmul_time(test, gpu, ce, me, lat) / m_test - 1.0
+    err_knee = matmul_time(test, gpu, kce, kme, klat, q) / m_test - 1.0
     total = measured + np.array([r.others_s for r in rows], dtype=np.float64)
     others = float(np.median(np.array([r.others_s for r in rows]) / total))
     return VidurFit(
@@ -344,6 +395,11 @@ def fit_efficiencies(
         default_errors=_error_stats(err_default, tokens),
         fitted_errors=_error_stats(err_fit, tokens),
         others_share=others,
+        knee=q,
+        knee_compute_eff=round(kce, 4),
+        knee_mem_eff=round(kme, 4),
+        knee_latency_s=klat,
+        knee_errors=_error_stats(err_knee, tokens),
     )
 
 
