@@ -89,6 +89,12 @@ def test_a_burst_merges_buddies_into_a_pipeline_and_low_load_restores_them() -> 
     # requests served by the pipeline are recorded on it
     pipes = {p["id"] for p in k["pipelines"]}
     assert any(r.instance in pipes for r in res.records)
+    # busy fractions are of each group's own life (the pipeline lived 0.2-10.6 s,
+    # busy almost all of it: a fraction of the whole run would say ~1/6)
+    groups = {g["id"]: g for g in res.extra["groups"]}
+    fractions = [g["busy_fraction"] for g in groups.values()]
+    assert all(f is None or f <= 1 + 1e-9 for f in fractions)
+    assert groups[first["id"]]["busy_fraction"] > 0.5
 
 
 def test_without_pressure_the_control_changes_nothing() -> None:

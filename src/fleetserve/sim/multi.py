@@ -907,6 +907,12 @@ class MultiSimulator:
             out.append(GpuInterval(gpu, cur0, cur1))
         return out
 
+    def _busy_fraction(self, g: SharingGroup, end_s: float) -> float | None:
+        """Share of the group's life (start to stop, or to the run's end) with
+        a job in flight; None for a group that never lived."""
+        life = (self._stopped.get(g.id, end_s)) - self._started.get(g.id, 0.0)
+        return g.busy_s / life if life > 0 else None
+
     def _mech_context(self) -> MechanismContext:
         """One epoch's boundaries (Mell §V) for the moves of a re-placement:
         bytes per link and re-prefill tokens per destination group."""
@@ -1032,7 +1038,7 @@ class MultiSimulator:
                     "gpus": list(g.gpus),
                     "tp": g.tp,
                     "services": list(g.models),
-                    "busy_fraction": (g.busy_s / end_s) if end_s > 0 else None,
+                    "busy_fraction": self._busy_fraction(g, end_s),
                     "preemptions": g.preemptions,
                     "start_s": self._started.get(g.id, 0.0),
                     "stop_s": self._stopped.get(g.id),

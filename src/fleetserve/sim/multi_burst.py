@@ -314,9 +314,9 @@ class BurstControl:
                 pipe.record["end_s"] = now
                 pipe.record["ended_by"] = "merged into a larger group"
                 src.state = "stopped"
-                sim._stopped[src.id] = now
             else:
                 src.state = "merged"
+            sim._stopped[src.id] = now  # its life as a group ends here
             sim._release(src, now)
             del self.merging[src.id]
             self._policy(sig).forget(src.id)
