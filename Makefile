@@ -46,7 +46,8 @@ bench-engine: $(STAMP)
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
 # session14.json.gz: with memory-bandwidth contention in MuxServe's groups
-# (issue 22; docs/reproduce-muxserve.md) and the fleet grid;
+# (issue 22; docs/reproduce-muxserve.md), groups' busy_fraction over their own
+# life, and the fleet grid;
 # session13.json.gz: after session 13 of the "One system" refactor (issue 21);
 # baseline.json.gz: before it (make fingerprint-prerefactor; the differences are
 # explained in docs/architecture.md: vllm -> wf in the KunServe comparison,

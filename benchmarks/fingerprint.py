@@ -13,8 +13,10 @@ The committed baselines: ``baseline.json.gz``, the simulator before the "One
 system" refactor (commit 23c82c3; 141 runs, 3 min 20 s on this 2-core
 machine); ``session13.json.gz``, after session 13's refactor; and
 ``session14.json.gz``, what ``make fingerprint`` checks: memory-bandwidth
-contention in MuxServe's groups (issue 22) and the ``fleet`` experiment's
-quick grid added (155 runs). Two runs of the same code give identical
+contention in MuxServe's groups (issue 22; the 4 ADBS runs differ), each
+group's ``busy_fraction`` over its own life (the 8 SeaLLM runs with
+re-placements differ in that field only), and the ``fleet`` experiment's quick
+grid added (155 runs). Two runs of the same code give identical
 fingerprints (checked when each baseline was recorded).
 
 ``--check`` lists every run whose results changed, and for each the fields
