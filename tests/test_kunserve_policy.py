@@ -27,6 +27,7 @@ from fleetserve.policy.kunserve import (
     memory_greedy,
     plan_drop,
     rebalance,
+    rebalance_may_move,
     should_restore,
     singletons,
     split_layers,
@@ -463,6 +464,36 @@ def test_max_batch_examples_and_errors() -> None:
 
 
 # ---------------------------------------------------------------- rebalance
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 12),  # running
+            st.lists(st.integers(0, 5000), max_size=10),  # waiting requests' tokens
+            st.integers(1, 12),  # max batch
+            st.integers(0, 20000),  # free tokens
+        ),
+        max_size=6,
+    )
+)
+def test_rebalance_moves_nothing_when_the_counts_say_so(
+    execs: list[tuple[int, list[int], int, int]],
+) -> None:
+    """The backend's fast path: when no executor is overflowed while another is
+    spare (counts only), the full rebalance moves nothing."""
+    ids = itertools.count()
+    loads = [
+        ExecutorLoad(k, running, tuple(next(ids) for _ in toks), batch, free, tuple(toks))
+        for k, (running, toks, batch, free) in enumerate(execs)
+    ]
+    counts = [(ld.running, len(ld.waiting), ld.max_batch) for ld in loads]
+    moves = rebalance(loads)
+    if not rebalance_may_move(counts):
+        assert moves == []
+    if moves:
+        assert rebalance_may_move(counts)
 
 
 def test_rebalance_example() -> None:

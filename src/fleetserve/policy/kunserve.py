@@ -809,6 +809,26 @@ class ExecutorLoad:
         return max(0, self.max_batch - self.running)
 
 
+def rebalance_may_move(counts: Iterable[tuple[int, int, int]]) -> bool:
+    """Whether :func:`rebalance` could move anything, from each executor's
+    ``(running, waiting, max_batch)`` counts alone: only if some executor is
+    overflowed (more waiting than its slots) and another is spare (``running
+    + waiting < max_batch``). A backend checks this before building the full
+    :class:`ExecutorLoad` records (every queued request's tokens): under a
+    long burst every queue overflows and none is spare, so nothing would move.
+    """
+    overflow = spare = False
+    for running, waiting, batch in counts:
+        slots = max(0, batch - running)
+        if waiting > slots:
+            overflow = True
+        elif running + waiting < batch:
+            spare = True
+        if overflow and spare:
+            return True
+    return False
+
+
 def rebalance(loads: Sequence[ExecutorLoad]) -> list[tuple[int, int, int]]:
     """The §4.3 dispatcher re-balance after a drop: move overflowed requests to spare executors.
 

@@ -148,6 +148,7 @@ from fleetserve.policy.kunserve import (
     dispatch_candidates,
     max_batch,
     rebalance,
+    rebalance_may_move,
     split_layers,
 )
 from fleetserve.policy.llumnix import Llumnix
@@ -1474,10 +1475,15 @@ class KunSimulator:
 
     # ------------------------------------------------------------- rebalance
     def _rebalance(self, now: float) -> None:
+        execs = [e for e in self.execs.values() if e.accepting and not e.frozen]
+        counts = (
+            (len(e.running) + len(e.stalled) + len(e.prefill), len(e.waiting), e.max_batch)
+            for e in execs
+        )
+        if not rebalance_may_move(counts):
+            return  # no executor both overflowed and another spare: nothing to move
         loads = []
-        for e in self.execs.values():
-            if not e.accepting or e.frozen:
-                continue
+        for e in execs:
             loads.append(
                 ExecutorLoad(
                     key=e.id,
