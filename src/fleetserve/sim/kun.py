@@ -157,7 +157,7 @@ from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kun_parts import Channel, KSeq, Piece, Transfer
+from fleetserve.sim.kun_parts import Channel, KSeq, Piece, Transfer, WaitQueue
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
@@ -220,7 +220,7 @@ class Executor:
         self.pcost = pcost
         self.sim = sim
         self.created_s = now
-        self.waiting: deque[KSeq] = deque()
+        self.waiting = WaitQueue()
         self.running: dict[int, KSeq] = {}
         self.stalled: dict[int, KSeq] = {}
         self.prefill: list[KSeq] = []
@@ -262,7 +262,7 @@ class Executor:
         return min(mem.cap_tl(m) // n for m, n in self.layers.items())
 
     def waiting_tokens(self) -> int:
-        return sum(s.need_tokens() for s in self.waiting)
+        return self.waiting.tokens
 
     @property
     def k(self) -> int:
@@ -1782,6 +1782,7 @@ class KunSimulator:
             for s in e.waiting:
                 place(s, f"waiting on {e.id}")
                 assert s.state == "waiting" and not s.pieces
+            assert e.waiting.tokens == sum(s.need_tokens() for s in e.waiting), e.id
             for s in e.swapped:
                 place(s, f"swapped from {e.id}")
             for s in e.running.values():
