@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetserve.costmodel import CostModel
-from fleetserve.metrics.records import RunResult
+from fleetserve.metrics.records import RequestRecord, RunResult
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.sim.contention import BandwidthSharing, bandwidth_shares
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
@@ -97,10 +97,13 @@ def _run(k: int, contention: bool, scheduler: str = "adbs") -> RunResult:
     return MultiSimulator(cfg, services, plan, reqs).run()
 
 
-def _tpot(res: RunResult) -> float:
-    r = res.records[0]
+def _tpot_of(r: RequestRecord) -> float:
     assert r.finish_s is not None and r.first_token_s is not None
     return (r.finish_s - r.first_token_s) / (r.output_tokens - 1)
+
+
+def _tpot(res: RunResult) -> float:
+    return _tpot_of(res.records[0])
 
 
 def test_one_service_alone_is_unchanged_by_contention() -> None:
@@ -128,11 +131,6 @@ def test_concurrent_decodes_share_the_memory_bandwidth(k: int) -> None:
     ratio = sum(_tpot_of(r) for r in on.records) / sum(_tpot_of(r) for r in off.records)
     assert 0.8 * k * use <= ratio <= 1.05 * k
     assert _tpot(off) <= 1.3 * alone  # the old model: hardly slower than alone
-
-
-def _tpot_of(r: object) -> float:
-    first, finish, out = r.first_token_s, r.finish_s, r.output_tokens  # type: ignore[attr-defined]
-    return float((finish - first) / (out - 1))
 
 
 def test_temporal_schedulers_are_not_affected() -> None:

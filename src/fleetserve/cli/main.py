@@ -309,10 +309,7 @@ def _reproduce_multi(
     wall: float | None = None
     failed: list[Any] = []
     if args.report_only:
-        if not (out / "runs").is_dir():
-            raise FleetserveError(
-                f"{out}: no runs/ folder to report on (run without --report-only)"
-            )
+        _require_runs(out)
     else:
         exp, specs = plan(exp.name, out, mode, stacks)
         sizes = mode.sizes(exp)
@@ -338,6 +335,18 @@ def _print_grid_report(
     """The per-run table, the claims check, notes and where the files are."""
     console.print(_rows_table(report["table"]))
     console.print(_claims_table(report))
+    _print_notes_and_files(console, name, report, files, wall, out)
+
+
+def _print_notes_and_files(
+    console: Console,
+    name: str,
+    report: dict[str, Any],
+    files: Sequence[Path],
+    wall: float | None,
+    out: Path,
+) -> None:
+    """A reproduction's notes, its wall time and where its files are."""
     for note in report["notes"]:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     took = f" in {wall:.1f} s" if wall is not None else ""
@@ -345,6 +354,12 @@ def _print_grid_report(
         f"{name} {report['mode']['name']} run{took}; results in [bold]{out}[/] "
         f"({', '.join(p.name for p in files)}; runs/ holds every run)"
     )
+
+
+def _require_runs(out: Path) -> None:
+    """``--report-only`` needs the runs of an earlier invocation."""
+    if not (out / "runs").is_dir():
+        raise FleetserveError(f"{out}: no runs/ folder to report on (run without --report-only)")
 
 
 # --- reproduce kunserve (begin) ---------------------------------------------------------
@@ -363,10 +378,7 @@ def _reproduce_kunserve(
     wall: float | None = None
     failed: list[Any] = []
     if args.report_only:
-        if not (out / "runs").is_dir():
-            raise FleetserveError(
-                f"{out}: no runs/ folder to report on (run without --report-only)"
-            )
+        _require_runs(out)
         provisions = provision(out, mode, probe=False)
     else:
         t0 = time.perf_counter()
@@ -405,10 +417,7 @@ def _reproduce_fleet(
     failed: list[Any] = []
     notes: list[str] = []
     if args.report_only:
-        if not (out / "runs").is_dir():
-            raise FleetserveError(
-                f"{out}: no runs/ folder to report on (run without --report-only)"
-            )
+        _require_runs(out)
     else:
         specs, notes = plan(out, mode, stacks)
         sizes = mode.sizes()
@@ -439,13 +448,7 @@ def _reproduce_fleet(
             console.print(
                 f"{tag} {scenario}: {stack} vs {baseline}: {', '.join(what)}", highlight=False
             )
-    for note in report["notes"]:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    took = f" in {wall:.1f} s" if wall is not None else ""
-    console.print(
-        f"fleet {report['mode']['name']} run{took}; results in [bold]{out}[/] "
-        f"({', '.join(p.name for p in files)}; runs/ holds every run)"
-    )
+    _print_notes_and_files(console, "fleet", report, files, wall, out)
     return _report_failures(failed)
 
 
@@ -476,10 +479,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     wall: float | None = None
     failed: list[Any] = []
     if args.report_only:
-        if not (out / "runs").is_dir():
-            raise FleetserveError(
-                f"{out}: no runs/ folder to report on (run without --report-only)"
-            )
+        _require_runs(out)
     else:
         specs = plan_mell(out, mode, stacks)
         console.print(

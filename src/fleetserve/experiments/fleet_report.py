@@ -53,7 +53,7 @@ from fleetserve.experiments.fleet import (
     run_dir,
     stack_spec,
 )
-from fleetserve.experiments.report_common import config_mismatch, md_table, write_json
+from fleetserve.experiments.report_common import config_mismatch, md_table, write_csv, write_json
 from fleetserve.metrics.plots import save_png
 
 logger = logging.getLogger(__name__)
@@ -761,12 +761,7 @@ def write_report(
         rows[(sc.name, s.label)] for sc in SCENARIOS for s in stacks if (sc.name, s.label) in rows
     ]
 
-    csv_path = out / "results.csv"
-    with csv_path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        for row in flat:
-            w.writerow({k: "" if row.get(k) is None else row.get(k) for k in CSV_COLUMNS})
+    csv_path = write_csv(out / "results.csv", flat, CSV_COLUMNS)
 
     runs = [
         {

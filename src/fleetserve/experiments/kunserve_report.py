@@ -71,7 +71,7 @@ from fleetserve.experiments.kunserve import (
     run_config,
     time_average,
 )
-from fleetserve.experiments.report_common import config_mismatch, md_table, write_json
+from fleetserve.experiments.report_common import config_mismatch, md_table, write_csv, write_json
 from fleetserve.metrics.plots import save_png
 
 logger = logging.getLogger(__name__)
@@ -1114,12 +1114,7 @@ def write_report(
     figures = write_figures(out, rows, mode)
     flat = [rows[r] for r in [*probe_runs(), *grid_runs(mode)] if r in rows]
 
-    csv_path = out / "results.csv"
-    with csv_path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        for row in flat:
-            w.writerow({k: "" if row.get(k) is None else row.get(k) for k in CSV_COLUMNS})
+    csv_path = write_csv(out / "results.csv", flat, CSV_COLUMNS)
 
     report: dict[str, Any] = {
         "experiment": "kunserve",

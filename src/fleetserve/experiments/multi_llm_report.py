@@ -52,7 +52,7 @@ from fleetserve.experiments.multi_llm import (
     run_config,
     run_dir,
 )
-from fleetserve.experiments.report_common import config_mismatch, md_table, write_json
+from fleetserve.experiments.report_common import config_mismatch, md_table, write_csv, write_json
 from fleetserve.metrics.plots import save_png
 
 logger = logging.getLogger(__name__)
@@ -1022,12 +1022,7 @@ def write_report(
     figures = write_figures(out, exp, rows, points)
     flat = [rows[(v, s.label)] for v in points for s in exp.stacks if (v, s.label) in rows]
 
-    csv_path = out / "results.csv"
-    with csv_path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        for row in flat:
-            w.writerow({k: "" if row.get(k) is None else row.get(k) for k in CSV_COLUMNS})
+    csv_path = write_csv(out / "results.csv", flat, CSV_COLUMNS)
 
     json_runs = [
         {**{k: r.get(k) for k in CSV_COLUMNS}, "slo": {f"{k:g}": x for k, x in r["slo"].items()}}

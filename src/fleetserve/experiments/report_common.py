@@ -3,6 +3,7 @@ markdown tables."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,16 @@ def write_json(path: Path, obj: Any) -> Path:
         json.dumps(obj, indent=2, allow_nan=False, default=_json_default) + "\n",
         encoding="utf-8",
     )
+    return path
+
+
+def write_csv(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> Path:
+    """Write ``rows`` as CSV with ``columns`` (missing or None values empty)."""
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: "" if row.get(k) is None else row.get(k) for k in columns})
     return path
 
 
