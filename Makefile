@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
+.PHONY: run test lint bench bench-kunserve bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(STAMP)
 	$(MAKE) bench-engine
 
 # The engine on this machine's CPU: decode speed vs HuggingFace, KV migration.
+# Issue 22: kunserve vs vllm on the Mooncake trace (P99 TTFT, throughput, simulation cost).
+bench-kunserve: $(STAMP)
+	$(BIN)/python benchmarks/kunserve_mooncake.py
+
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py

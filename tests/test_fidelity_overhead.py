@@ -298,7 +298,9 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 # -------------------------------------------------------------------- server process
 
 _FAKE_SERVER = """
-import http.server, sys
+import http.server, signal, sys
+# a shell's background job inherits SIGINT ignored; a real server handles it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)

@@ -740,6 +740,9 @@ def test_policy_falls_back_to_a_spare_and_skips_busy_executors() -> None:
     _grow(pol, alone, 1.0, {0: 0.0})
     (spare,) = pol.plan(1.0, alone)
     assert spare == ActivateSpare("m", 2_900 * KVB)
+    # told that no spare can start, a lone executor has nothing to plan
+    assert pol.plan_drops(1.0, alone, spare=False) == []
+    assert pol.plan_drops(1.0, alone) == [spare]
     # an unstable executor (KV still crossing) is not merged; not-accepting is not flagged
     views = [_view(0, (0,), 1_900, queued=3_000), _view(1, (1,), 100, stable=False)]
     pol = _policy()

@@ -83,19 +83,78 @@ class PipelineCost:
         """One activation transfer of ``tokens`` tokens between two stages."""
         return transfer_time(tokens * self._hop_bytes, self.link) if self.k > 1 else 0.0
 
-    def _round(self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]) -> float:
+    def _parts(
+        self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]
+    ) -> tuple[float, float]:
+        """``(max_j latency_j, max_s busy_s)`` of one round (module docstring)."""
         o = self.overhead_s
         k = self.k
         if k == 1:
-            return max(t + e for t, e in zip(full, extra, strict=True))
+            t = max(t + e for t, e in zip(full, extra, strict=True))
+            return t, t
         cores = [max(t - o, 0.0) for t in full]
         lat = max(
             k * o + c + (k - 1) * self.hop_time(n) + e
             for c, n, e in zip(cores, tokens, extra, strict=True)
         )
-        sum_c = sum(cores)
-        busy = len(cores) * o + max(self._frac) * sum_c
+        busy = len(cores) * o + max(self._frac) * sum(cores)
+        return lat, busy
+
+    def _round(self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]) -> float:
+        lat, busy = self._parts(full, tokens, extra)
         return max(lat, busy)
+
+    def decode_round(
+        self, batch: int, ctx_total: float, extra_s: float = 0.0
+    ) -> tuple[float, float]:
+        """One decode round alone: ``(round time, busiest stage's busy time)``.
+
+        The round time is :meth:`decode_time`'s; their ratio is the share of
+        the busiest stage the round keeps busy, which
+        :class:`~fleetserve.sim.contention.BandwidthSharing` divides among the
+        jobs a pipelined executor runs at once (KunServe's simulator:
+        prefill micro-batches beside the decode round).
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        m = min(self.k, batch)
+        base, rem = divmod(batch, m)
+        if self.k == 1:
+            t = self.cost.decode_time_scalar(batch, ctx_total) + extra_s
+            return t, t
+        # the micro-batches have two sizes at most (``rem`` of ``base + 1``
+        # first, then ``base``): the module docstring's round, each size once
+        cost, o, k = self.cost.decode_time_scalar, self.overhead_s, self.k
+        sizes = ((base + 1, rem), (base, m - rem)) if rem else ((base, m),)
+        lat = busy = 0.0
+        sum_c = 0.0
+        first = True
+        for b, count in sizes:
+            if count == 0:
+                continue
+            c = max(cost(b, ctx_total * b / batch) - o, 0.0)
+            sum_c += count * c
+            path = k * o + c + (k - 1) * self.hop_time(b)
+            lat = max(lat, path + extra_s if first else path)
+            first = False
+        busy = m * o + max(self._frac) * sum_c
+        return max(lat, busy), busy
+
+    def prefill_micro_batch(self, prompt_lens: Sequence[int]) -> tuple[float, float]:
+        """Whole prompts as *one* micro-batch through every stage, alone:
+        ``(latency, busiest stage's busy time)``.
+
+        This is a virtual engine's prefill step in vLLM's pipeline-parallel
+        engine: the micro-batch crosses the ``k`` stages one after another
+        (latency ``k o + c + (k - 1) a``), keeping each stage busy for only
+        its ``o + f_s c``, so the other stages are free for other micro-batches
+        meanwhile (decode micro-batches, other prompts).
+        """
+        lens = [int(x) for x in prompt_lens]
+        if not lens:
+            return 0.0, 0.0
+        full = [self.cost.prefill_time(lens)]
+        return self._parts(full, [sum(lens)], [0.0])
 
     def decode_time(
         self, batch: int, ctx_total: float, extra_s: float = 0.0, share: float = 1.0

@@ -137,6 +137,10 @@ def _as_bytes(name: str, value: object) -> int:
 
 def _as_real(name: str, value: object, minimum: float | None = 0.0) -> float:
     """A finite real number, optionally >= ``minimum``."""
+    if (  # the monitor's hot path
+        type(value) is float and math.isfinite(value) and (minimum is None or value >= minimum)
+    ):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     number = float(value)
@@ -630,78 +634,104 @@ class DemandMonitor:
         if self.window_s <= 0:
             raise ConfigError(f"window_s must be > 0, got {self.window_s}")
         self.horizon_s = _as_real("horizon_s", horizon_s)
-        self._samples: dict[int, deque[tuple[float, float, float]]] = {}
+        # per key: the samples' times, demands and capacities, oldest first
+        self._samples: dict[int, tuple[deque[float], deque[float], deque[float]]] = {}
+        self._rates: dict[int, tuple[float, float]] = {}  # since the latest sample
 
     def observe(self, key: int, now: float, demand_bytes: float, capacity_bytes: float) -> None:
         """Record one sample of executor ``key`` and evict samples older than the window."""
         t = _as_real("now", now, None)
         demand = _as_real("demand_bytes", demand_bytes)
         capacity = _as_real("capacity_bytes", capacity_bytes)
-        samples = self._samples.setdefault(key, deque())
-        if samples and t < samples[-1][0]:
+        self._record(key, t, demand, capacity)
+
+    def _record(self, key: int, t: float, demand: float, capacity: float) -> None:
+        """:meth:`observe` of values already checked (finite, >= 0)."""
+        got = self._samples.get(key)
+        if got is None:
+            got = self._samples[key] = (deque(), deque(), deque())
+        times, demands, caps = got
+        if times and t < times[-1]:
             raise ConfigError(
-                f"executor {key}: sample time {t} is before the previous one {samples[-1][0]}"
+                f"executor {key}: sample time {t} is before the previous one {times[-1]}"
             )
-        samples.append((t, demand, capacity))
+        times.append(t)
+        demands.append(demand)
+        caps.append(capacity)
+        self._rates.pop(key, None)
         oldest = t - self.window_s
-        while len(samples) > 2 and samples[0][0] < oldest:
-            samples.popleft()
+        while len(times) > 2 and times[0] < oldest:
+            times.popleft()
+            demands.popleft()
+            caps.popleft()
 
     def samples(self, key: int) -> tuple[tuple[float, float, float], ...]:
         """The ``(time, demand, capacity)`` samples of ``key`` in the window, oldest first."""
-        return tuple(self._get(key))
+        return tuple(zip(*self._get(key), strict=True))
 
     def rates(self, key: int) -> tuple[float, float]:
         """Least-squares slopes ``(demand rate, capacity rate)``, bytes per second."""
-        samples = self._get(key)
-        times = [s[0] for s in samples]
-        return _slope(times, [s[1] for s in samples]), _slope(times, [s[2] for s in samples])
+        got = self._rates.get(key)
+        if got is None:
+            times, demands, caps = self._get(key)
+            # _slope's arithmetic, the time deviations shared by both rates
+            n = len(times)
+            got = (0.0, 0.0)
+            if n >= 2:
+                t_mean = sum(times) / n
+                dts = [t - t_mean for t in times]
+                den = sum([d * d for d in dts])
+                if den > 0.0:
+                    d_mean = sum(demands) / n
+                    rate = sum([d * (v - d_mean) for d, v in zip(dts, demands, strict=True)])
+                    cap_rate = 0.0  # capacity moves only on drops and restores
+                    if caps.count(caps[0]) != n:
+                        c_mean = sum(caps) / n
+                        cap_rate = sum([d * (v - c_mean) for d, v in zip(dts, caps, strict=True)])
+                    got = rate / den, cap_rate / den
+            self._rates[key] = got
+        return got
 
     def predict(self, key: int, horizon_s: float | None = None) -> tuple[float, float]:
         """``(demand, capacity)`` extrapolated ``horizon_s`` seconds past the latest sample."""
         horizon = self._horizon(horizon_s)
-        _, demand, capacity = self._get(key)[-1]
+        demand, capacity = self._latest(key)
         demand_rate, capacity_rate = self.rates(key)
         return demand + demand_rate * horizon, capacity + capacity_rate * horizon
 
     def throttled(self, key: int, horizon_s: float | None = None) -> bool:
         """Whether ``key`` is, or within ``horizon_s`` will be, short of KV memory."""
-        _, demand, capacity = self._get(key)[-1]
-        future_demand, future_capacity = self.predict(key, horizon_s)
-        return demand > capacity or future_demand > future_capacity
+        demand, capacity = self._latest(key)
+        if demand > capacity:
+            return True
+        horizon = self._horizon(horizon_s)
+        demand_rate, capacity_rate = self.rates(key)
+        return demand + demand_rate * horizon > capacity + capacity_rate * horizon
 
     def required_bytes(self, key: int, horizon_s: float | None = None) -> float:
         """Extra bytes ``key`` needs: the larger of the predicted and current shortfall, >= 0."""
-        _, demand, capacity = self._get(key)[-1]
+        demand, capacity = self._latest(key)
         future_demand, future_capacity = self.predict(key, horizon_s)
         return max(0.0, future_demand - future_capacity, demand - capacity)
 
     def forget(self, key: int) -> None:
         """Drop every sample of ``key`` (an unknown key is a no-op)."""
         self._samples.pop(key, None)
+        self._rates.pop(key, None)
 
-    def _get(self, key: int) -> deque[tuple[float, float, float]]:
+    def _get(self, key: int) -> tuple[deque[float], deque[float], deque[float]]:
         samples = self._samples.get(key)
-        if not samples:
+        if not samples or not samples[0]:
             raise ConfigError(f"executor {key} has no samples; call observe() first")
         return samples
 
+    def _latest(self, key: int) -> tuple[float, float]:
+        """The latest sample's ``(demand, capacity)``."""
+        _, demands, caps = self._get(key)
+        return demands[-1], caps[-1]
+
     def _horizon(self, horizon_s: float | None) -> float:
         return self.horizon_s if horizon_s is None else _as_real("horizon_s", horizon_s)
-
-
-def _slope(times: Sequence[float], values: Sequence[float]) -> float:
-    """Least-squares slope of ``values`` over ``times``; 0 with < 2 points or no time span."""
-    n = len(times)
-    if n < 2:
-        return 0.0
-    t_mean = math.fsum(times) / n
-    v_mean = math.fsum(values) / n
-    den = math.fsum((t - t_mean) ** 2 for t in times)
-    if den <= 0.0:
-        return 0.0
-    num = math.fsum((t - t_mean) * (v - v_mean) for t, v in zip(times, values, strict=True))
-    return num / den
 
 
 def should_restore(
@@ -1098,9 +1128,11 @@ class KunServePolicy:
         """One monitor sample of each executor: demand = KV in use + the
         head-of-line request, capacity = its KV capacity, in bytes."""
         kvb = self.kv_bytes_per_token
+        t = _as_real("now", now, None)
+        record = self.monitor._record  # token counts are ints >= 0: nothing to check
         for e in executors:
             demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
-            self.monitor.observe(e.key, now, float(demand), float(e.kv_capacity_tokens * kvb))
+            record(e.key, t, float(demand), float(e.kv_capacity_tokens * kvb))
 
     def forget(self, key: int) -> None:
         """Executor ``key`` is gone: drop its samples and restore timer."""
@@ -1138,13 +1170,18 @@ class KunServePolicy:
         return actions
 
     def plan_drops(
-        self, now: float, executors: Iterable[KunExecutorView]
+        self, now: float, executors: Iterable[KunExecutorView], *, spare: bool = True
     ) -> list[DropLayers | ActivateSpare]:
         """The drop decision (see the class docstring): an
         :class:`~fleetserve.policy.actions.ActivateSpare` first when the plan
         falls short, then one :class:`~fleetserve.policy.actions.DropLayers`
         per new buddy group, in the plan's group order. Empty when no
         accepting executor is flagged.
+
+        ``spare=False`` tells the policy no spare instance could be started;
+        with fewer than two executors nothing can then be merged or started,
+        and the answer is empty without judging the throttling (what it would
+        return otherwise is at most an ``ActivateSpare`` that cannot be served).
 
         Every executor must have been observed (``now`` is that of the
         latest samples; the monitor's samples carry their own times).
@@ -1153,8 +1190,10 @@ class KunServePolicy:
             ConfigError: an executor without samples.
         """
         views = list(executors)
+        if not spare and len(views) < 2:
+            return []
         mon, horizon, kvb = self.monitor, self.horizon_s, self.kv_bytes_per_token
-        flagged = [e for e in views if e.accepting and mon.throttled(e.key, horizon)]
+        flagged = [e for e in views if e.accepting and mon.throttled(e.key)]  # its horizon is ours
         if not flagged:
             return []
         need = 0.0
@@ -1215,7 +1254,7 @@ class KunServePolicy:
         demand = e.kv_used_tokens + e.kv_queued_tokens
         restored = sum(b // kvb for b in e.replica_kv_bytes)
         low = should_restore(float(demand), float(restored), self.restore_threshold)
-        if not low or self.monitor.throttled(e.key, self.horizon_s):
+        if not low or self.monitor.throttled(e.key):
             self._low_since.pop(e.key, None)
             return None
         since = self._low_since.setdefault(e.key, now)

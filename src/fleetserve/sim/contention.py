@@ -116,7 +116,14 @@ class BandwidthSharing:
         whose speed (hence end time) changed."""
         jobs = self._jobs
         keys = list(jobs)
-        got = bandwidth_shares([jobs[k].use for k in keys])
+        uses = [jobs[k].use for k in keys]
+        if sum(uses) <= 1.0 and all(j.slow == 1.0 for j in jobs.values()):
+            # nobody is slowed, nor will be: progress only, nothing re-timed
+            for j in jobs.values():
+                j.remaining = max(0.0, j.remaining - (now - j.since))
+                j.since = now
+            return {}
+        got = bandwidth_shares(uses)
         out: dict[int, float] = {}
         for k, b in zip(keys, got, strict=True):
             j = jobs[k]

@@ -21,8 +21,31 @@ alternate under a long queue). Without it, the flood of admissions right
 after memory frees (a drop, a burst draining) would stall every running
 request for many prefill iterations in a row — chunked-prefill engines
 (Sarathi-Serve, vLLM v1) bound that stall too. It applies to every stack.
-Batch limits: ``max_num_seqs`` and ``max_batched_tokens`` per stage (a
-pipeline keeps a micro-batch per stage in flight, as vLLM's virtual engines).
+Batch limits: ``max_num_seqs`` per stage and ``max_batched_tokens`` per
+prefill micro-batch.
+
+Pipelines. A ``k``-stage executor runs like vLLM's pipeline-parallel engine,
+whose ``k`` virtual engines each keep one micro-batch in flight: prompts are
+prefilled in *lanes* (up to ``k`` prefill micro-batches in flight, each one
+batch of admitted prompts crossing the stages one after another:
+:meth:`~fleetserve.costmodel.pipeline.PipelineCost.prefill_micro_batch`)
+*beside* the decode round of the running requests
+(:meth:`~fleetserve.costmodel.pipeline.PipelineCost.decode_round`), which is
+not stalled by them. The jobs in flight share the stages' time: each alone
+keeps the busiest stage busy for a fraction ``busy / latency`` of its time
+(a prompt crossing 8 stages about 1/8), and while they ask for more than
+the whole stage the time is divided max-min fairly
+(:class:`~fleetserve.sim.contention.BandwidthSharing`, re-timed at every
+start and end), so ``k`` lanes of long prompts fill the pipeline as ``k``
+replicas would, and a lone prompt no longer idles ``k - 1`` stages for its
+whole prefill. Prefilled requests join the running batch at the decode
+round's next boundary. Replicas (``k = 1``) alternate as described above.
+Before this model (session 15), a pipeline's prefill was a round of its
+own, stalling every decode and leaving ``k - 1`` stages idle when one
+prompt was admitted; on a long-prompt trace (Mooncake, 12k-token prompts,
+compute-bound) that cut the ``kunserve`` stack's throughput 5.5x below
+``vllm``'s. The simplification: a stage's time is shared as a fluid, not
+micro-batch by micro-batch in arrival order.
 
 Memory (per instance, in token-layers, see :mod:`fleetserve.sim.kun_parts`)::
 
@@ -108,6 +131,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -154,6 +178,7 @@ from fleetserve.policy.kunserve import (
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView, Victim
 from fleetserve.sim.admission import context_note, context_reason
+from fleetserve.sim.contention import BandwidthSharing
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
@@ -164,6 +189,7 @@ from fleetserve.workload.request import Request, check_run_order
 logger = logging.getLogger(__name__)
 
 IDLE, PREFILL, DECODE = 0, 1, 2
+_DECODE_JOB = 0  # a pipeline's decode round in its stage sharing (lanes are 1, 2, ...)
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
 
 
@@ -223,8 +249,14 @@ class Executor:
         self.waiting = WaitQueue()
         self.running: dict[int, KSeq] = {}
         self.stalled: dict[int, KSeq] = {}
-        self.prefill: list[KSeq] = []
+        self.prefill: list[KSeq] = []  # being prefilled (every lane's, on a pipeline)
         self.pending_attach: list[KSeq] = []
+        self.lanes: dict[int, _Lane] = {}  # prefill micro-batches in flight (k > 1)
+        self.prefilled: list[KSeq] = []  # prefilled during a decode round; join after it
+        self.stage = BandwidthSharing()  # the stages' time among the jobs in flight (k > 1)
+        self.next_lane = 1
+        self.timers: dict[int, float] = {}  # job -> time of its end event (k > 1)
+        self.retime_due = False  # a job ended and the others are not re-timed yet
         self.swapped: deque[KSeq] = deque()
         self.swap_out_busy = False
         self.swap_in_busy = False
@@ -245,21 +277,44 @@ class Executor:
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
         self.max_batch = sim.max_num_seqs
         self.last_end = now
+        self._replica_kv = tuple(sim.cap_b[m] - sim.full_w for m in members)
+        self._mem_v = -1  # memory version of the two floors below
+        self._room0 = 0
+        self._cap0 = 0
 
     # ---------------------------------------------------------------- memory
     def T(self) -> int:
         """KV tokens this executor's requests hold (see the module docstring)."""
         return self.sum_base + len(self.running) * self.steps + self.static + self.inflight
 
+    def _mem_floors(self) -> None:
+        """Bring ``_room0`` and ``_cap0`` up to the simulator's memory version:
+        ``min_m (avail_m + n_m T) // n_m`` (room before this executor's own
+        tokens; ``(A - n T) // n = A // n - T`` for integers) and the capacity."""
+        sim = self.sim
+        cap_b, weights, corr, pend, kvpl = sim.cap_b, sim.weights, sim.corr, sim.pend_in, sim.kvpl
+        room = cap = None
+        for m, n in self.layers.items():
+            c = (cap_b[m] - weights[m]) // kvpl
+            r = (c - corr[m] - pend[m]) // n
+            c //= n
+            room = r if room is None or r < room else room
+            cap = c if cap is None or c < cap else cap
+        assert room is not None and cap is not None
+        self._room0, self._cap0 = room, cap
+        self._mem_v = sim.mem_version
+
     def room_tokens(self) -> int:
-        """KV tokens every stage can still take."""
-        mem = self.sim
-        return min(mem.avail_tl(m) // n for m, n in self.layers.items())
+        """KV tokens every stage can still take (``min_m avail_tl(m) // n_m``)."""
+        if self._mem_v != self.sim.mem_version:
+            self._mem_floors()
+        return self._room0 - self.T()
 
     def capacity_tokens(self) -> int:
         """KV tokens the executor holds when full (all settled)."""
-        mem = self.sim
-        return min(mem.cap_tl(m) // n for m, n in self.layers.items())
+        if self._mem_v != self.sim.mem_version:
+            self._mem_floors()
+        return self._cap0
 
     def waiting_tokens(self) -> int:
         return self.waiting.tokens
@@ -267,6 +322,11 @@ class Executor:
     @property
     def k(self) -> int:
         return len(self.members)
+
+    @property
+    def at_boundary(self) -> bool:
+        """No iteration (decode round or prefill micro-batch) in flight."""
+        return self.phase == IDLE and not self.lanes
 
     @property
     def stable(self) -> bool:
@@ -277,9 +337,12 @@ class Executor:
             and not self.live_pieces
             and not self.stalled
             and not self.pending_attach
-            and not any(s.mig is not None for s in self.running.values())
             and not self.swap_in_busy
             and not self.swap_out_busy
+            and (
+                self.sim.llumnix is None
+                or not any(s.mig is not None for s in self.running.values())
+            )
         )
 
     # -------------------------------------------------------- InstanceView
@@ -323,7 +386,7 @@ class Executor:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.stalled) + len(self.prefill)
+        return len(self.running) + len(self.stalled) + len(self.prefill) + len(self.prefilled)
 
     @property
     def num_waiting(self) -> int:
@@ -338,7 +401,7 @@ class Executor:
         return self.phase == IDLE and not self.waiting and not self.num_running
 
     def seqs(self) -> list[SeqView]:
-        return [*self.running.values(), *self.prefill, *self.waiting]
+        return [*self.running.values(), *self.prefill, *self.prefilled, *self.waiting]
 
     # ---------------------------------------------------- KunExecutorView
     @property
@@ -352,8 +415,7 @@ class Executor:
 
     @property
     def replica_kv_bytes(self) -> tuple[int, ...]:
-        sim = self.sim
-        return tuple(sim.cap_b[m] - sim.model.weight_bytes for m in self.members)
+        return self._replica_kv
 
     @property
     def kv_used_tokens(self) -> int:
@@ -390,6 +452,13 @@ class Executor:
         s.gen = kv - s.prompt + 1
         s.tokens = kv
         return kv
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """A prefill micro-batch in flight on a pipelined executor."""
+
+    seqs: list[KSeq]
 
 
 class _Merge:
@@ -529,6 +598,8 @@ class KunSimulator:
         self.kvpl = spec.kv_bytes_per_token_per_layer
         self.kv_tok_bytes = spec.kv_bytes_per_token
         self.layer_b = spec.weight_bytes_per_layer
+        self.mem_version = 0  # bumped whenever weights, corr or pend_in change
+        self.full_w = spec.weight_bytes  # one replica's weights
         self.base_w = spec.weight_bytes - self.L * self.layer_b
         cap = int(self.gpu.hbm_bytes * mem_util) * tp
         if spec.weight_bytes >= cap:
@@ -579,6 +650,7 @@ class KunSimulator:
         self.net = [Channel(f"net{i}", self.net_link) for i in range(n)]
         self.host = [Channel(f"host{i}", self.pcie) for i in range(n)]
         self.nvl = [Channel(f"nvlink{i}", self.nvlink) for i in range(n)]
+        self.channels = (*self.net, *self.host, *self.nvl)
         mean_ctx = (
             float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in self.requests]))
             if self.requests
@@ -696,6 +768,7 @@ class KunSimulator:
             if (old[1] - old[0]) > (hi - lo):  # drop what the stage does not need
                 dropped = (old[1] - old[0] - (hi - lo)) * self.layer_b
                 self.weights[m] -= dropped
+                self.mem_version += 1
                 self.bytes_freed += dropped
                 self.held[m] = (lo, hi)
             if not old[0] <= lo < hi <= old[1]:
@@ -773,11 +846,28 @@ class KunSimulator:
         out, self._out = self._out, []
         return out
 
-    def _ev_iter_end(self, payload: tuple[Executor, int], now: float) -> list[Event] | None:
-        exe, version = payload
-        if exe.version != version or exe.id not in self.execs:
-            return None  # superseded
-        self._on_iter_end(exe, now)
+    def _ev_iter_end(self, payload: tuple[Executor, int, int], now: float) -> list[Event] | None:
+        exe, version, job = payload
+        if exe.id not in self.execs:
+            return None  # retired
+        if exe.k == 1:
+            if exe.version != version:
+                return None  # superseded
+            self._on_iter_end(exe, now)
+            return self._caused()
+        # a pipeline's job: its timer is the earliest end it was given
+        if exe.timers.get(job) != now:
+            return None  # a later timer of a job whose end moved earlier
+        end = exe.stage.end_of(job)
+        if now < end - 1e-12 * max(1.0, end):  # its end moved later: wait again
+            exe.timers[job] = end
+            self._out.append((end, ITER_END, (exe, 0, job)))
+            return self._caused()
+        del exe.timers[job]
+        if job == _DECODE_JOB:
+            self._on_iter_end(exe, now)
+        else:
+            self._on_lane_end(exe, job, now)
         return self._caused()
 
     def _ev_xfer_end(self, payload: tuple[Channel, int], now: float) -> list[Event] | None:
@@ -800,7 +890,24 @@ class KunSimulator:
         return self._caused()
 
     def _push_iter(self, exe: Executor, end: float) -> None:
-        self._out.append((end, ITER_END, (exe, exe.version)))
+        self._out.append((end, ITER_END, (exe, exe.version, 0)))
+
+    def _retime(self, exe: Executor, now: float, new: int | None = None) -> None:
+        """Re-divide a pipeline's stage time among its jobs in flight (a job
+        started or ended) and push the end events of the jobs whose end moved,
+        and of the job ``new`` just added. A job keeps one timer, its earliest
+        end: an end that moves later leaves the timer, which then waits again
+        (:meth:`_ev_iter_end`); one that moves earlier gets a new timer."""
+        exe.retime_due = False
+        changed = exe.stage.retime(now)
+        if new is not None and new not in changed:
+            changed[new] = exe.stage.end_of(new)
+        timers = exe.timers
+        for job, end in changed.items():
+            timer = timers.get(job)
+            if timer is None or end < timer:
+                timers[job] = end
+                self._out.append((end, ITER_END, (exe, 0, job)))
 
     def _push_xfer(self, ch: Channel, end: float | None) -> None:
         if end is not None:
@@ -814,7 +921,7 @@ class KunSimulator:
                 e.waiting or e.num_running or e.swapped or e.pending_attach
                 for e in self.execs.values()
             )
-            or any(ch.busy for ch in (*self.net, *self.host, *self.nvl))
+            or any(ch.busy for ch in self.channels)
         )
 
     # ------------------------------------------------------------- arrivals
@@ -872,12 +979,14 @@ class KunSimulator:
         s.state = "waiting"
         s.exe = exe
         exe.waiting.append(s)
-        if exe.phase == IDLE:
-            self._schedule(exe, now)
+        self._schedule(exe, now)
 
     # ----------------------------------------------------------- iterations
     def _schedule(self, exe: Executor, now: float) -> None:
         """Plan ``exe``'s next iteration at a boundary (or while it sits idle)."""
+        if exe.k > 1:
+            self._schedule_pipeline(exe, now)
+            return
         if exe.phase != IDLE:
             return
         if exe.frozen:
@@ -908,6 +1017,95 @@ class KunSimulator:
             if exe.restoring and not self.settings.live_restore:
                 self._try_split(exe, now)
 
+    def _schedule_pipeline(self, exe: Executor, now: float) -> None:
+        """A pipelined executor's next steps (module docstring, "Pipelines"):
+        prefill micro-batches start whenever a virtual engine is free, beside
+        the decode round, which starts at its own boundaries."""
+        if exe.phase == IDLE:
+            for s in exe.pending_attach:
+                exe.static -= s.tokens
+                exe.run(s, s.tokens)
+            exe.pending_attach.clear()
+            for s in exe.prefilled:
+                n = s.need_tokens()
+                exe.static -= n
+                exe.run(s, n)
+            exe.prefilled.clear()
+        if exe.frozen:
+            if exe.at_boundary:
+                self._try_merges(now)
+                self._try_split(exe, now)
+            return
+        draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
+        reacted = False
+        while (
+            exe.waiting
+            and not draining
+            and len(exe.lanes) < exe.k
+            and self._cap(exe) > exe.num_running  # else nothing fits and nothing reacts
+        ):
+            admitted = self._admit(exe)
+            if (
+                not admitted
+                and not reacted
+                and exe.phase == IDLE
+                and exe.running
+                and self._head_blocked_by_memory(exe)
+            ):
+                reacted = True
+                if self._react_blocked(exe, now):
+                    admitted = self._admit(exe)
+            if not admitted:
+                break
+            self._start_lane(exe, admitted, now)
+        if exe.phase != IDLE:
+            return
+        if exe.swapped:
+            self._swap_in(exe, now)
+        if exe.running:
+            self._start_decode(exe, now)
+        elif not exe.lanes and exe.restoring and not self.settings.live_restore:
+            self._try_split(exe, now)
+
+    def _start_lane(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
+        """Start one prefill micro-batch of ``admitted`` on a pipeline."""
+        for _ in admitted:
+            exe.waiting.popleft()
+        lens = []
+        for s in admitted:
+            n = s.need_tokens()
+            exe.static += n
+            s.state = "prefill"
+            lens.append(n)
+        exe.prefill.extend(admitted)
+        latency, busy = exe.pcost.prefill_micro_batch(lens)
+        job = exe.next_lane
+        exe.next_lane += 1
+        exe.lanes[job] = _Lane(admitted)
+        exe.stage.add(job, now, latency, busy)
+        self._retime(exe, now, job)
+
+    def _on_lane_end(self, exe: Executor, job: int, now: float) -> None:
+        """A pipeline's prefill micro-batch ends: first tokens; the requests
+        join the running batch at the decode round's next boundary."""
+        lane = exe.lanes.pop(job)
+        exe.stage.remove(job)
+        self._retime(exe, now)
+        done = set(map(id, lane.seqs))
+        exe.prefill = [s for s in exe.prefill if id(s) not in done]
+        for s in lane.seqs:
+            rec = s.record
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            s.last_tok_s = now
+            if s.gen + 1 >= s.req.output_tokens:
+                exe.static -= s.need_tokens()
+                s.gen = s.req.output_tokens
+                self._finish(exe, s, now)
+            else:
+                exe.prefilled.append(s)
+        self._schedule(exe, now)
+
     def _cap(self, exe: Executor) -> int:
         """Batch slots: ``max_num_seqs`` per stage (a pipeline keeps one
         micro-batch per stage in flight, as vLLM's virtual engines do), and
@@ -920,7 +1118,7 @@ class KunSimulator:
     def _head_blocked_by_memory(self, exe: Executor) -> bool:
         """The head of the queue has a batch slot but not the memory."""
         room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
-        slots = self._cap(exe) - len(exe.running) - len(exe.stalled)
+        slots = self._cap(exe) - exe.num_running
         return slots > 0 and exe.waiting[0].need_tokens() > room
 
     def _admit(self, exe: Executor) -> list[KSeq]:
@@ -928,8 +1126,8 @@ class KunSimulator:
         executor's limits (:class:`_KunBudget`)."""
         budget = _KunBudget(
             exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
-            self._cap(exe) - len(exe.running) - len(exe.stalled),
-            self.max_batched_tokens * exe.k,
+            self._cap(exe) - exe.num_running,
+            self.max_batched_tokens,
         )
         return self.batching.admit(exe, exe.waiting, budget)  # type: ignore[return-value]
 
@@ -1005,7 +1203,10 @@ class KunSimulator:
         exe.inflight = B
         ctx = exe.sum_base + B * exe.steps + B
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
-        t = exe.pcost.decode_time(B, ctx, extra)
+        if exe.k > 1:
+            t, busy = exe.pcost.decode_round(B, ctx, extra)
+        else:
+            t = exe.pcost.decode_time(B, ctx, extra)
         if exe.live_pieces:
             hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
             share = 1.0 - min(0.95, (hop + extra) / t)
@@ -1016,7 +1217,11 @@ class KunSimulator:
                 self._push_xfer(ch, ch.set_share(share, now))
         exe.phase = DECODE
         exe.version += 1
-        self._push_iter(exe, now + t)
+        if exe.k > 1:
+            exe.stage.add(_DECODE_JOB, now, t, busy)
+            self._retime(exe, now, _DECODE_JOB)
+        else:
+            self._push_iter(exe, now + t)
 
     def _remote_overhead(self, exe: Executor) -> float:
         """Remote-attention round trips of live victims, per iteration: for each
@@ -1074,6 +1279,10 @@ class KunSimulator:
                     exe.run(s, n)
             exe.prefill = []
         else:
+            if exe.k > 1:
+                # re-timed below: the next round usually starts at this instant
+                exe.stage.remove(_DECODE_JOB)
+                exe.retime_due = True
             exe.inflight = 0
             exe.steps += 1
             steps = exe.steps
@@ -1096,6 +1305,8 @@ class KunSimulator:
         if exe.mig_ready:
             self._migrations_at_boundary(exe, now)
         self._schedule(exe, now)
+        if exe.retime_due and exe.id in self.execs:
+            self._retime(exe, now)
 
     def _finish(self, exe: Executor, s: KSeq, now: float) -> None:
         self._cancel_pieces(s)
@@ -1122,7 +1333,7 @@ class KunSimulator:
         self._retry_channels(now)
 
     def _retry_channels(self, now: float) -> None:
-        for ch in (*self.net, *self.host, *self.nvl):
+        for ch in self.channels:
             if ch.cur is None and ch.queue:
                 self._push_xfer(ch, ch.try_start(now))
 
@@ -1130,13 +1341,13 @@ class KunSimulator:
         exe = s.exe
         assert exe is not None
         exe.pending_attach.append(s)
-        if exe.phase == IDLE:
-            self._schedule(exe, now)
+        self._schedule(exe, now)
 
     # ------------------------------------------------------------- KV pieces
     def _add_pieces(self, s: KSeq, exe: Executor, pieces: list[Piece], now: float) -> None:
         """Register ``s``'s pieces (proportional accounting corrected) and queue
         them on their sources' links."""
+        self.mem_version += 1
         for p in pieces:
             tl = p.token_layers
             self.corr[p.src] += tl
@@ -1158,12 +1369,14 @@ class KunSimulator:
         def on_start(now: float) -> None:
             if not p.cancelled and not p.started:
                 p.started = True
+                self.mem_version += 1
                 self.corr[p.dst] += p.token_layers
                 self.pend_in[p.dst] -= p.token_layers
 
         def on_done(now: float) -> None:
             if p.cancelled:
                 return
+            self.mem_version += 1
             self.corr[p.src] -= p.token_layers
             s = p.seq
             s.pieces.remove(p)
@@ -1172,8 +1385,7 @@ class KunSimulator:
                 exe.stalled.pop(s.id)
                 s.state = "transit"
                 exe.pending_attach.append(s)
-                if exe.phase == IDLE:
-                    self._schedule(exe, now)
+                self._schedule(exe, now)
 
         nbytes = float(p.token_layers * self.kvpl) / self.tp
         tr = Transfer("kv-piece", nbytes, on_done, ready=ready, on_start=on_start, live=p.live)
@@ -1186,6 +1398,8 @@ class KunSimulator:
         # (and commitment); a reserved one is net zero there. Either way the
         # source no longer holds it. A copy in flight runs to its end.
         exe = s.exe
+        if s.pieces:
+            self.mem_version += 1
         for p in s.pieces:
             self.corr[p.src] -= p.token_layers
             if not p.started:
@@ -1231,7 +1445,9 @@ class KunSimulator:
         st = self.settings
         self.policy.observe(now, self.execs.values())
         if st.pressure == "kunserve":
-            self._apply(self.policy.plan_drops(now, self.execs.values()), now)
+            spare = not self.activating and not all(self.active)  # as _scale_out serves
+            actions = self.policy.plan_drops(now, self.execs.values(), spare=spare)
+            self._apply(actions, now)
             self._maybe_restore(now)
             if self.grouped:
                 self._rebalance(now)
@@ -1246,8 +1462,8 @@ class KunSimulator:
         """Fail loudly instead of ticking forever when requests wait but nothing
         can ever move them (a bug, not a workload property)."""
         busy = (
-            any(e.phase != IDLE for e in self.execs.values())
-            or any(ch.cur is not None for ch in (*self.net, *self.host, *self.nvl))
+            any(not e.at_boundary for e in self.execs.values())
+            or any(ch.cur is not None for ch in self.channels)
             or self.n_done != self._wd_done
         )
         if busy:
@@ -1310,7 +1526,7 @@ class KunSimulator:
 
     def _try_merges(self, now: float) -> None:
         for mg in list(self.merging):
-            if all(e.phase == IDLE for e in mg.olds):
+            if all(e.at_boundary for e in mg.olds):
                 self.merging.remove(mg)
                 self._merge(mg, now)
 
@@ -1344,7 +1560,7 @@ class KunSimulator:
             for s in list(e.running.values()):
                 kv = e.unrun(s)
                 victims.append((s, kv, moves, e.last_end))
-            assert not e.stalled and not e.prefill and not e.pending_attach
+            assert not e.stalled and not e.prefill and not e.pending_attach and not e.prefilled
         waiting.sort(key=lambda s: (s.req.arrival_s, s.id))
         for s in waiting:
             s.exe = new
@@ -1408,6 +1624,7 @@ class KunSimulator:
 
         def on_start(now: float) -> None:
             self.weights[m] += need
+            self.mem_version += 1
             self.reloading[m] += need
 
         def on_done(now: float) -> None:
@@ -1426,10 +1643,10 @@ class KunSimulator:
 
     def _try_split(self, e: Executor, now: float) -> None:
         """Split a restored group into replicas (see the module docstring)."""
-        if not e.restoring or e.reload_left or e.phase != IDLE or e.id not in self.execs:
+        if not e.restoring or e.reload_left or not e.at_boundary or e.id not in self.execs:
             return
         if not self.settings.live_restore and (
-            e.running or e.stalled or e.prefill or e.pending_attach
+            e.running or e.stalled or e.prefill or e.pending_attach or e.prefilled
         ):
             return
         # assign running requests: largest KV first, to the member with most room
@@ -1476,10 +1693,7 @@ class KunSimulator:
     # ------------------------------------------------------------- rebalance
     def _rebalance(self, now: float) -> None:
         execs = [e for e in self.execs.values() if e.accepting and not e.frozen]
-        counts = (
-            (len(e.running) + len(e.stalled) + len(e.prefill), len(e.waiting), e.max_batch)
-            for e in execs
-        )
+        counts = ((e.num_running, len(e.waiting), e.max_batch) for e in execs)
         if not rebalance_may_move(counts):
             return  # no executor both overflowed and another spare: nothing to move
         loads = []
@@ -1487,7 +1701,7 @@ class KunSimulator:
             loads.append(
                 ExecutorLoad(
                     key=e.id,
-                    running=len(e.running) + len(e.stalled) + len(e.prefill),
+                    running=e.num_running,
                     waiting=tuple(s.id for s in e.waiting),
                     max_batch=e.max_batch,
                     free_tokens=max(0, e.room_tokens() - e.waiting_tokens()),
@@ -1505,8 +1719,7 @@ class KunSimulator:
             touched.add(dst)
         for eid in sorted(touched):
             e = self.execs[eid]
-            if e.phase == IDLE:
-                self._schedule(e, now)
+            self._schedule(e, now)
 
     # ------------------------------------------------------------------ swap
     def _swap_out(self, exe: Executor, s: KSeq, now: float) -> None:
@@ -1523,8 +1736,7 @@ class KunSimulator:
             s.state = "host"
             exe.swapped.append(s)
             exe.swap_out_busy = False
-            if exe.phase == IDLE:
-                self._schedule(exe, t)
+            self._schedule(exe, t)
 
         nbytes = kv * self.kv_tok_bytes / self.tp
         self._enqueue_transfer(
@@ -1545,8 +1757,7 @@ class KunSimulator:
         def on_done(t: float) -> None:
             exe.swap_in_busy = False
             exe.pending_attach.append(s)
-            if exe.phase == IDLE:
-                self._schedule(exe, t)
+            self._schedule(exe, t)
 
         nbytes = kv * self.kv_tok_bytes / self.tp
         self._enqueue_transfer(self.host[exe.members[0]], Transfer("swap-in", nbytes, on_done), now)
@@ -1656,7 +1867,7 @@ class KunSimulator:
         )
         self.tl_t.append(now)
         self.tl_groups.append(sum(1 for e in self.execs.values() if e.k > 1))
-        self.tl_dropped.append(sum(self.model.weight_bytes - w for w in self.weights))
+        self.tl_dropped.append(sum(self.full_w - w for w in self.weights))
 
     # --------------------------------------------------------------- results
     def _result(self, end_s: float, wall_s: float) -> RunResult:
@@ -1763,6 +1974,8 @@ class KunSimulator:
                 assert self.exe_of[m] is e
                 h = self.held[m]
                 assert h[0] <= lo and hi <= h[1], (m, h, (lo, hi))
+            assert e.room_tokens() == min(self.avail_tl(m) // n for m, n in e.layers.items())
+            assert e.capacity_tokens() == min(self.cap_tl(m) // n for m, n in e.layers.items())
             t = 0
             for s in e.running.values():
                 place(s, f"running on {e.id}")
@@ -1779,6 +1992,16 @@ class KunSimulator:
             for s in e.pending_attach:
                 place(s, f"attaching to {e.id}")
                 t += s.tokens
+            for s in e.prefilled:
+                place(s, f"prefilled on {e.id}")
+                assert e.phase != IDLE, f"executor {e.id}: prefilled requests not joined"
+                t += s.need_tokens()
+            assert sorted(id(s) for lane in e.lanes.values() for s in lane.seqs) == sorted(
+                map(id, e.prefill)
+            ) or (e.k == 1 and not e.lanes), f"executor {e.id}: lanes and prefill list differ"
+            assert e.k > 1 or not e.lanes, f"replica {e.id} has prefill lanes"
+            assert len(e.stage) == len(e.lanes) + (e.k > 1 and e.phase == DECODE)
+            assert set(e.timers) == e.stage.tokens(), (e.timers, e.stage.tokens())
             for s in e.waiting:
                 place(s, f"waiting on {e.id}")
                 assert s.state == "waiting" and not s.pieces
