@@ -27,7 +27,8 @@ prefill micro-batch.
 Pipelines. A ``k``-stage executor runs like vLLM's pipeline-parallel engine,
 whose ``k`` virtual engines each keep one micro-batch in flight: prompts are
 prefilled in *lanes* (up to ``k`` prefill micro-batches in flight, each one
-batch of admitted prompts crossing the stages one after another:
+batch of admitted prompts crossing the stages one after another, started at
+a decode round's boundary as a virtual engine takes a prompt at its own:
 :meth:`~fleetserve.costmodel.pipeline.PipelineCost.prefill_micro_batch`)
 *beside* the decode round of the running requests
 (:meth:`~fleetserve.costmodel.pipeline.PipelineCost.decode_round`), which is
@@ -1019,8 +1020,9 @@ class KunSimulator:
 
     def _schedule_pipeline(self, exe: Executor, now: float) -> None:
         """A pipelined executor's next steps (module docstring, "Pipelines"):
-        prefill micro-batches start whenever a virtual engine is free, beside
-        the decode round, which starts at its own boundaries."""
+        at the decode round's boundary (or while no round runs), prefill
+        micro-batches start on the free lanes, then the next decode round;
+        lanes run on across rounds."""
         if exe.phase == IDLE:
             for s in exe.pending_attach:
                 exe.static -= s.tokens
@@ -1038,8 +1040,9 @@ class KunSimulator:
             return
         draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
         reacted = False
-        while (
-            exe.waiting
+        while (  # a virtual engine takes a prompt at its boundary: the decode round's end
+            exe.phase == IDLE
+            and exe.waiting
             and not draining
             and len(exe.lanes) < exe.k
             and self._cap(exe) > exe.num_running  # else nothing fits and nothing reacts
@@ -1048,7 +1051,6 @@ class KunSimulator:
             if (
                 not admitted
                 and not reacted
-                and exe.phase == IDLE
                 and exe.running
                 and self._head_blocked_by_memory(exe)
             ):
