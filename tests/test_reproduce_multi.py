@@ -149,6 +149,18 @@ def test_scale_shrinks_every_length_and_keeps_the_interval_valid() -> None:
     assert mode.name == "quick x0.05"
 
 
+def test_seallm_history_predicts_the_run_and_the_hot_service_changes_once() -> None:
+    """The hot service of the history stays hot into the run, and changes once after it
+    (issue 22: a history that predicts the run); MuxServe's generator has no rotation."""
+    for mode in (Mode(), Mode(quick=True), Mode(quick=True, scale=0.05)):
+        sizes = mode.sizes(SEALLM)
+        cfg = config_from_dict(run_config(SEALLM, 1.0, SEALLM.stacks[3], mode))
+        assert cfg.multi.rotate_s == pytest.approx(sizes.rotate_s)
+        rotate, history, end = cfg.multi.rotate_s, cfg.multi.history_s, cfg.multi.duration_s
+        assert history < rotate < history + end <= 2 * rotate  # one change, inside the run
+    assert "rotate_s" not in run_config(MUXSERVE, 0.7, MUXSERVE.stacks[0], Mode())["multi"]
+
+
 def test_stack_selection() -> None:
     mode = Mode()
     assert [s.label for s in select_stacks(MUXSERVE, ["muxserve", "vllm"], mode)] == [

@@ -729,6 +729,11 @@ def render_markdown(
             if exp.name == "seallm"
             else ""
         )
+        + (
+            f", hot service rotating every {sizes.rotate_s:g} s from the history's start"
+            if sizes.rotate_s is not None
+            else ""
+        )
         + f"; seed {mode.seed} (every run)."
     )
     lines = [
