@@ -1048,12 +1048,7 @@ class KunSimulator:
             and self._cap(exe) > exe.num_running  # else nothing fits and nothing reacts
         ):
             admitted = self._admit(exe)
-            if (
-                not admitted
-                and not reacted
-                and exe.running
-                and self._head_blocked_by_memory(exe)
-            ):
+            if not admitted and not reacted and exe.running and self._head_blocked_by_memory(exe):
                 reacted = True
                 if self._react_blocked(exe, now):
                     admitted = self._admit(exe)
