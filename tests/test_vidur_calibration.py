@@ -132,3 +132,32 @@ def test_on_the_shared_profiles() -> None:
     assert set(fit.fitted_errors) == {"all", "1-16 tokens", "17-256 tokens", "257+ tokens"}
     assert 0.3 < fit.compute_eff <= 1.0 and 0.3 < fit.mem_eff <= 1.0
     assert np.isfinite(fit.fitted_errors["all"]["median_abs"])
+
+
+def test_validate_writes_every_row_predicted_vs_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``fleetserve validate``: every profile row once, with the defaults'
+    prediction (exact: the profile is the roofline at the defaults) and the
+    calibrated one; per (GPU, model, token class) summary; the plot."""
+    _write(tmp_path / "prof/compute/a100/org/model-a/mlp.csv", 0.65, 0.8, 0.0)
+    _write(tmp_path / "prof/compute/a100/org/model-b/mlp.csv", 0.5, 0.7, 2e-6)
+    out = tmp_path / "val"
+    assert main(["validate", "--vidur", str(tmp_path / "prof"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "model-a" in printed and "model-b" in printed and "17-256" in printed
+    with (out / "rows.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 * 4 * len(TOKENS)  # two profiles x 4 TP degrees x the tokens
+    a = [r for r in rows if r["model"] == "model-a"]
+    assert all(abs(float(r["default_error"])) < 1e-9 for r in a)  # generated at the defaults
+    b = [r for r in rows if r["model"] == "model-b"]
+    assert all(float(r["default_error"]) < 0 for r in b)  # slower kernels: defaults too fast
+    assert {r["token_class"] for r in rows} == {"1-16", "17-256", "257+"}
+    assert {r["held_out"] for r in rows} == {"True", "False"}
+    groups = json.loads((out / "summary.json").read_text())["groups"]
+    assert [(g["model"], g["tokens"]) for g in groups] == [
+        (m, c) for m in ("model-a", "model-b") for c in ("1-16", "17-256", "257+")
+    ]
+    assert sum(int(g["rows"]) for g in groups) == len(rows)
+    assert (out / "validate.png").stat().st_size > 0

@@ -21,10 +21,13 @@ from rich.table import Table
 from fleetserve.costmodel.params import DEFAULT_PARAMS
 from fleetserve.costmodel.vidur import (
     VIDUR_GPUS,
+    RowCheck,
     VidurFit,
+    check_rows,
     fit_efficiencies,
     load_all,
     profile_files,
+    summarize_checks,
 )
 from fleetserve.errors import FleetserveError
 from fleetserve.spec import get_gpu
@@ -67,8 +70,7 @@ def _shared_profiles() -> Path:
     )
 
 
-def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
-    """``fleetserve calibrate``."""
+def _profiles(args: argparse.Namespace) -> tuple[Path, dict[str, list[Path]]]:
     root = Path(args.vidur) if args.vidur is not None else _shared_profiles()
     files = profile_files(root)
     unknown = sorted(set(files) - set(VIDUR_GPUS))
@@ -77,6 +79,12 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
             f"{root}: profiles of GPU {', '.join(unknown)}: not one of "
             f"{', '.join(sorted(VIDUR_GPUS))} (Vidur's names this command maps to the catalog)"
         )
+    return root, files
+
+
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    """``fleetserve calibrate``."""
+    root, files = _profiles(args)
     default = (DEFAULT_PARAMS.compute_eff, DEFAULT_PARAMS.mem_eff)
     fits = []
     for name, paths in files.items():
@@ -116,6 +124,142 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         path.write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"written: {path}", highlight=False)
     return 0
+
+
+ROW_COLUMNS = (
+    "gpu",
+    "model",
+    "tp",
+    "tokens",
+    "token_class",
+    "held_out",
+    "measured_s",
+    "default_s",
+    "fitted_s",
+    "default_error",
+    "fitted_error",
+)
+
+
+def _short_model(name: str) -> str:
+    """``Meta-Llama-3-70B`` -> ``Llama-3-70B``, ``Llama-2-7b-hf`` -> ``Llama-2-7b``."""
+    return name.removeprefix("Meta-").removesuffix("-hf")
+
+
+def validate_table(summary: list[dict[str, Any]]) -> Table:
+    """Per GPU, model and token class: measured vs predicted layer matmuls
+    (medians; errors ``predicted / measured - 1``)."""
+    t = Table(title="A layer's matmuls: cost model vs measured (Vidur), every row")
+    for col in ("GPU", "model", "tokens", "rows", "meas. ms", "pred. ms", "error", "|err| cal."):
+        t.add_column(
+            col,
+            justify="left" if col in ("GPU", "model", "tokens") else "right",
+            no_wrap=col == "model",
+            min_width=11 if col == "model" else None,
+        )
+    for d in summary:
+        t.add_row(
+            str(d["gpu"]),
+            _short_model(str(d["model"])),
+            str(d["tokens"]),
+            f"{d['rows']}",
+            f"{1e3 * float(d['measured_median_s']):.3f}",
+            f"{1e3 * float(d['default_median_s']):.3f}",
+            f"{100 * float(d['default_median_signed']):+.1f}%",
+            f"{100 * float(d['fitted_median_abs']):.1f}%",
+        )
+    t.caption = (
+        "medians per group; pred. and error (pred. / meas. - 1): the catalog's defaults, "
+        "what the simulator uses; cal.: the smooth-knee calibration"
+    )
+    return t
+
+
+def _plot_checks(checks: list[RowCheck], path: Path) -> Path:
+    """Predicted vs measured, log-log, one panel per GPU: defaults and calibrated."""
+    from matplotlib.figure import Figure
+
+    from fleetserve.metrics.plots import save_png
+
+    gpus = sorted({c.gpu for c in checks})
+    fig = Figure(figsize=(5.5 * len(gpus), 5.0), layout="constrained")
+    axes = fig.subplots(1, len(gpus), squeeze=False)[0]
+    for ax, g in zip(axes, gpus, strict=True):
+        cs = [c for c in checks if c.gpu == g]
+        meas = [1e3 * c.measured_s for c in cs]
+        ax.scatter(meas, [1e3 * c.default_s for c in cs], s=4, alpha=0.4, label="defaults")
+        ax.scatter(meas, [1e3 * c.fitted_s for c in cs], s=4, alpha=0.4, label="calibrated")
+        lo, hi = min(meas), max(meas)
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured, ms (Vidur)")
+        ax.set_ylabel("predicted, ms (roofline)")
+        ax.set_title(f"{g}: a layer's four matmuls, {len(cs)} rows")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper left", markerscale=3)
+    return save_png(fig, path)
+
+
+def cmd_validate(args: argparse.Namespace, console: Console) -> int:
+    """``fleetserve validate``: every profile row, predicted vs measured."""
+    root, files = _profiles(args)
+    default = (DEFAULT_PARAMS.compute_eff, DEFAULT_PARAMS.mem_eff)
+    checks: list[RowCheck] = []
+    for name, paths in files.items():
+        rows = load_all(paths)
+        gpu = get_gpu(VIDUR_GPUS[name])
+        fit = fit_efficiencies(name, rows, gpu, default)
+        checks.extend(check_rows(name, rows, gpu, default, fit))
+    summary = summarize_checks(checks)
+    console.print(validate_table(summary))
+    console.print(
+        f"{len(checks):,} rows from {root}; 'defaults' is the catalog's roofline "
+        f"(compute_eff {default[0]:g}, mem_eff {default[1]:g}), what the simulator uses; "
+        "'calibrated' is the smooth-knee fit of `fleetserve calibrate` (every row here, "
+        "held-out or not; held-out errors: `fleetserve calibrate`). Attention kernels are "
+        "not in these profiles.",
+        highlight=False,
+    )
+    if args.out is not None:
+        from fleetserve.experiments.report_common import write_csv
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows_out = [
+            {
+                **dataclasses.asdict(c),
+                "default_error": c.default_error,
+                "fitted_error": c.fitted_error,
+            }
+            for c in checks
+        ]
+        write_csv(out / "rows.csv", rows_out, ROW_COLUMNS)
+        (out / "summary.json").write_text(
+            json.dumps({"source": str(root), "groups": summary}, indent=2) + "\n"
+        )
+        _plot_checks(checks, out / "validate.png")
+        console.print(f"written: {out}/rows.csv, summary.json, validate.png", highlight=False)
+    return 0
+
+
+def add_validate_parser(sub: Any) -> None:
+    """The ``validate`` subcommand."""
+    p = sub.add_parser(
+        "validate",
+        help="every measured kernel row (Vidur's profiles) against the cost model",
+        description="Print, per GPU, model and token class, the cost model's predicted "
+        "time of a layer's matmuls against the measured one for every row of Vidur's "
+        "profiles, with the catalog's defaults and calibrated; write every row as CSV, a "
+        "summary and a predicted-vs-measured plot with --out.",
+    )
+    p.add_argument(
+        "--vidur",
+        help="profiles folder with compute/<gpu>/<model>/mlp.csv (default: the shared "
+        "data folder's profiles/)",
+    )
+    p.add_argument("--out", help="write rows.csv, summary.json and validate.png in this folder")
+    p.set_defaults(func=cmd_validate)
 
 
 def add_calibrate_parser(sub: Any) -> None:

@@ -409,3 +409,94 @@ def load_all(files: Iterable[Path]) -> list[MlpRow]:
     for f in files:
         out.extend(load_mlp_profile(f))
     return out
+
+
+def model_of(row: MlpRow) -> str:
+    """The profiled model's name: the folder holding the row's ``mlp.csv``
+    (``compute/<gpu>/<org>/<model>/mlp.csv``)."""
+    return Path(row.file).parent.name
+
+
+def token_class(tokens: int) -> str:
+    """The :data:`CLASSES` name of a row with ``tokens`` tokens."""
+    for lo, hi, name in CLASSES:
+        if lo <= tokens <= hi:
+            return name
+    raise ValueError(f"tokens must be >= 1, got {tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class RowCheck:
+    """One profiled row, measured against the cost model: the matmuls' time
+    with the catalog's default efficiencies (what the simulator uses today)
+    and with the smooth-knee fit of :func:`fit_efficiencies`."""
+
+    gpu: str
+    model: str
+    tp: int
+    tokens: int
+    token_class: str
+    held_out: bool
+    measured_s: float
+    default_s: float
+    fitted_s: float
+
+    @property
+    def default_error(self) -> float:
+        return self.default_s / self.measured_s - 1.0
+
+    @property
+    def fitted_error(self) -> float:
+        return self.fitted_s / self.measured_s - 1.0
+
+
+def check_rows(
+    name: str, rows: Sequence[MlpRow], gpu: GpuSpec, default: tuple[float, float], fit: VidurFit
+) -> list[RowCheck]:
+    """Every row of one GPU's profiles, predicted with the defaults and with ``fit``."""
+    rows = list(rows)
+    held = held_out(rows)
+    d = matmul_time(rows, gpu, *default)
+    f = matmul_time(rows, gpu, fit.knee_compute_eff, fit.knee_mem_eff, fit.knee_latency_s, fit.knee)
+    return [
+        RowCheck(
+            gpu=name,
+            model=model_of(r),
+            tp=r.tp,
+            tokens=r.tokens,
+            token_class=token_class(r.tokens).replace(" tokens", ""),
+            held_out=bool(h),
+            measured_s=r.matmul_s,
+            default_s=float(ds),
+            fitted_s=float(fs),
+        )
+        for r, h, ds, fs in zip(rows, held, d, f, strict=True)
+    ]
+
+
+def summarize_checks(checks: Sequence[RowCheck]) -> list[dict[str, object]]:
+    """Per (GPU, model, token class): rows, median measured and predicted time,
+    median signed and absolute error with the defaults and with the fit."""
+    groups: dict[tuple[str, str, str], list[RowCheck]] = {}
+    order = {name.replace(" tokens", ""): i for i, (_, _, name) in enumerate(CLASSES)}
+    for c in checks:
+        groups.setdefault((c.gpu, c.model, c.token_class), []).append(c)
+    out: list[dict[str, object]] = []
+    for (g, m, cls), cs in sorted(groups.items(), key=lambda kv: (*kv[0][:2], order[kv[0][2]])):
+        de = np.array([c.default_error for c in cs])
+        fe = np.array([c.fitted_error for c in cs])
+        out.append(
+            {
+                "gpu": g,
+                "model": m,
+                "tokens": cls,
+                "rows": len(cs),
+                "measured_median_s": float(np.median([c.measured_s for c in cs])),
+                "default_median_s": float(np.median([c.default_s for c in cs])),
+                "default_median_signed": float(np.median(de)),
+                "default_median_abs": float(np.median(np.abs(de))),
+                "fitted_median_signed": float(np.median(fe)),
+                "fitted_median_abs": float(np.median(np.abs(fe))),
+            }
+        )
+    return out
