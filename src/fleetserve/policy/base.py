@@ -149,6 +149,10 @@ class MigrationPolicy(Policy):
         """A planned move of ``request_id`` was aborted or dropped (the request
         stays where it was; see :mod:`fleetserve.sim.migration`)."""
 
+    def report(self) -> dict[str, Any] | None:
+        """What the policy did over the run, for ``summary.json`` (None: nothing)."""
+        return None
+
 
 DISPATCH: Registry[DispatchPolicy] = Registry("dispatch")
 MEMORY: Registry[MemoryPolicy] = Registry("memory")

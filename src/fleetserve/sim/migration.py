@@ -79,6 +79,7 @@ Modelling choices:
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -210,6 +211,7 @@ class Migrations:
         self.transit: dict[int, MigrationTask] = {}  # token moves in flight, by request id
         self.records: list[MigrationRecord] = []
         self.aborted = 0
+        self.abort_reasons: dict[str, int] = {}  # aborts by reason (ids as N)
         self.touched: list[Instance] = []
         # Told the request id of every aborted or dropped move (the simulator
         # passes MigrationPolicy.on_move_aborted).
@@ -336,7 +338,8 @@ class Migrations:
         if need <= 0:
             return True
         if not t.dst.can_reserve(need):
-            self._abort(t, f"destination {t.dst.id} has no room for {need} blocks", now, ev)
+            when = "before any KV was sent" if t.sent == 0 else "after KV was sent"
+            self._abort(t, f"destination {t.dst.id} has no room for {need} blocks, {when}", now, ev)
             return False
         _iter_end(t.dst, t.dst.reserve(need, now), ev)
         t.reserved += need
@@ -458,6 +461,8 @@ class Migrations:
     def _count_abort(self, seq: Seq, reason: str) -> None:
         seq.record.aborted_migrations += 1
         self.aborted += 1
+        key = re.sub(r"\d+", "N", reason)
+        self.abort_reasons[key] = self.abort_reasons.get(key, 0) + 1
         logger.debug("migration of request %d aborted: %s", seq.id, reason)
         self.on_abort(seq.id)
 

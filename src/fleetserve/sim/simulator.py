@@ -571,6 +571,12 @@ class Simulator:
             notes.append(note)
         if self.mig.aborted:
             notes.append(f"{self.mig.aborted} planned migrations were aborted")
+        extra: dict[str, Any] = {}
+        report = self.migration.report()
+        if report is not None:  # under the policy's name (Mell's operation counts)
+            extra[self.policy_names["migration"]] = report
+        if self.mig.abort_reasons:
+            extra["migration_aborts"] = dict(sorted(self.mig.abort_reasons.items()))
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,
@@ -583,6 +589,7 @@ class Simulator:
             sim_events=self.n_events,
             notes=notes,
             aborted_migrations=self.mig.aborted,
+            extra=extra,
         )
 
     # ------------------------------------------------------------ integrity

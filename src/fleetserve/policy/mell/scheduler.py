@@ -79,7 +79,8 @@ from fleetserve.cluster.state import ClusterState, blocks_for
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.actions import ActivateGpu, Defer, Dispatch, Migrate, ReleaseGpu
 from fleetserve.policy.base import DISPATCH, MIGRATION, DispatchPolicy, MigrationPolicy
-from fleetserve.policy.mell.packer import MellPacker, Move, OpResult
+from fleetserve.policy.mell.packer import L as L_CLASS
+from fleetserve.policy.mell.packer import MellPacker, Move, OpResult, size_class
 from fleetserve.workload.request import Request
 
 if TYPE_CHECKING:
@@ -99,6 +100,13 @@ class MellStats:
         issued_moves: ``Migrate`` actions in the plans. Without batching,
             ``issued = raw - dropped + reissued``; batching issues fewer.
         item_moves_max: the most item moves (Theorem 3's unit) of one operation.
+        moves_by_cause: ``raw_moves`` by the operation that made them:
+            ``depart``, ``allocate``, ``update: class change`` (Fig. 10's
+            Update), ``update: L growth overflow`` (Fig. 10's L -> L),
+            ``update: growth overflow, not L`` (a T/S/M request that grew
+            within its class past its GPU's capacity: Algorithm 1 calls no
+            operation for it, see :class:`MellScheduler`) and ``pool cap``
+            (an arrival allocated and departed again at the pool cap).
     """
 
     departs: int = 0
@@ -109,6 +117,7 @@ class MellStats:
     reissued_moves: int = 0
     issued_moves: int = 0
     item_moves_max: int = 0
+    moves_by_cause: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -240,7 +249,7 @@ class MellScheduler(MigrationPolicy):
         for rid in finished:
             for model, ms in self.models.items():
                 if rid in ms.packer.where:
-                    self._op(ms.packer.depart(rid), moves.setdefault(model, []), stats)
+                    self._op(ms.packer.depart(rid), moves.setdefault(model, []), stats, "depart")
                     stats.departs += 1
                     break
 
@@ -260,7 +269,14 @@ class MellScheduler(MigrationPolicy):
                 if size == p.size[seq.id]:
                     continue
                 if p.needs_update(seq.id, size):
-                    self._op(p.update(seq.id, size), moves.setdefault(view.model, []), stats)
+                    old = p.cls[seq.id]
+                    if size_class(size, p.C) != old:
+                        cause = "update: class change"
+                    elif old == L_CLASS:
+                        cause = "update: L growth overflow"
+                    else:
+                        cause = "update: growth overflow, not L"
+                    self._op(p.update(seq.id, size), moves.setdefault(view.model, []), stats, cause)
                     stats.updates += 1
                 else:
                     p.set_size(seq.id, size)
@@ -278,11 +294,11 @@ class MellScheduler(MigrationPolicy):
                 res = p.allocate(req.id, size)
                 if len(p.new_bins) > before and not self._room(state, freed):
                     # Beyond the pool cap: undo (an ordinary Depart) and keep it held.
-                    self._op(res, moves.setdefault(req.model, []), stats)
-                    self._op(p.depart(req.id), moves[req.model], stats)
+                    self._op(res, moves.setdefault(req.model, []), stats, "pool cap")
+                    self._op(p.depart(req.id), moves[req.model], stats, "pool cap")
                     self.dispatcher.arrivals = waiting[i:]
                     break
-                self._op(res, moves.setdefault(req.model, []), stats)
+                self._op(res, moves.setdefault(req.model, []), stats, "allocate")
                 stats.allocates += 1
 
         actions = self._actions(state, moves, located)
@@ -301,11 +317,28 @@ class MellScheduler(MigrationPolicy):
         return ms
 
     @staticmethod
-    def _op(res: OpResult, out: list[Move], stats: MellStats) -> None:
-        """Buffer an operation's moves."""
+    def _op(res: OpResult, out: list[Move], stats: MellStats, cause: str) -> None:
+        """Buffer an operation's moves (counted under ``cause``)."""
         out.extend(res.moves)
         stats.raw_moves += res.migrations
+        if res.migrations:
+            stats.moves_by_cause[cause] = stats.moves_by_cause.get(cause, 0) + res.migrations
         stats.item_moves_max = max(stats.item_moves_max, res.item_moves)
+
+    def report(self) -> dict[str, Any]:
+        """:class:`MellStats` (``summary.json``'s ``mell`` section)."""
+        st = self.stats
+        return {
+            "departs": st.departs,
+            "updates": st.updates,
+            "allocates": st.allocates,
+            "raw_moves": st.raw_moves,
+            "dropped_moves": st.dropped_moves,
+            "reissued_moves": st.reissued_moves,
+            "issued_moves": st.issued_moves,
+            "item_moves_max": st.item_moves_max,
+            "moves_by_cause": dict(sorted(st.moves_by_cause.items())),
+        }
 
     def _freeable(self, state: ClusterState) -> int:
         """GPUs this plan will release before it activates any: idle instances
