@@ -131,13 +131,18 @@ def empty_result() -> RunResult:
 
 
 def test_summary_requests() -> None:
-    s = summarize(make_result())
+    result = make_result()
+    result.records[0].preemptions = 2  # a finished request recomputed twice
+    result.records[7].preemptions = 1  # and an unfinished one once
+    s = summarize(result)
     assert s["requests"] == {
         "total": 8,
         "finished": 4,
         "rejected": 3,
         "unfinished": 1,
         "rejected_reasons": {"too_long": 2, "unspecified": 1},
+        "preemptions": 3,
+        "preempted": 2,
     }
 
 

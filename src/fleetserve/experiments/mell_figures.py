@@ -59,6 +59,7 @@ def _num(x: Any) -> float | None:
 def _run_row(hw: Hardware, wl: WorkloadSpec, st: StackSpec, s: Mapping[str, Any]) -> dict:
     req = s["requests"]
     gpus = s["gpus"]
+    lat = s.get("latency_s") or {}  # optional: a minimal summary (the tests') has none
     peak = gpus.get("peak")
     lb = gpus.get("lower_bound")
     capped = None
@@ -84,6 +85,10 @@ def _run_row(hw: Hardware, wl: WorkloadSpec, st: StackSpec, s: Mapping[str, Any]
         "migrations": s["migrations"]["count"],
         "migrations_per_s": _num(s["migrations"].get("per_s")),
         "kv_utilization": _num(s["kv_utilization"].get("mean")),
+        "preemptions": req.get("preemptions"),
+        "preempted": req.get("preempted"),
+        "tpot_p99_s": _num(lat.get("tpot", {}).get("p99")),
+        "ttft_p99_s": _num(lat.get("ttft", {}).get("p99")),
         "sim_wall_s": _num((s.get("sim") or {}).get("wall_s")),
     }
 

@@ -73,6 +73,10 @@ CSV_COLUMNS: tuple[str, ...] = (
     "migrations",
     "migrations_per_s",
     "kv_utilization",
+    "preemptions",
+    "preempted",
+    "tpot_p99_s",
+    "ttft_p99_s",
     "mell_saving_pct",
     "batching_reduction_pct",
     "sim_wall_s",
@@ -222,6 +226,28 @@ def render_markdown(
                     DASH
                     if r is None or r["kv_utilization"] is None
                     else f"{100 * r['kv_utilization']:.1f}%"
+                ),
+            ),
+        )
+
+        lines += [
+            "### Service quality behind the GPU counts",
+            "",
+            "P99 TPOT (ms) and requests preempted (recomputed) at least once: a stack that "
+            "admits until memory runs out and then preempts pays in latency, not in GPUs.",
+            "",
+        ]
+        lines += md_table(
+            ["workload", *stack_names],
+            _per_workload(
+                rows,
+                hw,
+                lambda r: (
+                    DASH
+                    if r is None or r.get("tpot_p99_s") is None
+                    else f"{1e3 * r['tpot_p99_s']:.0f} ms, "
+                    + _fmt(r.get("preempted"), ",")
+                    + " preempted"
                 ),
             ),
         )

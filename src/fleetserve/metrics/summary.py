@@ -12,6 +12,10 @@ between the simulator and the runtime):
   time) the finished requests that generated at least two tokens. Percentiles
   use :func:`numpy.percentile` with its default ``linear`` method. An empty set
   gives ``None`` for mean and percentiles (never NaN).
+* **Preemptions** (``requests.preemptions``, ``requests.preempted``) — the
+  recompute preemptions of every request (finished or not) and how many
+  requests were preempted at least once: the service quality a stack pays
+  when it admits until memory runs out.
 * **Normalized latency** (SeaLLM) — mean over finished requests with
   ``ideal_s > 0`` of ``e2e_s / ideal_s``.
 * **SLO attainment** at scale ``k`` (SeaLLM) — share of *all* requests that
@@ -357,7 +361,13 @@ def summarize(result: RunResult, slo_scales: Sequence[float] = DEFAULT_SLO_SCALE
         by_model.setdefault(r.model, []).append(r)
 
     summary: dict[str, Any] = {
-        "requests": {**counts, "rejected_reasons": dict(sorted(reasons.items()))},
+        "requests": {
+            **counts,
+            "rejected_reasons": dict(sorted(reasons.items())),
+            # service quality behind the GPU counts: recompute preemptions
+            "preemptions": sum(r.preemptions for r in records),
+            "preempted": sum(1 for r in records if r.preemptions),
+        },
         "latency_s": {
             "ttft": latency_stats(ttft),
             "tpot": latency_stats(tpot),
