@@ -241,12 +241,19 @@ class MellConfig:
         w_requests: weight of a GPU's request count in its priority (fewer is better).
         w_free: weight of a GPU's free KV fraction in its priority (more is better).
         w_distance: weight of being on the same node, in GPU-to-GPU priority.
+        strict_update: run ``Update`` only where Fig. 10 and Algorithm 1 do (a
+            class change, or an L-request overflowing its GPU); a T/S/M request
+            that grows within its class past its GPU's capacity then moves
+            nothing, and the instance preempts (recomputes) as vLLM does. False
+            (the default) also repairs such overflows by moving smaller requests
+            out (this implementation's extension; ``fleetserve.policy.mell``).
     """
 
     batching: bool = True
     w_requests: float = 1.0
     w_free: float = 1.0
     w_distance: float = 1.0
+    strict_update: bool = False
 
     def __post_init__(self) -> None:
         for name in ("w_requests", "w_free", "w_distance"):

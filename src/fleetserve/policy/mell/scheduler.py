@@ -107,6 +107,7 @@ class MellStats:
             within its class past its GPU's capacity: Algorithm 1 calls no
             operation for it, see :class:`MellScheduler`) and ``pool cap``
             (an arrival allocated and departed again at the pool cap).
+        strict_overflows: with ``strict_update``, such overflows only resized.
     """
 
     departs: int = 0
@@ -118,6 +119,7 @@ class MellStats:
     issued_moves: int = 0
     item_moves_max: int = 0
     moves_by_cause: dict[str, int] = field(default_factory=dict)
+    strict_overflows: int = 0
 
 
 @dataclass(slots=True)
@@ -171,6 +173,9 @@ class MellScheduler(MigrationPolicy):
         interval_s: epoch length in seconds.
         batching: request-operation batching (net the epoch's moves).
         w_requests, w_free, w_distance: the packer's priority weights.
+        strict_update: Update only on a class change or an L-request's
+            overflow (Fig. 10, Algorithm 1); a T/S/M request overflowing its
+            GPU within its class is only resized (``mell.strict_update``).
     """
 
     def __init__(
@@ -180,11 +185,13 @@ class MellScheduler(MigrationPolicy):
         w_requests: float = 1.0,
         w_free: float = 1.0,
         w_distance: float = 1.0,
+        strict_update: bool = False,
         **params: Any,
     ) -> None:
         super().__init__(**params)
         self.interval_s = interval_s
         self.batching = batching
+        self.strict_update = strict_update
         self.weights = {"w_requests": w_requests, "w_free": w_free, "w_distance": w_distance}
         self.models: dict[str, _ModelState] = {}
         self.dispatcher: MellDispatch | None = None
@@ -209,6 +216,7 @@ class MellScheduler(MigrationPolicy):
             w_requests=m.w_requests,
             w_free=m.w_free,
             w_distance=m.w_distance,
+            strict_update=m.strict_update,
         )
 
     # ------------------------------------------------------------------ hooks
@@ -276,6 +284,10 @@ class MellScheduler(MigrationPolicy):
                         cause = "update: L growth overflow"
                     else:
                         cause = "update: growth overflow, not L"
+                        if self.strict_update:  # Algorithm 1 runs no operation for it
+                            p.set_size(seq.id, size)
+                            stats.strict_overflows += 1
+                            continue
                     self._op(p.update(seq.id, size), moves.setdefault(view.model, []), stats, cause)
                     stats.updates += 1
                 else:
@@ -338,6 +350,7 @@ class MellScheduler(MigrationPolicy):
             "issued_moves": st.issued_moves,
             "item_moves_max": st.item_moves_max,
             "moves_by_cause": dict(sorted(st.moves_by_cause.items())),
+            "strict_overflows": st.strict_overflows,
         }
 
     def _freeable(self, state: ClusterState) -> int:
