@@ -49,6 +49,10 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session15.json.gz: KunServe pipelines prefill in lanes beside their decode
+# round (29 KunServe-world runs), SeaLLM's hot service changes once per run
+# (18 runs); every run gained requests.preemptions/preempted, Mell runs their
+# operation counts (issue 22; docs/reproduce-kunserve.md, reproduce-seallm.md);
 # session14.json.gz: with memory-bandwidth contention in MuxServe's groups
 # (issue 22; docs/reproduce-muxserve.md), groups' busy_fraction over their own
 # life, and the fleet grid;
@@ -60,7 +64,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session14.json.gz
+	  --check benchmarks/fingerprints/session15.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
