@@ -137,3 +137,21 @@ def test_temporal_schedulers_are_not_affected() -> None:
     """One job at a time: nothing to contend."""
     on, off = _run(3, True, "fcfs"), _run(3, False, "fcfs")
     assert [r.finish_s for r in on.records] == [r.finish_s for r in off.records]
+
+
+def test_weighted_shares_divide_by_weight_and_equal_weights_are_plain_max_min() -> None:
+    from fleetserve.sim.contention import bandwidth_shares
+
+    # equal weights: the plain division
+    assert bandwidth_shares([0.5, 0.5, 1.0], 1.0, [1.0, 1.0, 1.0]) == bandwidth_shares(
+        [0.5, 0.5, 1.0], 1.0
+    )
+    # a job of weight 3 beside one of weight 1, both wanting everything: 3/4 and 1/4
+    got = bandwidth_shares([1.0, 1.0], 1.0, [3.0, 1.0])
+    assert got == pytest.approx([0.75, 0.25])
+    # a small demand is met in full whatever its weight; the rest by weight
+    got = bandwidth_shares([0.1, 1.0, 1.0], 1.0, [1.0, 2.0, 1.0])
+    assert got == pytest.approx([0.1, 0.6, 0.3])
+    assert sum(got) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        bandwidth_shares([1.0, 1.0], 1.0, [1.0, 0.0])

@@ -399,14 +399,19 @@ def _long_prompts(n: int, prompt: int = 6000, out: int = 2) -> list[Request]:
     return _reqs([(0.0, prompt, out) for _ in range(n)])
 
 
-def test_a_pipeline_prefills_a_queue_of_long_prompts_about_as_fast_as_replicas() -> None:
-    """Compute-bound: 16 long prompts on 4 replicas vs one 4-stage pipeline.
-    The pipeline keeps 4 prefill micro-batches in flight (vLLM's virtual
-    engines), so it finishes within its launch and hop overheads of the
-    replicas, not 4x later (one prompt at a time through 4 stages)."""
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_pipeline_prefills_a_queue_of_long_prompts_about_as_fast_as_replicas(
+    stages: int,
+) -> None:
+    """Compute-bound: 16 long prompts on 4 replicas vs 4-stage (or two 2-stage)
+    pipelines. A pipeline keeps one prefill micro-batch per stage in flight
+    (vLLM's virtual engines), so it finishes within its launch and hop
+    overheads of the replicas, not k x later (one prompt at a time through k
+    stages)."""
     wl = _long_prompts(16)
     ends = {}
-    for stack, extra in (("vllm", {}), ("pipeline", {"settings": KunSettings(static_stages=4)})):
+    pipe = {"settings": KunSettings(static_stages=stages)}
+    for stack, extra in (("vllm", {}), ("pipeline", pipe)):
         sim = _sim(wl, stack, instances=4, kv_tokens=60_000, **extra)
         res = sim.run()
         assert all(r.status == "finished" for r in res.records)

@@ -35,21 +35,38 @@ from dataclasses import dataclass
 __all__ = ["BandwidthSharing", "bandwidth_shares"]
 
 _EPS = 1e-12
+_MIN_SPEED = 1e-6  # a job given (almost) nothing crawls until the next re-timing
 
 
-def bandwidth_shares(demands: Sequence[float], capacity: float = 1.0) -> list[float]:
+def bandwidth_shares(
+    demands: Sequence[float], capacity: float = 1.0, weights: Sequence[float] | None = None
+) -> list[float]:
     """Max-min fair division of ``capacity`` among ``demands`` (water-filling).
 
     Every job gets at most its demand; when the demands exceed the capacity,
-    the smallest are met in full and the rest split what is left equally.
+    the smallest are met in full and the rest split what is left equally --
+    or, with ``weights``, in proportion to their weights (weighted max-min:
+    a job whose demand per unit of weight is smallest is met first).
 
     Raises:
-        ValueError: a negative demand or capacity.
+        ValueError: a negative demand or capacity, or a weight that is not > 0.
     """
     if capacity < 0 or any(d < 0 for d in demands):
         raise ValueError(f"demands and capacity must be >= 0, got {list(demands)}, {capacity}")
     if sum(demands) <= capacity:
         return [float(d) for d in demands]
+    if weights is not None:
+        if len(weights) != len(demands) or any(not w > 0 for w in weights):
+            raise ValueError(f"weights must be > 0, one per demand, got {list(weights)}")
+        out_w = [0.0] * len(demands)
+        left = capacity
+        total = float(sum(weights))
+        for i in sorted(range(len(demands)), key=lambda i: demands[i] / weights[i]):
+            got = min(float(demands[i]), left * weights[i] / total)
+            out_w[i] = got
+            left -= got
+            total -= weights[i]
+        return out_w
     out = [0.0] * len(demands)
     left = capacity
     order = sorted(range(len(demands)), key=lambda i: demands[i])
@@ -68,6 +85,7 @@ class _Job:
     slow: float  # its speed now, as a fraction of its alone speed
     since: float  # when ``remaining`` was last brought up to date
     end: float  # the end time it was last given
+    weight: float = 1.0  # its weight in the (weighted) max-min division
 
 
 class BandwidthSharing:
@@ -90,10 +108,18 @@ class BandwidthSharing:
         """The tokens of the jobs in flight."""
         return set(self._jobs)
 
-    def add(self, token: int, now: float, alone_s: float, memory_s: float) -> None:
-        """A job starts: ``alone_s`` its time alone, ``memory_s`` its HBM traffic."""
+    def add(
+        self, token: int, now: float, alone_s: float, memory_s: float, weight: float = 1.0
+    ) -> None:
+        """A job starts: ``alone_s`` its time alone, ``memory_s`` its HBM traffic
+        (or, for a pipeline's stages, its busiest stage's busy time), ``weight``
+        its weight in the division (1: plain max-min)."""
         use = min(1.0, memory_s / alone_s) if alone_s > 0 else 0.0
-        self._jobs[token] = _Job(alone_s, use, 1.0, now, now + alone_s)
+        self._jobs[token] = _Job(alone_s, use, 1.0, now, now + alone_s, weight)
+
+    def set_weight(self, token: int, weight: float) -> None:
+        """Change job ``token``'s weight (takes effect at the next :meth:`retime`)."""
+        self._jobs[token].weight = weight
 
     def remove(self, token: int) -> None:
         """A job ended (or was cancelled)."""
@@ -123,13 +149,14 @@ class BandwidthSharing:
                 j.remaining = max(0.0, j.remaining - (now - j.since))
                 j.since = now
             return {}
-        got = bandwidth_shares(uses)
+        weights = [jobs[k].weight for k in keys]
+        got = bandwidth_shares(uses, 1.0, None if all(w == 1.0 for w in weights) else weights)
         out: dict[int, float] = {}
         for k, b in zip(keys, got, strict=True):
             j = jobs[k]
             j.remaining = max(0.0, j.remaining - (now - j.since) * j.slow)
             j.since = now
-            slow = 1.0 if j.use <= _EPS or b >= j.use - _EPS else b / j.use
+            slow = 1.0 if j.use <= _EPS or b >= j.use - _EPS else max(b / j.use, _MIN_SPEED)
             if slow != j.slow:
                 j.slow = slow
                 j.end = now + j.remaining / slow

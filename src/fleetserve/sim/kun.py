@@ -35,12 +35,15 @@ a decode round's boundary as a virtual engine takes a prompt at its own:
 not stalled by them. The jobs in flight share the stages' time: each alone
 keeps the busiest stage busy for a fraction ``busy / latency`` of its time
 (a prompt crossing 8 stages about 1/8), and while they ask for more than
-the whole stage the time is divided max-min fairly
+the whole stage the time is divided max-min fairly by weight
 (:class:`~fleetserve.sim.contention.BandwidthSharing`, re-timed at every
-start and end), so ``k`` lanes of long prompts fill the pipeline as ``k``
-replicas would, and a lone prompt no longer idles ``k - 1`` stages for its
-whole prefill. Prefilled requests join the running batch at the decode
-round's next boundary. Replicas (``k = 1``) alternate as described above.
+start and end): a lane weighs one virtual engine, the decode round the
+``k - lanes`` engines left to decode (every engine prefilling: the decodes
+all but wait, as vLLM's prefill-first engines do). So ``k`` lanes of long
+prompts fill the pipeline as ``k`` replicas would, and a lone prompt no
+longer idles ``k - 1`` stages for its whole prefill. Prefilled requests
+join the running batch at the decode round's next boundary. Replicas
+(``k = 1``) alternate as described above.
 Before this model (session 15), a pipeline's prefill was a round of its
 own, stalling every decode and leaving ``k - 1`` stages idle when one
 prompt was admitted; on a long-prompt trace (Mooncake, 12k-token prompts,
@@ -191,6 +194,7 @@ logger = logging.getLogger(__name__)
 
 IDLE, PREFILL, DECODE = 0, 1, 2
 _DECODE_JOB = 0  # a pipeline's decode round in its stage sharing (lanes are 1, 2, ...)
+_WAITING_WEIGHT = 1e-3  # the decode round's weight while every virtual engine prefills
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
 
 
@@ -1080,13 +1084,24 @@ class KunSimulator:
         exe.next_lane += 1
         exe.lanes[job] = _Lane(admitted)
         exe.stage.add(job, now, latency, busy)
+        if exe.phase == DECODE:
+            exe.stage.set_weight(_DECODE_JOB, self._decode_weight(exe))
         self._retime(exe, now, job)
+
+    @staticmethod
+    def _decode_weight(exe: Executor) -> float:
+        """The decode round's weight in the stages' division: the virtual
+        engines not prefilling (``k`` - lanes), each lane weighing one; with
+        every engine prefilling the decodes wait (vLLM's prefill-first engines)."""
+        return max(float(exe.k - len(exe.lanes)), _WAITING_WEIGHT)
 
     def _on_lane_end(self, exe: Executor, job: int, now: float) -> None:
         """A pipeline's prefill micro-batch ends: first tokens; the requests
         join the running batch at the decode round's next boundary."""
         lane = exe.lanes.pop(job)
         exe.stage.remove(job)
+        if exe.phase == DECODE:
+            exe.stage.set_weight(_DECODE_JOB, self._decode_weight(exe))
         self._retime(exe, now)
         done = set(map(id, lane.seqs))
         exe.prefill = [s for s in exe.prefill if id(s) not in done]
@@ -1215,7 +1230,7 @@ class KunSimulator:
         exe.phase = DECODE
         exe.version += 1
         if exe.k > 1:
-            exe.stage.add(_DECODE_JOB, now, t, busy)
+            exe.stage.add(_DECODE_JOB, now, t, busy, self._decode_weight(exe))
             self._retime(exe, now, _DECODE_JOB)
         else:
             self._push_iter(exe, now + t)
