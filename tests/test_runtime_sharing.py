@@ -170,6 +170,9 @@ def test_sharing_config_errors() -> None:
     # the sharing placement is the simulator's: the caller injects it
     with pytest.raises(ConfigError, match="placer="):
         plan_workers(_cfg("seallm", 2), [A, B])
+    # a tensor-parallel degree the runtime does not run is an error, never ignored
+    with pytest.raises(ConfigError, match=r"cluster\.tp is 2"):
+        plan_workers(_cfg("vllm", 2, cluster={"tp": 2}), [A, B])
 
 
 def test_example_configs_plan() -> None:

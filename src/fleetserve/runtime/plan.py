@@ -349,6 +349,11 @@ def plan_workers(
             there, see :func:`sharing_placement`).
     """
     n = config.serve.workers
+    if config.cluster.tp != 1:  # never silently ignored (issue 24)
+        raise ConfigError(
+            f"cluster.tp is {config.cluster.tp}: the runtime runs one engine per worker "
+            "(tensor parallelism is modelled by the simulator only); set cluster.tp: 1 to serve"
+        )
     if kun_only(config.policy.stack):
         # KunServe: replicas of one model on every worker (buddy groups form at runtime)
         if len(models) != 1:
