@@ -243,6 +243,14 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_vidur_arg(p: Any) -> None:
+    p.add_argument(
+        "--vidur",
+        help="profiles folder with compute/<gpu>/<model>/mlp.csv (default: the shared "
+        "data folder's profiles/)",
+    )
+
+
 def add_validate_parser(sub: Any) -> None:
     """The ``validate`` subcommand."""
     p = sub.add_parser(
@@ -253,11 +261,7 @@ def add_validate_parser(sub: Any) -> None:
         "profiles, with the catalog's defaults and calibrated; write every row as CSV, a "
         "summary and a predicted-vs-measured plot with --out.",
     )
-    p.add_argument(
-        "--vidur",
-        help="profiles folder with compute/<gpu>/<model>/mlp.csv (default: the shared "
-        "data folder's profiles/)",
-    )
+    _add_vidur_arg(p)
     p.add_argument("--out", help="write rows.csv, summary.json and validate.png in this folder")
     p.set_defaults(func=cmd_validate)
 
@@ -271,10 +275,6 @@ def add_calibrate_parser(sub: Any) -> None:
         "profiles, fit its compute and memory efficiencies and a per-kernel latency on "
         "training rows, and report the errors on held-out rows per token class.",
     )
-    p.add_argument(
-        "--vidur",
-        help="profiles folder with compute/<gpu>/<model>/mlp.csv (default: the shared "
-        "data folder's profiles/)",
-    )
+    _add_vidur_arg(p)
     p.add_argument("--out", help="write the fits and errors as JSON here")
     p.set_defaults(func=cmd_calibrate)

@@ -105,34 +105,32 @@ class PipelineCost:
         return max(lat, busy)
 
     def decode_round(
-        self, batch: int, ctx_total: float, extra_s: float = 0.0
+        self, batch: int, ctx_total: float, extra_s: float = 0.0, share: float = 1.0
     ) -> tuple[float, float]:
-        """One decode round alone: ``(round time, busiest stage's busy time)``.
+        """One decode round alone: ``(round time, busiest stage's busy time)``
+        (arguments as :meth:`decode_time`, which is its first value).
 
-        The round time is :meth:`decode_time`'s; their ratio is the share of
-        the busiest stage the round keeps busy, which
-        :class:`~fleetserve.sim.contention.BandwidthSharing` divides among the
-        jobs a pipelined executor runs at once (KunServe's simulator:
-        prefill micro-batches beside the decode round).
+        Their ratio is the share of the busiest stage the round keeps busy,
+        which :class:`~fleetserve.sim.contention.BandwidthSharing` divides
+        among the jobs a pipelined executor runs at once (KunServe's
+        simulator: prefill micro-batches beside the decode round).
         """
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if self.k == 1:
+            t = self.cost.decode_time_scalar(batch, ctx_total, share) + extra_s
+            return t, t
         m = min(self.k, batch)
         base, rem = divmod(batch, m)
-        if self.k == 1:
-            t = self.cost.decode_time_scalar(batch, ctx_total) + extra_s
-            return t, t
         # the micro-batches have two sizes at most (``rem`` of ``base + 1``
         # first, then ``base``): the module docstring's round, each size once
         cost, o, k = self.cost.decode_time_scalar, self.overhead_s, self.k
         sizes = ((base + 1, rem), (base, m - rem)) if rem else ((base, m),)
-        lat = busy = 0.0
+        lat = 0.0
         sum_c = 0.0
         first = True
         for b, count in sizes:
-            if count == 0:
-                continue
-            c = max(cost(b, ctx_total * b / batch) - o, 0.0)
+            c = max(cost(b, ctx_total * b / batch, share) - o, 0.0)
             sum_c += count * c
             path = k * o + c + (k - 1) * self.hop_time(b)
             lat = max(lat, path + extra_s if first else path)
@@ -167,16 +165,7 @@ class PipelineCost:
         (MuxServe's spatial sharing, as
         :meth:`~fleetserve.costmodel.roofline.InstanceCost.decode_time_scalar`).
         """
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        if self.k == 1:
-            return self.cost.decode_time_scalar(batch, ctx_total, share) + extra_s
-        m = min(self.k, batch)
-        base, rem = divmod(batch, m)
-        sizes = [base + (1 if j < rem else 0) for j in range(m)]
-        full = [self.cost.decode_time_scalar(b, ctx_total * b / batch, share) for b in sizes]
-        extra = [extra_s] + [0.0] * (m - 1)
-        return self._round(full, sizes, extra)
+        return self.decode_round(batch, ctx_total, extra_s, share)[0]
 
     def prefill_time(self, prompt_lens: Sequence[int], share: float = 1.0) -> float:
         """One prefill round over whole prompts (micro-batches of whole prompts)

@@ -103,6 +103,17 @@ def _per_workload(
     ]
 
 
+def _pct(r: Mapping[str, Any] | None, field: str) -> str:
+    return DASH if r is None or r[field] is None else f"{100 * r[field]:.1f}%"
+
+
+def _quality_cell(r: Mapping[str, Any] | None) -> str:
+    """P99 TPOT and requests preempted at least once."""
+    if r is None or r.get("tpot_p99_s") is None:
+        return DASH
+    return f"{1e3 * r['tpot_p99_s']:.0f} ms, {_fmt(r.get('preempted'), ',')} preempted"
+
+
 def _peak_cell(r: Mapping[str, Any] | None) -> str:
     if r is None or r["gpus_peak"] is None:
         return DASH
@@ -219,15 +230,7 @@ def render_markdown(
         lines += ["### Mean KV utilization (Fig. 14)", ""]
         lines += md_table(
             ["workload", *stack_names],
-            _per_workload(
-                rows,
-                hw,
-                lambda r: (
-                    DASH
-                    if r is None or r["kv_utilization"] is None
-                    else f"{100 * r['kv_utilization']:.1f}%"
-                ),
-            ),
+            _per_workload(rows, hw, lambda r: _pct(r, "kv_utilization")),
         )
 
         lines += [
@@ -237,20 +240,7 @@ def render_markdown(
             "admits until memory runs out and then preempts pays in latency, not in GPUs.",
             "",
         ]
-        lines += md_table(
-            ["workload", *stack_names],
-            _per_workload(
-                rows,
-                hw,
-                lambda r: (
-                    DASH
-                    if r is None or r.get("tpot_p99_s") is None
-                    else f"{1e3 * r['tpot_p99_s']:.0f} ms, "
-                    + _fmt(r.get("preempted"), ",")
-                    + " preempted"
-                ),
-            ),
-        )
+        lines += md_table(["workload", *stack_names], _per_workload(rows, hw, _quality_cell))
 
     lines += ["## What the paper reports vs what we measured", ""]
     lines += md_table(

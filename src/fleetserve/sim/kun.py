@@ -998,10 +998,7 @@ class KunSimulator:
             self._try_merges(now)
             self._try_split(exe, now)
             return
-        for s in exe.pending_attach:
-            exe.static -= s.tokens
-            exe.run(s, s.tokens)
-        exe.pending_attach.clear()
+        self._attach_pending(exe)
         draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
         if exe.waiting and not draining and not (exe.last_prefill and exe.running):
             admitted = self._admit(exe)
@@ -1028,10 +1025,7 @@ class KunSimulator:
         micro-batches start on the free lanes, then the next decode round;
         lanes run on across rounds."""
         if exe.phase == IDLE:
-            for s in exe.pending_attach:
-                exe.static -= s.tokens
-                exe.run(s, s.tokens)
-            exe.pending_attach.clear()
+            self._attach_pending(exe)
             for s in exe.prefilled:
                 n = s.need_tokens()
                 exe.static -= n
@@ -1068,8 +1062,17 @@ class KunSimulator:
         elif not exe.lanes and exe.restoring and not self.settings.live_restore:
             self._try_split(exe, now)
 
-    def _start_lane(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
-        """Start one prefill micro-batch of ``admitted`` on a pipeline."""
+    def _attach_pending(self, exe: Executor) -> None:
+        """At a boundary: requests whose KV has arrived join the running batch."""
+        for s in exe.pending_attach:
+            exe.static -= s.tokens
+            exe.run(s, s.tokens)
+        exe.pending_attach.clear()
+
+    @staticmethod
+    def _take_admitted(exe: Executor, admitted: list[KSeq]) -> list[int]:
+        """Take ``admitted`` (the head of the queue) into prefill, holding
+        their KV; the tokens each prefills."""
         for _ in admitted:
             exe.waiting.popleft()
         lens = []
@@ -1078,6 +1081,25 @@ class KunSimulator:
             exe.static += n
             s.state = "prefill"
             lens.append(n)
+        return lens
+
+    def _first_token(self, exe: Executor, s: KSeq, now: float) -> bool:
+        """``s``'s prefill ended: its first token; a request of one output
+        token finishes (its KV freed). Whether it finished."""
+        rec = s.record
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        s.last_tok_s = now
+        if s.gen + 1 < s.req.output_tokens:
+            return False
+        exe.static -= s.need_tokens()
+        s.gen = s.req.output_tokens
+        self._finish(exe, s, now)
+        return True
+
+    def _start_lane(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
+        """Start one prefill micro-batch of ``admitted`` on a pipeline."""
+        lens = self._take_admitted(exe, admitted)
         exe.prefill.extend(admitted)
         latency, busy = exe.pcost.prefill_micro_batch(lens)
         job = exe.next_lane
@@ -1106,15 +1128,7 @@ class KunSimulator:
         done = set(map(id, lane.seqs))
         exe.prefill = [s for s in exe.prefill if id(s) not in done]
         for s in lane.seqs:
-            rec = s.record
-            if rec.first_token_s is None:
-                rec.first_token_s = now
-            s.last_tok_s = now
-            if s.gen + 1 >= s.req.output_tokens:
-                exe.static -= s.need_tokens()
-                s.gen = s.req.output_tokens
-                self._finish(exe, s, now)
-            else:
+            if not self._first_token(exe, s, now):
                 exe.prefilled.append(s)
         self._schedule(exe, now)
 
@@ -1144,14 +1158,7 @@ class KunSimulator:
         return self.batching.admit(exe, exe.waiting, budget)  # type: ignore[return-value]
 
     def _start_prefill(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
-        for _ in admitted:
-            exe.waiting.popleft()
-        lens = []
-        for s in admitted:
-            n = s.need_tokens()
-            exe.static += n
-            s.state = "prefill"
-            lens.append(n)
+        lens = self._take_admitted(exe, admitted)
         exe.prefill = admitted
         exe.phase = PREFILL
         exe.version += 1
@@ -1215,10 +1222,7 @@ class KunSimulator:
         exe.inflight = B
         ctx = exe.sum_base + B * exe.steps + B
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
-        if exe.k > 1:
-            t, busy = exe.pcost.decode_round(B, ctx, extra)
-        else:
-            t = exe.pcost.decode_time(B, ctx, extra)
+        t, busy = exe.pcost.decode_round(B, ctx, extra)
         if exe.live_pieces:
             hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
             share = 1.0 - min(0.95, (hop + extra) / t)
@@ -1278,16 +1282,9 @@ class KunSimulator:
         exe.last_end = now
         if exe.phase == PREFILL:
             for s in exe.prefill:
-                n = s.need_tokens()
-                exe.static -= n
-                rec = s.record
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
-                s.last_tok_s = now
-                if s.gen + 1 >= s.req.output_tokens:
-                    s.gen = s.req.output_tokens
-                    self._finish(exe, s, now)
-                else:
+                if not self._first_token(exe, s, now):
+                    n = s.need_tokens()
+                    exe.static -= n
                     exe.run(s, n)
             exe.prefill = []
         else:
