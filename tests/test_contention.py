@@ -124,7 +124,9 @@ def test_concurrent_decodes_share_the_memory_bandwidth(k: int) -> None:
     assert all(r.status == "finished" for r in on.records)
     cm = CostModel().bind(MODEL, get_gpu("a100-80gb"), 1)
     use = cm.decode_memory_s(1, 200.0) / cm.decode_time_scalar(1, 200.0)
-    assert use > 0.8  # the premise: a batch-1 decode is memory-bound
+    # the premise: a batch-1 decode is mostly HBM traffic (the rest: the step
+    # overhead and the kernels' fixed latencies, ~30 % on the calibrated A100)
+    assert use > 0.6
     for r_off, r_on in zip(off.records, on.records, strict=True):
         assert r_on.finish_s is not None and r_off.finish_s is not None
         assert r_on.finish_s > r_off.finish_s

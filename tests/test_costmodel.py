@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetserve.costmodel import (
+    A100_PARAMS,
     DEFAULT_PARAMS,
+    H100_PARAMS,
     Calibration,
     CostModel,
     EfficiencyParams,
@@ -24,6 +26,7 @@ from fleetserve.costmodel import (
     ProfileRow,
     calibrate,
     fit,
+    gpu_params,
     host_link,
     intra_node_link,
     load_profile,
@@ -36,7 +39,7 @@ from fleetserve.costmodel import (
 )
 from fleetserve.errors import ConfigError, InputError
 from fleetserve.spec import get_gpu, get_model
-from fleetserve.spec.types import GpuSpec, ModelSpec
+from fleetserve.spec.types import ArenaLayout, GpuSpec, ModelSpec
 
 # Inline copies of two catalog entries, so the formulas are checked against shapes
 # stated here and not only against whatever the catalog holds.
@@ -109,8 +112,9 @@ def test_raw_coefficients_match_hand_computation() -> None:
 
 
 def test_prefill_formula_single_prompt() -> None:
+    """The legacy form (no ``matmul_knee``): one roofline ``max`` over every term."""
     p = DEFAULT_PARAMS
-    c = bind(LLAMA2_7B, A100_40GB)
+    c = CostModel(p).bind(LLAMA2_7B, A100_40GB)
     raw = c.raw
     n = 1000
     compute = (n * raw.tok_flop_s + raw.logit_flop_s) / p.compute_eff + (
@@ -118,6 +122,134 @@ def test_prefill_formula_single_prompt() -> None:
     )
     memory = (raw.weight_mem_s + n * raw.kv_mem_s) / p.mem_eff
     assert c.prefill_time([n]) == pytest.approx(p.overhead_s + max(compute, memory), rel=1e-12)
+
+
+def _knee(c: float, m: float, q: float) -> float:
+    return float((c**q + m**q) ** (1.0 / q))
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_per_operation_form_by_hand(tp: int) -> None:
+    """The per-operation form (the catalog's defaults): linear layers on a smooth
+    knee (body and lm_head apart) plus kernel latencies, element-wise traffic,
+    and attention as its own roofline per kernel, computed by hand."""
+    p = A100_PARAMS
+    m = get_model("llama-2-70b")
+    c = CostModel().bind(m, A100_40GB, tp)
+    assert c.params is p  # the catalog's default for an A100
+    raw, q, layers = c.raw, p.matmul_knee or 0.0, 80
+    assert raw.layers == layers and raw.n_matmul_kernels == 4 * layers + 1
+    fixed = p.overhead_s + (4 * layers + 1) * p.kernel_latency_s + layers * p.elementwise_latency_s
+    if tp > 1:
+        fixed += 2 * layers * p.allreduce_latency_s
+    act = layers * m.hidden_size * m.dtype_bytes / A100_40GB.hbm_bw
+    elem = act * (p.elementwise_rep + p.elementwise_shard / tp) / p.mem_eff
+    head_m = raw.head_mem_s / p.mem_eff
+    body_m = raw.weight_mem_s / p.mem_eff - head_m
+    kv_m = raw.kv_mem_s / p.kv_memory_eff
+    comm = raw.comm_tok_s / p.allreduce_eff
+    lat_a = layers * p.attn_latency_s
+
+    def linear(tokens: float, logits: float) -> float:
+        return (
+            _knee(tokens * raw.tok_flop_s / p.compute_eff, body_m, q)
+            + _knee(logits * raw.logit_flop_s / p.compute_eff, head_m, q)
+            + tokens * elem
+        )
+
+    n = 1000
+    pairs = p.attn_causal_factor * n * (n + 1) / 2 + p.attn_query_waste * n
+    attn = lat_a + max(pairs * raw.pair_flop_s / p.attn_eff, n * kv_m)
+    want = fixed + n * comm + linear(n, 1) + attn
+    assert c.prefill_time([n]) == pytest.approx(want, rel=1e-12)
+    # a decode batch: its attention reads the context and writes the new tokens' KV
+    b, x = 16, 16 * 900
+    dec = lat_a + max(x * raw.pair_flop_s / p.attn_eff, (x + b) * kv_m)
+    want_d = fixed + b * comm + linear(b, b) + dec
+    assert c.decode_time_scalar(b, x) == pytest.approx(want_d, rel=1e-12)
+    assert c.decode_time(b, np.array([x]))[0] == pytest.approx(want_d, rel=1e-12)
+    # a chunk of 256 over 3000 cached tokens beside that decode batch: two attention kernels
+    rect, tri = 256 * 3000, 256 * 257 / 2
+    chunk = lat_a + max(
+        (rect + p.attn_causal_factor * tri + p.attn_query_waste * 256)
+        * raw.pair_flop_s
+        / p.attn_eff,
+        (3000 + 256) * kv_m,
+    )
+    want_m = fixed + (256 + b) * comm + linear(256 + b, 1 + b) + chunk + dec
+    assert c.mixed_time([(256, 3000)], b, x) == pytest.approx(want_m, rel=1e-12)
+
+
+def test_smooth_knee_limits() -> None:
+    """``q = 1`` adds the compute and memory terms; a large ``q`` tends to their max
+    (the legacy form's); in between the knee is slower than the max, by at most
+    ``2^(1/q)`` where the two terms are equal."""
+    m, g = get_model("llama-2-7b"), get_gpu("a100-80gb")
+    base = replace(A100_PARAMS, kernel_latency_s=0.0, elementwise_latency_s=0.0)
+    base = replace(base, elementwise_rep=0.0, elementwise_shard=0.0)
+    raw, p = CostModel(base).bind(m, g).raw, base
+    for b in (1.0, 136.0, 4096.0):
+        c = b * raw.tok_flop_s / p.compute_eff
+        mm = (raw.weight_mem_s - raw.head_mem_s) / p.mem_eff
+        ch, mh = b * raw.logit_flop_s / p.compute_eff, raw.head_mem_s / p.mem_eff
+        assert CostModel(replace(base, matmul_knee=1.0)).bind(m, g)._linear(b, b) == (
+            pytest.approx(c + mm + ch + mh, rel=1e-12)
+        )
+        big = CostModel(replace(base, matmul_knee=64.0)).bind(m, g)._linear(b, b)
+        assert big == pytest.approx(max(c, mm) + max(ch, mh), rel=0.03)
+        mid = CostModel(replace(base, matmul_knee=1.5)).bind(m, g)._linear(b, b)
+        assert max(c, mm) + max(ch, mh) <= mid <= 2 ** (1 / 1.5) * (max(c, mm) + max(ch, mh))
+
+
+def test_catalog_defaults_per_gpu() -> None:
+    """Measured GPU families get their fits, GPUs without measurements the A100's,
+    emulated GPUs (runtime workers) the legacy defaults; an explicit parameter set
+    or a calibration wins over both."""
+    m = get_model("llama-2-7b")
+    for gpu, want in (
+        ("a100-40gb", A100_PARAMS),
+        ("a100-80gb", A100_PARAMS),
+        ("a800-80gb", A100_PARAMS),
+        ("h100-80gb", H100_PARAMS),
+        ("h200-141gb", H100_PARAMS),
+        ("l4-24gb", A100_PARAMS),
+    ):
+        assert CostModel().bind(m, get_gpu(gpu)).params is want
+        assert gpu_params(get_gpu(gpu)) is want
+    assert CostModel(DEFAULT_PARAMS).bind(m, get_gpu("h100-80gb")).params is DEFAULT_PARAMS
+    emulated = replace(get_gpu("a100-80gb"), arena=ArenaLayout(elem_bytes=4, block_size=16))
+    assert gpu_params(emulated) is DEFAULT_PARAMS
+    for p in (A100_PARAMS, H100_PARAMS):
+        assert EfficiencyParams.from_dict(p.to_dict()) == p
+        assert p.per_operation
+    assert set(DEFAULT_PARAMS.to_dict()) == {
+        "compute_eff",
+        "mem_eff",
+        "overhead_s",
+        "allreduce_eff",
+        "attn_eff",
+        "allreduce_latency_s",
+    }  # the legacy dict, as before the per-operation fields existed
+
+
+def test_per_operation_fields_need_the_knee() -> None:
+    for bad in (
+        {"kernel_latency_s": 1e-6},
+        {"elementwise_rep": 2.0},
+        {"kv_mem_eff": 0.7},
+        {"attn_causal_factor": 1.5},
+        {"attn_latency_s": 1e-6},
+    ):
+        with pytest.raises(ConfigError, match="matmul_knee"):
+            EfficiencyParams(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="matmul_knee must be >= 1"):
+        EfficiencyParams(matmul_knee=0.5)
+    with pytest.raises(ConfigError, match="attn_causal_factor"):
+        EfficiencyParams(matmul_knee=1.5, attn_causal_factor=2.5)
+    with pytest.raises(ConfigError, match="kernel_latency_s"):
+        EfficiencyParams(matmul_knee=1.5, kernel_latency_s=-1.0)
+    with pytest.raises(ConfigError, match="kv_mem_eff"):
+        EfficiencyParams(matmul_knee=1.5, kv_mem_eff=0.0)
 
 
 def test_empty_iterations_cost_nothing(cost: InstanceCost) -> None:
@@ -368,7 +500,7 @@ def test_faster_gpu_is_faster() -> None:
 
 
 def test_decode_batch_one_is_memory_bound_and_large_prefill_compute_bound() -> None:
-    c = bind("llama-2-7b", "a100-40gb")
+    c = CostModel(DEFAULT_PARAMS).bind(get_model("llama-2-7b"), get_gpu("a100-40gb"))
     raw, p = c.raw, c.params
     mem_only = p.overhead_s + (raw.weight_mem_s + 1001 * raw.kv_mem_s) / p.mem_eff
     assert c.decode_time(1, np.array([1000]))[0] == pytest.approx(mem_only, rel=1e-12)
@@ -565,7 +697,7 @@ def test_profile_csv_round_trip_and_calibration(tmp_path: Path) -> None:
 
     model = CostModel(calibration=loaded)
     assert model.bind(m7, g, 1).params == fitted
-    assert model.bind(m7, g, 2).params == DEFAULT_PARAMS  # not calibrated: defaults
+    assert model.bind(m7, g, 2).params == gpu_params(g)  # not calibrated: defaults
     # after calibration the predictions match the profile rows
     assert np.max(np.abs(relative_errors(model.bind(m7, g, 1), rows[: len(rows) // 2]))) < 1e-6
 
@@ -747,7 +879,9 @@ def test_compute_share_stretches_only_the_compute_bound_term(cost: InstanceCost)
     # a batch-1 decode with a short context is memory-bound (weights streamed)
     d_full = cost.decode_time_scalar(1, 128.0)
     assert cost.decode_time_scalar(1, 128.0, share=1.0) == d_full
-    assert cost.decode_time_scalar(1, 128.0, share=0.5) == pytest.approx(d_full, rel=1e-9)
+    # (exactly so in the legacy max; on the smooth knee, within a fraction of a percent)
+    tol = 1e-3 if cost.params.per_operation else 1e-9
+    assert cost.decode_time_scalar(1, 128.0, share=0.5) == pytest.approx(d_full, rel=tol)
     assert d_full == pytest.approx(float(cost.decode_time(1, np.array([128.0]))[0]))
     # smaller shares never make anything faster
     for s in (0.9, 0.5, 0.2, 0.05):

@@ -293,7 +293,7 @@ def test_decode_attention_unset_changes_nothing() -> None:
     with pytest.raises(ConfigError, match="decode_attn_eff"):
         EfficiencyParams(decode_attn_eff=0.0)
     spec, gpu = get_model("llama-2-7b"), get_gpu("a100-40gb")
-    plain = CostModel().bind(spec, gpu)
+    plain = CostModel(EfficiencyParams()).bind(spec, gpu)
     same = CostModel(EfficiencyParams(decode_attn_eff=0.5)).bind(spec, gpu)  # = attn_eff
     x = np.array([100.0, 5000.0, 40000.0])
     assert np.allclose(plain.decode_time(8, x), same.decode_time(8, x), rtol=1e-12)

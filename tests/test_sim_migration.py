@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fleetserve.cluster.state import ClusterState, InstanceView, SeqView
 from fleetserve.config import SimConfig, config_from_dict
-from fleetserve.costmodel import CostModel
+from fleetserve.costmodel import DEFAULT_PARAMS, CostModel
 from fleetserve.costmodel.transfer import intra_node_link, transfer_time
 from fleetserve.metrics import summarize
 from fleetserve.metrics.records import RunResult
@@ -218,8 +218,10 @@ def fixed(n: int, **over: Any) -> SimConfig:
     return cfg(**base)
 
 
-def run_script(c: SimConfig, reqs: list[Request], script: Plan) -> tuple[RunResult, Scripted]:
-    sim = Simulator(c, reqs)
+def run_script(
+    c: SimConfig, reqs: list[Request], script: Plan, cost: CostModel | None = None
+) -> tuple[RunResult, Scripted]:
+    sim = Simulator(c, reqs, cost=cost)
     assert isinstance(sim.migration, Scripted)
     sim.migration.script = script
     return sim.run(), sim.migration
@@ -418,7 +420,9 @@ def test_abort_when_the_request_finishes_before_its_token_detach() -> None:
 def test_abort_when_the_source_preempts_the_request() -> None:
     """Two long requests fill instance 0; the later one (the preemption victim)
     starts a slow cross-node copy just before memory runs out: it is preempted
-    during the stage, the move aborts, and it recomputes on its source."""
+    during the stage, the move aborts, and it recomputes on its source. (The
+    timing is set on the legacy cost model: on the calibrated one the copy
+    completes before memory runs out.)"""
     reqs = [Request(0, MODEL, 0.0, 23000, 2000), Request(1, MODEL, 0.01, 23000, 2000)]
     c = fixed(9, policy={"stack": "bf"})
 
@@ -427,7 +431,9 @@ def test_abort_when_the_source_preempts_the_request() -> None:
         got = find(state, 1)
         return got is not None and got[1].kv_tokens > 0 and v.free_blocks <= 1
 
-    res, _ = run_script(c, reqs, when(nearly_full, [Migrate(1, 8, "kv")]))
+    res, _ = run_script(
+        c, reqs, when(nearly_full, [Migrate(1, 8, "kv")]), CostModel(DEFAULT_PARAMS)
+    )
     assert_all_finished(res)
     rec = res.records[1]
     assert rec.preemptions >= 1 and rec.aborted_migrations == 1 and rec.migrations == 0

@@ -1,10 +1,14 @@
 """``fleetserve calibrate --vidur DIR``: the cost model against measured GPU kernels.
 
 Reads Vidur's MLP kernel profiles (``compute/<gpu>/<model>/mlp.csv``), prints
-for each GPU the roofline's error on the layer matmuls with the default
+for each GPU the roofline's error on the layer matmuls with the legacy
 efficiencies and with the ones fitted on the training rows (errors on the
-held-out rows, per token class), and writes it all as JSON with ``--out``
-(:mod:`fleetserve.costmodel.vidur`).
+held-out rows, per token class), the element-wise operators' fit, and the
+attention kernels' fit (:mod:`fleetserve.costmodel.attention`: the published
+H100 figures, and a Vidur ``attention.csv`` given with ``--attention``); it
+says where a fit differs from the catalog's defaults
+(:data:`~fleetserve.costmodel.params.GPU_PARAMS`), and writes it all as JSON
+with ``--out`` (:mod:`fleetserve.costmodel.vidur`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleetserve.costmodel.params import DEFAULT_PARAMS
+from fleetserve.costmodel.attention import (
+    H100_PUBLISHED,
+    AttnFit,
+    fit_attention,
+    load_vidur_attention,
+)
+from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams, gpu_defaults
 from fleetserve.costmodel.vidur import (
     VIDUR_GPUS,
     RowCheck,
@@ -56,6 +66,57 @@ def fit_table(fits: list[VidurFit]) -> Table:
                 _cell(f.knee_errors[name]),
             )
     return t
+
+
+def attention_table(fits: list[AttnFit]) -> Table:
+    """Per GPU and kernel class, the held-out rows' median / P90 absolute and
+    median signed error: the legacy model and the fit."""
+    t = Table(title="Attention kernels vs measured: median / P90 |error|, held out")
+    for col in ("GPU", "class", "rows", "legacy", "legacy signed", "fitted", "fitted signed"):
+        t.add_column(col, justify="left" if col in ("GPU", "class") else "right")
+    for f in fits:
+        for name, d in f.errors.items():
+            d0 = f.default_errors[name]
+            t.add_row(
+                f.gpu,
+                name,
+                f"{int(d['n'])}",
+                _cell(d0),
+                f"{100 * d0['median_signed']:+.1f}%",
+                _cell(d),
+                f"{100 * d['median_signed']:+.1f}%",
+            )
+    return t
+
+
+def stale_defaults(
+    mlp: list[VidurFit], attn: list[AttnFit], catalog: dict[str, EfficiencyParams]
+) -> list[str]:
+    """Where a fit differs from the catalog's defaults by more than rounding:
+    one line per parameter (empty: the catalog holds these fits)."""
+    out = []
+
+    def check(gpu: str, name: str, fitted: float, have: float, tol: float) -> None:
+        if abs(fitted - have) > tol:
+            out.append(f"{gpu}: {name} fitted {fitted:.4g}, catalog default {have:.4g}")
+
+    for f in mlp:
+        p = catalog[f.gpu]
+        check(f.gpu, "matmul_knee", f.knee, p.matmul_knee or 0.0, 1e-9)
+        check(f.gpu, "compute_eff", f.knee_compute_eff, p.compute_eff, 0.005)
+        check(f.gpu, "mem_eff", f.knee_mem_eff, p.mem_eff, 0.005)
+        check(f.gpu, "kernel_latency_s", f.knee_latency_s, p.kernel_latency_s, 0.5e-6)
+        check(f.gpu, "elementwise_latency_s", f.elem_latency_s, p.elementwise_latency_s, 0.5e-6)
+        check(f.gpu, "elementwise_rep", f.elem_rep, p.elementwise_rep, 0.05)
+        check(f.gpu, "elementwise_shard", f.elem_shard, p.elementwise_shard, 0.05)
+    for a in attn:
+        p = catalog[a.gpu]
+        check(a.gpu, "attn_eff", a.attn_eff, p.attn_eff, 0.005)
+        check(a.gpu, "kv_mem_eff", a.kv_mem_eff, p.kv_memory_eff, 0.005)
+        check(a.gpu, "attn_latency_s", a.latency_s, p.attn_latency_s, 0.5e-6)
+        check(a.gpu, "attn_causal_factor", a.causal_factor, p.attn_causal_factor, 1e-6)
+        check(a.gpu, "attn_query_waste", a.query_waste, p.attn_query_waste, 1e-6)
+    return out
 
 
 def _shared_profiles() -> Path:
@@ -107,17 +168,47 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
             f"{f.knee_latency_s * 1e6:.2f} µs per matmul kernel",
             highlight=False,
         )
-    console.print(
-        "the fit is reported, not applied: the catalog's defaults change with the re-run "
-        "of every experiment (docs/calibration.md)",
-        highlight=False,
-    )
+        console.print(
+            f"{f.gpu} element-wise operators: {f.elem_latency_s * 1e6:.1f} µs per layer + "
+            f"{f.elem_rep:.2f} (replicated) + {f.elem_shard:.2f} / tp (sharded) hidden states "
+            f"of traffic per token and layer; a layer (matmuls + element-wise), held out: "
+            f"{_cell((f.layer_errors or {})['all'])}",
+            highlight=False,
+        )
+    attn_fits = [fit_attention("h100", list(H100_PUBLISHED), get_gpu("h100-80gb"))]
+    if args.attention is not None:
+        gpu = get_gpu(VIDUR_GPUS[args.attention_gpu])
+        attn_rows = load_vidur_attention(args.attention)
+        attn_fits.insert(0, fit_attention(args.attention_gpu, attn_rows, gpu))
+    console.print(attention_table(attn_fits))
+    for a in attn_fits:
+        console.print(
+            f"{a.gpu} attention: attn_eff {a.attn_eff:.3f}, kv_mem_eff {a.kv_mem_eff:.3f}, "
+            f"{a.latency_s * 1e6:.1f} µs per kernel, causal factor {a.causal_factor:g}, "
+            f"{a.query_waste:g} pairs of waste per query; {a.rows} rows, {a.held_out} held out",
+            highlight=False,
+        )
+    catalog = {name: gpu_defaults(VIDUR_GPUS[name]) for name in VIDUR_GPUS}
+    stale = stale_defaults(fits, attn_fits, catalog)
+    if stale:
+        console.print(
+            "[bold]the catalog's defaults (fleetserve.costmodel.params.GPU_PARAMS) differ "
+            "from these fits:[/]\n  " + "\n  ".join(stale),
+            highlight=False,
+        )
+    else:
+        console.print(
+            "the catalog's defaults (fleetserve.costmodel.params.GPU_PARAMS) are these fits",
+            highlight=False,
+        )
     if args.out is not None:
         out: dict[str, Any] = {
             "source": str(root),
             "files": {k: [str(p) for p in v] for k, v in files.items()},
             "defaults": {"compute_eff": default[0], "mem_eff": default[1]},
             "fits": [dataclasses.asdict(f) for f in fits],
+            "attention": [dataclasses.asdict(a) for a in attn_fits],
+            "stale_defaults": stale,
         }
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,10 +225,10 @@ ROW_COLUMNS = (
     "token_class",
     "held_out",
     "measured_s",
-    "default_s",
-    "fitted_s",
-    "default_error",
-    "fitted_error",
+    "legacy_s",
+    "catalog_s",
+    "legacy_error",
+    "catalog_error",
 )
 
 
@@ -150,7 +241,7 @@ def validate_table(summary: list[dict[str, Any]]) -> Table:
     """Per GPU, model and token class: measured vs predicted layer matmuls
     (medians; errors ``predicted / measured - 1``)."""
     t = Table(title="A layer's matmuls: cost model vs measured (Vidur), every row")
-    for col in ("GPU", "model", "tokens", "rows", "meas. ms", "pred. ms", "error", "|err| cal."):
+    for col in ("GPU", "model", "tokens", "rows", "meas. ms", "pred. ms", "error", "legacy"):
         t.add_column(
             col,
             justify="left" if col in ("GPU", "model", "tokens") else "right",
@@ -164,13 +255,14 @@ def validate_table(summary: list[dict[str, Any]]) -> Table:
             str(d["tokens"]),
             f"{d['rows']}",
             f"{1e3 * float(d['measured_median_s']):.3f}",
-            f"{1e3 * float(d['default_median_s']):.3f}",
-            f"{100 * float(d['default_median_signed']):+.1f}%",
-            f"{100 * float(d['fitted_median_abs']):.1f}%",
+            f"{1e3 * float(d['catalog_median_s']):.3f}",
+            f"{100 * float(d['catalog_median_signed']):+.1f}%",
+            f"{100 * float(d['legacy_median_signed']):+.1f}%",
         )
     t.caption = (
-        "medians per group; pred. and error (pred. / meas. - 1): the catalog's defaults, "
-        "what the simulator uses; cal.: the smooth-knee calibration"
+        "medians per group; pred. and error (pred. / meas. - 1): the catalog's defaults "
+        "(the per-operation form fitted to these profiles), what the simulator uses; "
+        "legacy: the single roofline max at compute 0.65 / memory 0.8, used before"
     )
     return t
 
@@ -187,8 +279,8 @@ def _plot_checks(checks: list[RowCheck], path: Path) -> Path:
     for ax, g in zip(axes, gpus, strict=True):
         cs = [c for c in checks if c.gpu == g]
         meas = [1e3 * c.measured_s for c in cs]
-        ax.scatter(meas, [1e3 * c.default_s for c in cs], s=4, alpha=0.4, label="defaults")
-        ax.scatter(meas, [1e3 * c.fitted_s for c in cs], s=4, alpha=0.4, label="calibrated")
+        ax.scatter(meas, [1e3 * c.legacy_s for c in cs], s=4, alpha=0.4, label="legacy max")
+        ax.scatter(meas, [1e3 * c.catalog_s for c in cs], s=4, alpha=0.4, label="catalog")
         lo, hi = min(meas), max(meas)
         ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="predicted = measured")
         ax.set_xscale("log")
@@ -209,16 +301,16 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
     for name, paths in files.items():
         rows = load_all(paths)
         gpu = get_gpu(VIDUR_GPUS[name])
-        fit = fit_efficiencies(name, rows, gpu, default)
-        checks.extend(check_rows(name, rows, gpu, default, fit))
+        checks.extend(check_rows(name, rows, gpu, default, gpu_defaults(gpu.name)))
     summary = summarize_checks(checks)
     console.print(validate_table(summary))
     console.print(
-        f"{len(checks):,} rows from {root}; 'defaults' is the catalog's roofline "
-        f"(compute_eff {default[0]:g}, mem_eff {default[1]:g}), what the simulator uses; "
-        "'calibrated' is the smooth-knee fit of `fleetserve calibrate` (every row here, "
-        "held-out or not; held-out errors: `fleetserve calibrate`). Attention kernels are "
-        "not in these profiles.",
+        f"{len(checks):,} rows from {root}; 'pred.' is the catalog's per-operation default "
+        "(GPU_PARAMS: the smooth knee fitted to these profiles), what the simulator uses; "
+        f"'legacy' the single roofline max (compute_eff {default[0]:g}, mem_eff "
+        f"{default[1]:g}) it used before. Every row here, held-out or not (held-out "
+        "errors: `fleetserve calibrate`). Attention kernels are not in these profiles "
+        "(`fleetserve calibrate` fits them).",
         highlight=False,
     )
     if args.out is not None:
@@ -229,8 +321,8 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> int:
         rows_out = [
             {
                 **dataclasses.asdict(c),
-                "default_error": c.default_error,
-                "fitted_error": c.fitted_error,
+                "legacy_error": c.legacy_error,
+                "catalog_error": c.catalog_error,
             }
             for c in checks
         ]
@@ -273,8 +365,22 @@ def add_calibrate_parser(sub: Any) -> None:
         help="check and fit the cost model against measured GPU kernels (Vidur's profiles)",
         description="Compare the roofline cost model with Vidur's measured MLP kernel "
         "profiles, fit its compute and memory efficiencies and a per-kernel latency on "
-        "training rows, and report the errors on held-out rows per token class.",
+        "training rows, and report the errors on held-out rows per token class; fit the "
+        "attention kernels to measured ones (published H100 figures, a Vidur "
+        "attention.csv with --attention); say where the catalog's defaults differ.",
     )
     _add_vidur_arg(p)
+    p.add_argument(
+        "--attention",
+        help="a Vidur attention.csv (e.g. microsoft/vidur e2d00e9 "
+        "data/profiling/a100/attention.csv) to fit the attention kernels of "
+        "--attention-gpu on; the published H100 figures are always fitted",
+    )
+    p.add_argument(
+        "--attention-gpu",
+        default="a100",
+        choices=sorted(VIDUR_GPUS),
+        help="the GPU the --attention file was measured on (default a100)",
+    )
     p.add_argument("--out", help="write the fits and errors as JSON here")
     p.set_defaults(func=cmd_calibrate)

@@ -31,11 +31,18 @@ from fleetserve.costmodel.calibration import (
     relative_errors,
     write_profile,
 )
-from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams
+from fleetserve.costmodel.params import (
+    A100_PARAMS,
+    DEFAULT_PARAMS,
+    GPU_PARAMS,
+    H100_PARAMS,
+    EfficiencyParams,
+)
 from fleetserve.costmodel.roofline import (
     CostModel,
     InstanceCost,
     RawCoefficients,
+    gpu_params,
     raw_coefficients,
 )
 from fleetserve.costmodel.transfer import (
@@ -47,7 +54,10 @@ from fleetserve.costmodel.transfer import (
 )
 
 __all__ = [
+    "A100_PARAMS",
     "DEFAULT_PARAMS",
+    "GPU_PARAMS",
+    "H100_PARAMS",
     "PROFILE_COLUMNS",
     "Calibration",
     "CostModel",
@@ -58,6 +68,7 @@ __all__ = [
     "RawCoefficients",
     "calibrate",
     "fit",
+    "gpu_params",
     "host_link",
     "intra_node_link",
     "load_profile",

@@ -8,8 +8,39 @@ the :class:`EfficiencyParams`. Calibration (:mod:`fleetserve.costmodel.calibrati
 fits them per (model, GPU, tensor degree) from profile measurements; the defaults
 below are used where no calibration exists.
 
-Where the defaults come from (each checked in ``tests/test_costmodel.py`` against
-the cited public measurement, within 30 %):
+Catalog GPUs: fitted to measured kernels (:data:`GPU_PARAMS`). A catalog GPU's
+default is the *per-operation form* (``matmul_knee`` set; the roofline module
+docstring) with values fitted by ``fleetserve calibrate``
+(``docs/calibration.md``), :data:`A100_PARAMS` for the A100/A800 and
+:data:`H100_PARAMS` for the H100/H200:
+
+* linear layers (``compute_eff``, ``mem_eff``, ``matmul_knee`` = 1.5,
+  ``kernel_latency_s``) and element-wise operators (``elementwise_*``): Vidur's
+  measured A100 and H100 MLP profiles (``../shared/data/profiles``; MIT), every
+  fifth token count held out: a layer's time within a median 2.9 % (A100) and
+  4.2 % (H100), no token class above 4.5 % in median;
+* attention (``attn_eff``, ``kv_mem_eff``, ``attn_latency_s``,
+  ``attn_causal_factor``, ``attn_query_waste``): on the A100 Vidur's measured
+  attention profile (microsoft/vidur e2d00e9, ``data/profiling/a100/attention.csv``:
+  FlashAttention in Sarathi-Serve, Llama-2-70B at TP 2), held-out median 8.9 %;
+  on the H100 the published figures of :mod:`fleetserve.costmodel.attention`
+  (FlashAttention-2 forward, FlashAttention-3 paper Fig. 5; FlashAttention-2
+  paged decode, onnxruntime PR 21414), 16 rows. The two sources differ in
+  kind: Vidur's A100 kernel computes the whole causal square of a prompt
+  (``attn_causal_factor`` 2), the H100 microbenchmark skips most of the masked
+  half (1.2); part of an A100-vs-H100 difference in long prompts is that.
+* GPUs measured by neither (L4, RTX 4090, V100) take the A100's values;
+  emulated GPUs (runtime workers on CPUs) keep :data:`DEFAULT_PARAMS` (the
+  single roofline ``max``), which their own calibration replaces.
+
+``overhead_s`` (CPU-side step), ``allreduce_*`` are not in those profiles and
+keep the values below. Checked against published end-to-end figures in
+``tests/test_costmodel.py`` (within 30 %), as the legacy values were.
+
+The legacy defaults, :data:`DEFAULT_PARAMS`, and where they come from (each
+checked in ``tests/test_costmodel.py`` against the cited public measurement,
+within 30 %; the simulator used them for every GPU before the calibration was
+applied):
 
 * ``compute_eff = 0.65``: TensorRT-LLM v0.5 reports a 133 ms first-token latency
   for LLaMA-7B, batch 1, 2048 input tokens, FP16 on A100 (``docs/source/performance.md``
@@ -57,7 +88,14 @@ from typing import Any
 
 from fleetserve.errors import ConfigError
 
-__all__ = ["DEFAULT_PARAMS", "EfficiencyParams"]
+__all__ = [
+    "A100_PARAMS",
+    "DEFAULT_PARAMS",
+    "GPU_PARAMS",
+    "H100_PARAMS",
+    "EfficiencyParams",
+    "gpu_defaults",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +118,28 @@ class EfficiencyParams:
             decode sequences (one new token over its cached context); None:
             ``attn_eff`` (the default, and the model's behaviour before the
             field existed).
+        decode_batch_scale: per-batch-size correction of decode iterations
+            (module docstring).
+        matmul_knee: ``q`` of the linear layers' smooth knee
+            ``(c^q + m^q)^(1/q)``; setting it selects the per-operation form
+            (:mod:`fleetserve.costmodel.roofline`); None: the single roofline
+            ``max`` (legacy).
+        kernel_latency_s: fixed time of each linear-layer kernel (per-operation
+            form; ``4 L + 1`` kernels per iteration).
+        elementwise_latency_s: fixed time of a layer's element-wise operators
+            (norms, RoPE, activation, adds) per iteration.
+        elementwise_rep: the element-wise operators' memory traffic per token
+            and layer, in hidden states (``h b`` bytes), on every GPU of the
+            tensor-parallel group; ``elementwise_shard``: the part split over it.
+        kv_mem_eff: achieved fraction of HBM bandwidth when attention streams
+            the KV cache (None: ``mem_eff``).
+        attn_latency_s: fixed time of an attention kernel (per layer; a mixed
+            iteration runs a prompt and a decode kernel).
+        attn_causal_factor: ``kappa`` in [1, 2]: a prompt's causal triangle
+            costs ``kappa n (n + 1) / 2`` pairs (1: masked tiles skipped; 2: the
+            whole square computed).
+        attn_query_waste: pairs' worth of work each prompt token pays beyond
+            its own (tile rounding, softmax rescaling).
     """
 
     compute_eff: float = 0.65
@@ -90,6 +150,15 @@ class EfficiencyParams:
     allreduce_latency_s: float = 20e-6
     decode_attn_eff: float | None = None
     decode_batch_scale: tuple[tuple[int, float], ...] | None = None
+    matmul_knee: float | None = None
+    kernel_latency_s: float = 0.0
+    elementwise_latency_s: float = 0.0
+    elementwise_rep: float = 0.0
+    elementwise_shard: float = 0.0
+    kv_mem_eff: float | None = None
+    attn_latency_s: float = 0.0
+    attn_causal_factor: float = 1.0
+    attn_query_waste: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_batch_scale is not None:
@@ -110,14 +179,62 @@ class EfficiencyParams:
         names = ["compute_eff", "mem_eff", "allreduce_eff", "attn_eff"]
         if self.decode_attn_eff is not None:
             names.append("decode_attn_eff")
+        if self.kv_mem_eff is not None:
+            names.append("kv_mem_eff")
+        if self.matmul_knee is None:
+            extra = {
+                "kernel_latency_s": self.kernel_latency_s,
+                "elementwise_latency_s": self.elementwise_latency_s,
+                "elementwise_rep": self.elementwise_rep,
+                "elementwise_shard": self.elementwise_shard,
+                "attn_latency_s": self.attn_latency_s,
+                "attn_query_waste": self.attn_query_waste,
+            }
+            if self.attn_causal_factor != 1.0:
+                extra["attn_causal_factor"] = self.attn_causal_factor
+            used = [k for k, v in extra.items() if v] + (["kv_mem_eff"] if self.kv_mem_eff else [])
+            if used:
+                raise ConfigError(
+                    f"EfficiencyParams.{', '.join(used)} belong to the per-operation form: "
+                    "set matmul_knee too (e.g. 1.5)"
+                )
+        elif not (math.isfinite(self.attn_causal_factor) and 1.0 <= self.attn_causal_factor <= 2.0):
+            raise ConfigError(
+                "EfficiencyParams.attn_causal_factor must be in [1, 2] (the share of the causal "
+                f"triangle's masked half computed, plus one), got {self.attn_causal_factor!r}"
+            )
+        elif not (math.isfinite(self.matmul_knee) and self.matmul_knee >= 1.0):
+            raise ConfigError(
+                f"EfficiencyParams.matmul_knee must be >= 1 (1 adds compute and memory time, "
+                f"larger values approach their max), got {self.matmul_knee!r}"
+            )
         for name in names:
             value = getattr(self, name)
             if not (math.isfinite(value) and 0.0 < value <= 1.0):
                 raise ConfigError(f"EfficiencyParams.{name} must be in (0, 1], got {value!r}")
-        for name in ("overhead_s", "allreduce_latency_s"):
+        for name in (
+            "overhead_s",
+            "allreduce_latency_s",
+            "kernel_latency_s",
+            "elementwise_latency_s",
+            "elementwise_rep",
+            "elementwise_shard",
+            "attn_latency_s",
+            "attn_query_waste",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise ConfigError(f"EfficiencyParams.{name} must be >= 0, got {value!r}")
+
+    @property
+    def per_operation(self) -> bool:
+        """Whether the per-operation form prices the iteration (``matmul_knee`` set)."""
+        return self.matmul_knee is not None
+
+    @property
+    def kv_memory_eff(self) -> float:
+        """The efficiency attention streams the KV cache at (``kv_mem_eff`` or ``mem_eff``)."""
+        return self.mem_eff if self.kv_mem_eff is None else self.kv_mem_eff
 
     @property
     def decode_attention_eff(self) -> float:
@@ -138,11 +255,25 @@ class EfficiencyParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The parameters as a plain ``{name: value}`` dict (JSON-ready); unset
-        extensions (``decode_attn_eff``, ``decode_batch_scale``) are left out (so
-        the dict is what it was before they existed)."""
+        extensions (``decode_attn_eff``, ``decode_batch_scale`` and the
+        per-operation form's fields) are left out (so the dict is what it was
+        before they existed)."""
         out: dict[str, Any] = asdict(self)
-        if out["decode_attn_eff"] is None:
-            del out["decode_attn_eff"]
+        for name in ("decode_attn_eff", "matmul_knee", "kv_mem_eff"):
+            if out[name] is None:
+                del out[name]
+        for name in (
+            "kernel_latency_s",
+            "elementwise_latency_s",
+            "elementwise_rep",
+            "elementwise_shard",
+            "attn_latency_s",
+            "attn_query_waste",
+        ):
+            if not out[name]:
+                del out[name]
+        if out["attn_causal_factor"] == 1.0:
+            del out["attn_causal_factor"]
         if out["decode_batch_scale"] is None:
             del out["decode_batch_scale"]
         else:
@@ -179,3 +310,62 @@ class EfficiencyParams:
 
 DEFAULT_PARAMS = EfficiencyParams()
 """The defaults documented in this module's docstring."""
+
+
+A100_PARAMS = EfficiencyParams(
+    # linear layers and element-wise operators: `fleetserve calibrate` on Vidur's
+    # A100 MLP profiles (../shared/data/profiles; docs/calibration.md)
+    compute_eff=0.725,
+    mem_eff=0.8225,
+    matmul_knee=1.5,
+    kernel_latency_s=6e-6,
+    elementwise_latency_s=17e-6,
+    elementwise_rep=7.75,
+    elementwise_shard=24.5,
+    # attention: `fleetserve calibrate --attention` on Vidur's A100 attention
+    # profile (microsoft/vidur e2d00e9, data/profiling/a100/attention.csv)
+    attn_eff=0.39,
+    kv_mem_eff=0.76,
+    attn_latency_s=15e-6,
+    attn_causal_factor=2.0,
+    attn_query_waste=256.0,
+)
+"""A100 (SXM, 40 and 80 GB) and A800: fitted to measured kernels (module docstring)."""
+
+H100_PARAMS = EfficiencyParams(
+    # linear layers and element-wise operators: Vidur's H100 MLP profiles
+    compute_eff=0.705,
+    mem_eff=0.9325,
+    matmul_knee=1.5,
+    kernel_latency_s=5e-6,
+    elementwise_latency_s=14e-6,
+    elementwise_rep=7.9,
+    elementwise_shard=22.2,
+    # attention: the published H100 figures of fleetserve.costmodel.attention
+    attn_eff=0.40,
+    kv_mem_eff=0.79,
+    attn_latency_s=17e-6,
+    attn_causal_factor=1.2,
+    attn_query_waste=128.0,
+)
+"""H100 and H200 (SXM): fitted to measured kernels (module docstring)."""
+
+GPU_PARAMS: dict[str, EfficiencyParams] = {
+    "a100-40gb": A100_PARAMS,
+    "a100-80gb": A100_PARAMS,
+    "a800-80gb": A100_PARAMS,
+    "h100-80gb": H100_PARAMS,
+    "h200-141gb": H100_PARAMS,
+}
+"""Per catalog GPU, the parameters fitted to measured kernels (module docstring);
+a GPU without measurements of its own takes :data:`A100_PARAMS` (see
+:func:`gpu_defaults`)."""
+
+
+def gpu_defaults(gpu_name: str) -> EfficiencyParams:
+    """The default parameters of a catalog GPU: its entry of :data:`GPU_PARAMS`,
+    else :data:`A100_PARAMS` (L4, RTX 4090, V100: no measured kernels here; the
+    per-operation form with the A100's fitted values is closer to measured GPU
+    kernels than the single roofline ``max``, whose knee the profiles show to be
+    25-40 % optimistic on every GPU measured)."""
+    return GPU_PARAMS.get(gpu_name, A100_PARAMS)

@@ -2,7 +2,9 @@ r"""Analytic roofline cost model: how long one serving iteration takes.
 
 An *iteration* is one forward pass of a continuous-batching engine over a batch
 that may mix prefill chunks and decode tokens. Its time on a tensor-parallel
-group of ``tp`` identical GPUs is
+group of ``tp`` identical GPUs is, in the legacy form (one roofline ``max`` over
+the whole pass: emulated GPUs and the runtime's calibrations use it; catalog GPUs
+use the per-operation form described further down)
 
 .. code-block:: text
 
@@ -65,6 +67,37 @@ then splits into prompt pairs and decode pairs. Left None (the default) the
 two are one term and every time is exactly what it was before the extension
 (the same floating-point operations in the same order).
 
+The per-operation form (``matmul_knee`` set: every catalog GPU's default).
+A forward pass runs its kernels one after another, each on its own roofline;
+measured GEMMs are slower than the ``max`` of their two terms where neither
+dominates (``docs/calibration.md``: 25-40 % between 17 and 256 tokens). So::
+
+    t = overhead_s + t_comm + t_lat + t_linear + t_elem + t_attn_prompt + t_attn_decode
+
+    t_lat     = (4 L_r + 1) kernel_latency_s + L_r elementwise_latency_s
+    t_linear  = knee(2 P_lin T / (tp F ce s), W_body / (tp B me))
+              + knee(2 V h N_logit / (tp F ce s), W_head / (tp B me))
+    knee(c, m) = (c^q + m^q)^(1/q)        q = matmul_knee (1: c + m; large: max)
+    t_elem    = T L_r h b (rep + shard / tp) / (B me)
+    t_attn_prompt = L_a attn_latency_s + max( (R_new + kappa S_tri + w T_p) 4 H d_h / (tp F ae s),
+                                              (C_p + T_p) kv_tok / (tp B kme) )
+    t_attn_decode = L_a attn_latency_s + max( X 4 H d_h / (tp F dae s),
+                                              (X + D) kv_tok / (tp B kme) )
+
+``W_body`` and ``W_head`` split ``W_stream`` into the layers and the lm_head
+(+ final norm); ``T_p`` prompt tokens over ``C_p`` cached ones make
+``R_new = sum n c`` rectangle pairs and ``S_tri = sum n (n + 1) / 2`` triangle
+pairs; ``D`` decode sequences read ``X`` KV tokens; ``s`` is the compute
+share (1 unless MuxServe-style spatial sharing); ``ae``/``dae`` = ``attn_eff``
+/ the decode attention efficiency, ``kme`` = ``kv_mem_eff``, ``kappa`` =
+``attn_causal_factor``, ``w`` = ``attn_query_waste``; an attention term is
+only paid when its kernel runs. A decode iteration is still
+``max(a_c + b_c x, a_m + b_m x)`` in its context ``x`` (the linear part is a
+constant of the batch size): :meth:`InstanceCost.decode_lines`, used by
+:meth:`InstanceCost.decode_time` and the closed form of
+:meth:`InstanceCost.ideal_times` in both forms. With ``matmul_knee`` None
+every time is exactly what it was before the form existed.
+
 The efficiency parameters and their defaults are in
 :mod:`fleetserve.costmodel.params`; calibrated values per (model, GPU, tp) come
 from :mod:`fleetserve.costmodel.calibration`.
@@ -80,7 +113,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams
+from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams, gpu_defaults
 from fleetserve.costmodel.transfer import Link, transfer_time
 from fleetserve.errors import ConfigError
 from fleetserve.spec.types import GpuSpec, ModelSpec
@@ -107,6 +140,14 @@ class RawCoefficients:
         comm_tok_s: all-reduce seconds per new token at full link bandwidth
             (0 when tp == 1).
         n_collectives: all-reduces per iteration (``2 L_r`` when tp > 1, else 0).
+        head_mem_s: the part of ``weight_mem_s`` that is the lm_head and the
+            final norm (``(V h + h) b / (tp B)``).
+        act_mem_s: seconds one GPU takes to move one token's hidden state
+            (``h b`` bytes) once per executed layer (``L_r h b / B``, not
+            divided by ``tp``): the unit of the element-wise traffic.
+        n_matmul_kernels: linear-layer kernels per iteration (``4 L_r + 1``:
+            QKV, output, MLP up/gate and down per layer, and the lm_head).
+        layers: executed layers ``L_r``.
     """
 
     tok_flop_s: float
@@ -116,6 +157,10 @@ class RawCoefficients:
     kv_mem_s: float
     comm_tok_s: float
     n_collectives: int
+    head_mem_s: float = 0.0
+    act_mem_s: float = 0.0
+    n_matmul_kernels: int = 0
+    layers: int = 0
 
 
 def _executed_layers(model: ModelSpec) -> int:
@@ -136,9 +181,8 @@ def raw_coefficients(model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> RawCoeffici
     bw = gpu.hbm_bw * tp
     lm_head = model.vocab_size * model.hidden_size
     p_lin = layers * model.params_per_layer
-    w_stream = layers * model.weight_bytes_per_layer + (lm_head + model.hidden_size) * (
-        model.dtype_bytes
-    )
+    head_bytes = (lm_head + model.hidden_size) * model.dtype_bytes
+    w_stream = layers * model.weight_bytes_per_layer + head_bytes
     q_width = model.num_heads * model.head_dim
     if tp > 1:
         ring = 2.0 * (tp - 1) / tp
@@ -155,6 +199,10 @@ def raw_coefficients(model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> RawCoeffici
         kv_mem_s=model.kv_bytes_per_token / bw,
         comm_tok_s=comm_tok,
         n_collectives=n_coll,
+        head_mem_s=head_bytes / bw,
+        act_mem_s=layers * model.hidden_size * model.dtype_bytes / gpu.hbm_bw,
+        n_matmul_kernels=4 * layers + 1,
+        layers=layers,
     )
 
 
@@ -219,9 +267,19 @@ class InstanceCost:
         "_c_tok1",
         "_comm_tok",
         "_fixed",
+        "_kappa",
+        "_lat_a",
+        "_lines",
+        "_m_body",
+        "_m_elem",
+        "_m_head",
         "_m_kv",
+        "_m_kva",
         "_m_w",
+        "_op",
+        "_q",
         "_scaled",
+        "_waste",
         "gpu",
         "model",
         "params",
@@ -251,6 +309,21 @@ class InstanceCost:
         self._comm_tok = raw.comm_tok_s / p.allreduce_eff
         self._fixed = p.overhead_s + raw.n_collectives * p.allreduce_latency_s
         self._scaled = p.decode_batch_scale is not None
+        # the per-operation form (matmul_knee set): see the module docstring
+        self._op = p.matmul_knee is not None
+        self._q = p.matmul_knee if p.matmul_knee is not None else 0.0
+        self._m_head = raw.head_mem_s / p.mem_eff
+        self._m_body = self._m_w - self._m_head
+        self._m_kva = raw.kv_mem_s / p.kv_memory_eff
+        self._m_elem = raw.act_mem_s * (p.elementwise_rep + p.elementwise_shard / tp) / p.mem_eff
+        if self._op:
+            self._fixed += (
+                raw.n_matmul_kernels * p.kernel_latency_s + raw.layers * p.elementwise_latency_s
+            )
+        self._lat_a = raw.layers * p.attn_latency_s  # one attention kernel per layer
+        self._kappa = p.attn_causal_factor
+        self._waste = p.attn_query_waste
+        self._lines: dict[int, tuple[float, float, float, float]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -285,6 +358,73 @@ class InstanceCost:
         memory = self._m_w + (kv_read + new_tokens) * self._m_kv
         return self._fixed + new_tokens * self._comm_tok + max(compute / share, memory)
 
+    def _knee(self, c: float, m: float) -> float:
+        """A linear layer's time from its compute and memory terms: ``(c^q + m^q)^(1/q)``."""
+        q = self._q
+        return float((c**q + m**q) ** (1.0 / q))
+
+    def _linear(self, tokens: float, logits: float, share: float = 1.0) -> float:
+        """Per-operation form: the linear layers' time (body and lm_head, each
+        on its own knee) plus the element-wise traffic of ``tokens`` tokens."""
+        return (
+            self._knee(tokens * self._c_tok / share, self._m_body)
+            + self._knee(logits * self._c_logit / share, self._m_head)
+            + tokens * self._m_elem
+        )
+
+    def _op_iteration(
+        self,
+        tokens: float,
+        logits: float,
+        rect: float,
+        tri: float,
+        prompt_kv: float,
+        decode_batch: float,
+        decode_ctx: float,
+        share: float,
+    ) -> float:
+        """Per-operation form of an iteration: ``tokens`` new tokens in all,
+        ``decode_batch`` of them decode tokens reading ``decode_ctx`` KV
+        tokens; the prompt chunks' query-key pairs are ``rect`` (new tokens
+        over cached ones) plus ``tri`` (the causal triangles of the new
+        tokens) over ``prompt_kv`` cached tokens. Prompt and decode attention
+        are separate kernels, each its own roofline (module docstring)."""
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"compute share must be in (0, 1], got {share}")
+        t = self._fixed + tokens * self._comm_tok + self._linear(tokens, logits, share)
+        prompt_tokens = tokens - decode_batch
+        if prompt_tokens > 0.0:
+            pairs = rect + self._kappa * tri + self._waste * prompt_tokens
+            t += self._lat_a + max(
+                pairs * self._c_pair / share, (prompt_kv + prompt_tokens) * self._m_kva
+            )
+        if decode_batch > 0.0:
+            t += self._lat_a + max(
+                decode_ctx * self._c_pair_dec / share, (decode_ctx + decode_batch) * self._m_kva
+            )
+        return t
+
+    def decode_lines(self, batch: int) -> tuple[float, float, float, float]:
+        """``(a_c, b_c, a_m, b_m)``: a decode iteration of ``batch`` sequences
+        reading ``x`` KV tokens takes ``max(a_c + b_c x, a_m + b_m x)`` (before
+        the decode batch scale). Both forms of the model have this shape; the
+        lines are computed once per batch size."""
+        lines = self._lines.get(batch)
+        if lines is None:
+            k = self._fixed + batch * self._comm_tok
+            if self._op:
+                a = k + self._linear(float(batch), float(batch)) + self._lat_a
+                lines = (a, self._c_pair_dec, a + batch * self._m_kva, self._m_kva)
+            else:  # folded exactly as before the per-operation form existed
+                lines = (
+                    batch * self._c_tok1 + k,
+                    self._c_pair_dec,
+                    self._m_w + batch * self._m_kv + k,
+                    self._m_kv,
+                )
+            self._lines[batch] = lines
+        return lines
+
     def prefill_time(
         self, prompt_lens: Sequence[int] | npt.NDArray[np.integer], share: float = 1.0
     ) -> float:
@@ -318,6 +458,9 @@ class InstanceCost:
             li = int(length)
             total += li
             pairs2 += li * (li + 1)
+        if self._op:
+            t = float(total)
+            return self._op_iteration(t, float(n), 0.0, pairs2 * 0.5, 0.0, 0.0, 0.0, share)
         return self._iteration(float(total), float(n), pairs2 * 0.5, 0.0, share)
 
     def decode_time(
@@ -336,11 +479,9 @@ class InstanceCost:
             ``decode_time(b, x[i:i+1])[0]`` bit for bit.
         """
         # constant terms folded into both lines: 5 ufunc calls in all
-        k = self._fixed + batch * self._comm_tok
-        a_c = batch * self._c_tok1 + k
-        a_m = self._m_w + batch * self._m_kv + k
+        a_c, b_c, a_m, b_m = self.decode_lines(batch)
         x = ctx_total
-        out: npt.NDArray[np.float64] = np.maximum(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
+        out: npt.NDArray[np.float64] = np.maximum(x * b_c + a_c, x * b_m + a_m)
         if self._scaled:
             out = out * self.params.decode_scale(batch)
         return out
@@ -350,16 +491,18 @@ class InstanceCost:
         ``share`` < 1 the compute term runs on that fraction of the compute
         units (see :meth:`prefill_time`)."""
         x = float(ctx_total)
-        k = self._fixed + batch * self._comm_tok
         scale = self.params.decode_scale(batch) if self._scaled else 1.0  # x * 1.0 == x
         if share != 1.0:
             if not 0.0 < share <= 1.0:
                 raise ValueError(f"compute share must be in (0, 1], got {share}")
+            if self._op:
+                b = float(batch)
+                return scale * self._op_iteration(b, b, 0.0, 0.0, 0.0, b, x, share)
+            k = self._fixed + batch * self._comm_tok
             compute = (batch * self._c_tok1 + x * self._c_pair_dec) / share
             return scale * (k + max(compute, self._m_w + batch * self._m_kv + x * self._m_kv))
-        a_c = batch * self._c_tok1 + k
-        a_m = self._m_w + batch * self._m_kv + k
-        return scale * max(x * self._c_pair_dec + a_c, x * self._m_kv + a_m)
+        a_c, b_c, a_m, b_m = self.decode_lines(batch)
+        return scale * max(x * b_c + a_c, x * b_m + a_m)
 
     # --- memory traffic (contention between concurrent jobs) ----------------
     def prefill_memory_s(self, prompt_lens: Sequence[int] | npt.NDArray[np.integer]) -> float:
@@ -370,6 +513,8 @@ class InstanceCost:
         if len(prompt_lens) == 0:
             return 0.0
         total = sum(int(x) for x in prompt_lens)
+        if self._op:
+            return self._m_w + total * (self._m_kva + self._m_elem)
         return self._m_w + total * self._m_kv
 
     def decode_memory_s(self, batch: int, ctx_total: float) -> float:
@@ -377,6 +522,9 @@ class InstanceCost:
         full memory bandwidth: weights, the KV read and the new tokens' KV (the
         decode batch scale, when calibrated, applies to it as to the time)."""
         scale = self.params.decode_scale(batch) if self._scaled else 1.0
+        if self._op:
+            kv = (batch + float(ctx_total)) * self._m_kva
+            return scale * (self._m_w + kv + batch * self._m_elem)
         return scale * (self._m_w + batch * self._m_kv + float(ctx_total) * self._m_kv)
 
     def mixed_time(
@@ -410,6 +558,19 @@ class InstanceCost:
         logits = len(chunks) + decode_batch
         if tokens == 0:
             return 0.0
+        if self._op:
+            rect = sum(int(new) * int(cached) for new, cached in chunks)
+            tri2 = sum(int(new) * (int(new) + 1) for new, _ in chunks)
+            return self._op_iteration(
+                float(tokens),
+                float(logits),
+                float(rect),
+                tri2 * 0.5,
+                float(kv_read - decode_ctx_total),
+                float(decode_batch),
+                float(decode_ctx_total),
+                share,
+            )
         dec = float(decode_ctx_total) if split else 0.0
         return self._iteration(
             float(tokens), float(logits), pairs2 * 0.5, float(kv_read), share, decode_pairs=dec
@@ -435,17 +596,22 @@ class InstanceCost:
         p = np.asarray(prompts, dtype=np.float64)
         o = np.asarray(outputs, dtype=np.float64)
         # prefill of one prompt (same formula as prefill_time([p]))
-        compute = p * self._c_tok + self._c_logit + (p * (p + 1.0) * 0.5) * self._c_pair
-        memory = self._m_w + p * self._m_kv
-        prefill = self._fixed + p * self._comm_tok + np.maximum(compute, memory)
+        pairs = p * (p + 1.0) * 0.5
+        if self._op:
+            q = self._q
+            body = ((p * self._c_tok) ** q + self._m_body**q) ** (1.0 / q)
+            weighted = self._kappa * pairs + self._waste * p
+            attn = self._lat_a + np.maximum(weighted * self._c_pair, p * self._m_kva)
+            head = self._knee(self._c_logit, self._m_head)
+            prefill = self._fixed + p * self._comm_tok + (body + head + p * self._m_elem) + attn
+        else:
+            compute = p * self._c_tok + self._c_logit + pairs * self._c_pair
+            memory = self._m_w + p * self._m_kv
+            prefill = self._fixed + p * self._comm_tok + np.maximum(compute, memory)
 
-        # decode steps x = lo..hi, t(x) = k + max(a_c + b_c x, a_m + b_m x)
-        # the batch-1 lines of decode_time, constant folded in exactly as there
-        k = self._fixed + 1 * self._comm_tok
-        a_c = 1 * self._c_tok1 + k
-        a_m = self._m_w + 1 * self._m_kv + k
-        b_c = self._c_pair_dec
-        b_m = self._m_kv
+        # decode steps x = lo..hi, t(x) = max(a_c + b_c x, a_m + b_m x): the
+        # batch-1 lines of decode_time
+        a_c, b_c, a_m, b_m = self.decode_lines(1)
         n = np.maximum(o - 1.0, 0.0)
         lo = p + 1.0
         hi = p + n  # empty range when n == 0
@@ -505,6 +671,15 @@ class InstanceCost:
         return tokens_within(self.re_prefill_time, budget_s)
 
 
+def gpu_params(gpu: GpuSpec) -> EfficiencyParams:
+    """The default parameters of ``gpu``: for an emulated GPU (a runtime
+    worker, ``gpu.arena`` set) :data:`DEFAULT_PARAMS`; for a catalog GPU the
+    values fitted to measured kernels (:func:`~fleetserve.costmodel.params.gpu_defaults`)."""
+    if gpu.arena is not None:
+        return DEFAULT_PARAMS
+    return gpu_defaults(gpu.name)
+
+
 def tokens_within(time_of: Callable[[int], float], budget_s: float) -> int:
     """The largest ``n`` with ``time_of(n) <= budget_s``, for a ``time_of``
     that grows with ``n`` (doubling, then binary search; at most ``2**40``)."""
@@ -534,16 +709,19 @@ class CostModel:
     def __init__(
         self, params: EfficiencyParams | None = None, calibration: Calibration | None = None
     ) -> None:
-        self.params = params if params is not None else DEFAULT_PARAMS
+        self.params = params
         self.calibration = calibration
 
     def params_for(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> EfficiencyParams:
-        """The calibrated parameters for (model, gpu, tp) if any, else the defaults."""
+        """The calibrated parameters for (model, gpu, tp) if any, else ``params``
+        when given, else the GPU's catalog defaults (:func:`gpu_params`)."""
         if self.calibration is not None:
             fitted = self.calibration.get(model.name, gpu.name, tp)
             if fitted is not None:
                 return fitted
-        return self.params
+        if self.params is not None:
+            return self.params
+        return gpu_params(gpu)
 
     def bind(self, model: ModelSpec, gpu: GpuSpec, tp: int = 1) -> InstanceCost:
         """Precompute the coefficients of ``model`` on ``tp`` GPUs of type ``gpu``.

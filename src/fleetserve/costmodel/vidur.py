@@ -37,9 +37,13 @@ profiles show it between 17 and 256 tokens); :func:`fit_efficiencies` also
 fits ``(c^q + m^q)^(1/q) + 4 l`` with ``q`` from :data:`KNEES` (``q = 1`` adds
 the two terms, ``q -> inf`` is the ``max``) and reports its errors too.
 
-The fit is reported, not applied: the catalog's defaults move every result
-of the simulator, so they change together with the re-run of every
-experiment (issue 22, item 3).
+Element-wise operators. :func:`fit_elementwise` fits their time as memory
+traffic plus a latency per layer, ``l_e + N h b (rep + shard / tp) / (B me)``
+(``rep`` activations' worth of bytes per token replicated on every GPU of the
+tensor-parallel group, ``shard`` split over it).
+
+Applied. The catalog's defaults (:data:`~fleetserve.costmodel.params.GPU_PARAMS`)
+are these fits, rounded; ``fleetserve calibrate`` prints any difference.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetserve.costmodel.params import EfficiencyParams
 from fleetserve.errors import InputError
 from fleetserve.spec.types import GpuSpec
 
@@ -264,6 +269,11 @@ class VidurFit:
     knee_mem_eff: float
     knee_latency_s: float
     knee_errors: dict[str, dict[str, float]]
+    elem_rep: float = 0.0
+    elem_shard: float = 0.0
+    elem_latency_s: float = 0.0
+    elem_errors: dict[str, dict[str, float]] | None = None
+    layer_errors: dict[str, dict[str, float]] | None = None
 
 
 CLASSES = ((1, 16, "1-16 tokens"), (17, 256, "17-256 tokens"), (257, 1 << 30, "257+ tokens"))
@@ -384,6 +394,10 @@ def fit_efficiencies(
     err_knee = matmul_time(test, gpu, kce, kme, klat, q) / m_test - 1.0
     total = measured + np.array([r.others_s for r in rows], dtype=np.float64)
     others = float(np.median(np.array([r.others_s for r in rows]) / total))
+    rep, shard, elat = fit_elementwise(train, gpu, kme)
+    e_test = np.array([r.others_s for r in test], dtype=np.float64)
+    e_pred = elementwise_time(test, gpu, kme, rep, shard, elat)
+    layer_pred = matmul_time(test, gpu, kce, kme, klat, q) + e_pred
     return VidurFit(
         gpu=name,
         catalog_gpu=gpu.name,
@@ -400,7 +414,61 @@ def fit_efficiencies(
         knee_mem_eff=round(kme, 4),
         knee_latency_s=klat,
         knee_errors=_error_stats(err_knee, tokens),
+        elem_rep=rep,
+        elem_shard=shard,
+        elem_latency_s=elat,
+        elem_errors=_error_stats(e_pred / e_test - 1.0, tokens),
+        layer_errors=_error_stats(layer_pred / (m_test + e_test) - 1.0, tokens),
     )
+
+
+def elementwise_time(
+    rows: Sequence[MlpRow],
+    gpu: GpuSpec,
+    mem_eff: float,
+    rep: float,
+    shard: float,
+    latency_s: float,
+) -> np.ndarray:
+    """The element-wise operators' time of each row (module docstring):
+    ``latency + N h b (rep + shard / tp) / (B me)``, seconds."""
+    n = np.array([r.tokens for r in rows], dtype=np.float64)
+    h = np.array([r.hidden for r in rows], dtype=np.float64)
+    tp = np.array([r.tp for r in rows], dtype=np.float64)
+    unit = n * h * 2.0 / (gpu.hbm_bw * mem_eff)
+    out: np.ndarray = latency_s + unit * (rep + shard / tp)
+    return out
+
+
+def fit_elementwise(
+    rows: Sequence[MlpRow], gpu: GpuSpec, mem_eff: float
+) -> tuple[float, float, float]:
+    """``(rep, shard, latency_s)`` of :func:`elementwise_time` minimising the
+    class-weighted squared relative error of the element-wise operators' time
+    over ``rows`` (linear least squares; each term kept >= 0)."""
+    rows = list(rows)
+    y = np.array([r.others_s for r in rows], dtype=np.float64)
+    if not (y > 0).all():
+        bad = next(r for r, v in zip(rows, y, strict=True) if v <= 0)
+        raise InputError(f"{bad.file}:{bad.line}: the element-wise operators' median time is 0")
+    n = np.array([r.tokens for r in rows], dtype=np.float64)
+    h = np.array([r.hidden for r in rows], dtype=np.float64)
+    tp = np.array([r.tp for r in rows], dtype=np.float64)
+    unit = n * h * 2.0 / (gpu.hbm_bw * mem_eff)
+    cols = np.stack([unit, unit / tp, np.ones_like(y)], axis=1)
+    scale = np.sqrt(_class_weights(rows)) / y
+    best: tuple[float, np.ndarray] = (math.inf, np.zeros(3))
+    for keep in ((0, 1, 2), (0, 2), (1, 2), (0, 1), (2,)):  # active sets: no negative term
+        sol, *_ = np.linalg.lstsq(cols[:, keep] * scale[:, None], y * scale, rcond=None)
+        if (sol < 0).any():
+            continue
+        x = np.zeros(3)
+        x[list(keep)] = sol
+        loss = float(np.sum(((cols @ x - y) * scale) ** 2))
+        if loss < best[0]:
+            best = (loss, x)
+    rep, shard, lat = (float(v) for v in best[1])
+    return rep, shard, lat
 
 
 def load_all(files: Iterable[Path]) -> list[MlpRow]:
@@ -428,8 +496,10 @@ def token_class(tokens: int) -> str:
 @dataclass(frozen=True, slots=True)
 class RowCheck:
     """One profiled row, measured against the cost model: the matmuls' time
-    with the catalog's default efficiencies (what the simulator uses today)
-    and with the smooth-knee fit of :func:`fit_efficiencies`."""
+    with the single roofline ``max`` at the legacy defaults (compute 0.65,
+    memory 0.8: what the simulator used before the calibration was applied)
+    and with the catalog's per-operation defaults (the GPU's entry of
+    :data:`~fleetserve.costmodel.params.GPU_PARAMS`: what it uses now)."""
 
     gpu: str
     model: str
@@ -438,26 +508,33 @@ class RowCheck:
     token_class: str
     held_out: bool
     measured_s: float
-    default_s: float
-    fitted_s: float
+    legacy_s: float
+    catalog_s: float
 
     @property
-    def default_error(self) -> float:
-        return self.default_s / self.measured_s - 1.0
+    def legacy_error(self) -> float:
+        return self.legacy_s / self.measured_s - 1.0
 
     @property
-    def fitted_error(self) -> float:
-        return self.fitted_s / self.measured_s - 1.0
+    def catalog_error(self) -> float:
+        return self.catalog_s / self.measured_s - 1.0
 
 
 def check_rows(
-    name: str, rows: Sequence[MlpRow], gpu: GpuSpec, default: tuple[float, float], fit: VidurFit
+    name: str,
+    rows: Sequence[MlpRow],
+    gpu: GpuSpec,
+    legacy: tuple[float, float],
+    params: EfficiencyParams,
 ) -> list[RowCheck]:
-    """Every row of one GPU's profiles, predicted with the defaults and with ``fit``."""
+    """Every row of one GPU's profiles, predicted with the legacy ``max`` at
+    ``legacy`` (compute, memory efficiency) and with ``params`` (per-operation
+    form: its knee, efficiencies and kernel latency)."""
     rows = list(rows)
     held = held_out(rows)
-    d = matmul_time(rows, gpu, *default)
-    f = matmul_time(rows, gpu, fit.knee_compute_eff, fit.knee_mem_eff, fit.knee_latency_s, fit.knee)
+    d = matmul_time(rows, gpu, *legacy)
+    knee = params.matmul_knee if params.matmul_knee is not None else math.inf
+    f = matmul_time(rows, gpu, params.compute_eff, params.mem_eff, params.kernel_latency_s, knee)
     return [
         RowCheck(
             gpu=name,
@@ -467,8 +544,8 @@ def check_rows(
             token_class=token_class(r.tokens).replace(" tokens", ""),
             held_out=bool(h),
             measured_s=r.matmul_s,
-            default_s=float(ds),
-            fitted_s=float(fs),
+            legacy_s=float(ds),
+            catalog_s=float(fs),
         )
         for r, h, ds, fs in zip(rows, held, d, f, strict=True)
     ]
@@ -476,15 +553,16 @@ def check_rows(
 
 def summarize_checks(checks: Sequence[RowCheck]) -> list[dict[str, object]]:
     """Per (GPU, model, token class): rows, median measured and predicted time,
-    median signed and absolute error with the defaults and with the fit."""
+    median signed and absolute error with the legacy ``max`` and with the
+    catalog's per-operation defaults."""
     groups: dict[tuple[str, str, str], list[RowCheck]] = {}
     order = {name.replace(" tokens", ""): i for i, (_, _, name) in enumerate(CLASSES)}
     for c in checks:
         groups.setdefault((c.gpu, c.model, c.token_class), []).append(c)
     out: list[dict[str, object]] = []
     for (g, m, cls), cs in sorted(groups.items(), key=lambda kv: (*kv[0][:2], order[kv[0][2]])):
-        de = np.array([c.default_error for c in cs])
-        fe = np.array([c.fitted_error for c in cs])
+        de = np.array([c.legacy_error for c in cs])
+        fe = np.array([c.catalog_error for c in cs])
         out.append(
             {
                 "gpu": g,
@@ -492,11 +570,12 @@ def summarize_checks(checks: Sequence[RowCheck]) -> list[dict[str, object]]:
                 "tokens": cls,
                 "rows": len(cs),
                 "measured_median_s": float(np.median([c.measured_s for c in cs])),
-                "default_median_s": float(np.median([c.default_s for c in cs])),
-                "default_median_signed": float(np.median(de)),
-                "default_median_abs": float(np.median(np.abs(de))),
-                "fitted_median_signed": float(np.median(fe)),
-                "fitted_median_abs": float(np.median(np.abs(fe))),
+                "legacy_median_s": float(np.median([c.legacy_s for c in cs])),
+                "legacy_median_signed": float(np.median(de)),
+                "legacy_median_abs": float(np.median(np.abs(de))),
+                "catalog_median_s": float(np.median([c.catalog_s for c in cs])),
+                "catalog_median_signed": float(np.median(fe)),
+                "catalog_median_abs": float(np.median(np.abs(fe))),
             }
         )
     return out
