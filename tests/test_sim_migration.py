@@ -824,3 +824,65 @@ def test_random_migrations_exact_with_macro_steps(
     assert fast.migrations == slow.migrations
     assert fast.timeseries == slow.timeseries
     assert fast.gpu_intervals == slow.gpu_intervals
+
+
+# ------------------------------------------------------- copies beside decoding
+
+
+def test_a_kv_copy_slows_a_memory_bound_decode_beside_it() -> None:
+    """A long request's KV moves from instance 0 to 1 (a live stage and the
+    final copy) while another request decodes on each end. With copy
+    contention (the default) an iteration planned during a copy shares the
+    HBM with it: the source's batch (the 20,000-token request and its
+    neighbour: a decode using more than ``1 - c`` of the bandwidth) runs
+    slower, and its neighbour ends later; the destination's lone 3,000-token
+    decode asks for less than ``1 - c`` and is unchanged (max-min: both fit).
+    Without it (``migration.copy_contention: false``) the copy is free for
+    both. The copy itself is link-bound: the move ends at the same time."""
+    reqs = [
+        Request(0, MODEL, 0.0, 20000, 400),
+        Request(1, MODEL, 0.0, 3000, 600),
+        Request(2, MODEL, 0.0, 3000, 600),
+    ]
+
+    def run(contention: bool) -> RunResult:
+        c = fixed(2, migration={"copy_contention": contention})
+        res, _ = run_script(c, list(reqs), when(decoding(0, 5), [Migrate(0, 1, "kv")]))
+        assert_all_finished(res)
+        return res
+
+    on, off = run(True), run(False)
+    (m_on,), (m_off,) = on.migrations, off.migrations
+    assert m_on.stages >= 1 and m_off.stages >= 1
+    src_side, dst_side = on.records[2], on.records[1]
+    assert (src_side.instance, dst_side.instance) == (0, 1)
+    gpu = get_gpu("a100-40gb")
+    link = intra_node_link(gpu)
+    c = link.bandwidth_Bps / gpu.hbm_bw
+    copy_s = cost7b().kv_transfer_time(20400, link)
+    late = src_side.finish_s - off.records[2].finish_s  # type: ignore[operator]
+    # slower, by at most a 1 / (1 - c) stretch of the copy's duration
+    assert 0 < late <= copy_s * (1 / (1 - c) - 1) * 1.01
+    assert dst_side.finish_s == off.records[1].finish_s
+    # the limiting case: without any migration nothing changes
+    plain = [Request(0, MODEL, 0.0, 3000, 600)]
+    a, _ = run_script(fixed(2, migration={"copy_contention": True}), plain, lambda *_: [])
+    b, _ = run_script(fixed(2, migration={"copy_contention": False}), plain, lambda *_: [])
+    assert [r.finish_s for r in a.records] == [r.finish_s for r in b.records]
+
+
+def test_beside_copies_limiting_cases() -> None:
+    from fleetserve.sim.contention import beside_copies
+
+    t = np.array([0.02, 0.02, 0.02, 0.02])
+    mem = np.array([0.02, 0.019, 0.01, 0.001])  # u = 1, 0.95, 0.5, 0.05
+    assert np.array_equal(beside_copies(t, mem, 0.0), t)  # no copy: the cost model's time
+    got = beside_copies(t, mem, 0.2)
+    assert got[0] == pytest.approx(0.02 / 0.8)  # memory-bound: 1 / (1 - c)
+    assert got[1] == pytest.approx(0.02 * 0.95 / 0.8)
+    assert got[2] == got[3] == 0.02  # u + c <= 1: unchanged
+    # elementwise: each element as a scalar
+    for i in range(4):
+        assert float(beside_copies(float(t[i]), float(mem[i]), 0.2)) == pytest.approx(got[i])
+    # copies asking for more than half: the iteration still gets its max-min share
+    assert float(beside_copies(1.0, 1.0, 0.9)) == pytest.approx(2.0)

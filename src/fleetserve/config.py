@@ -209,6 +209,10 @@ class MigrationConfig:
             decoding) before the final stop-and-copy is forced.
         final_blocks: live KV transfer: stop and copy once at most this many
             blocks are left to send.
+        copy_contention: a KV copy shares the HBM bandwidth of the GPUs it
+            reads and writes with their iterations
+            (:func:`fleetserve.sim.contention.beside_copies`); False: copies
+            are free for the GPUs' memory (the model before issue 22).
     """
 
     mechanism: str | None = None
@@ -217,6 +221,7 @@ class MigrationConfig:
     compute_share: float = 0.1
     max_stages: int = 8
     final_blocks: int = 1
+    copy_contention: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "epoch_s", "link_share", "compute_share", "max_stages", "final_blocks")

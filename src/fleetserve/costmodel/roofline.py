@@ -527,6 +527,34 @@ class InstanceCost:
             return scale * (self._m_w + kv + batch * self._m_elem)
         return scale * (self._m_w + batch * self._m_kv + float(ctx_total) * self._m_kv)
 
+    def decode_memory(
+        self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
+    ) -> npt.NDArray[np.float64]:
+        """:meth:`decode_memory_s` elementwise over ``ctx_total`` (same values)."""
+        scale = self.params.decode_scale(batch) if self._scaled else 1.0
+        x = np.asarray(ctx_total, dtype=np.float64)
+        if self._op:
+            out: npt.NDArray[np.float64] = scale * (
+                self._m_w + (batch + x) * self._m_kva + batch * self._m_elem
+            )
+            return out
+        out = scale * (self._m_w + batch * self._m_kv + x * self._m_kv)
+        return out
+
+    def mixed_memory_s(
+        self, chunks: Sequence[tuple[int, int]], decode_batch: int, decode_ctx_total: int
+    ) -> float:
+        """Seconds of HBM traffic of :meth:`mixed_time`'s iteration at full
+        bandwidth: the weights, the KV the chunks and the decodes read, the new
+        tokens' KV (and, per-operation form, their element-wise traffic)."""
+        tokens = decode_batch + sum(int(n) for n, _ in chunks)
+        if tokens == 0:
+            return 0.0
+        kv = decode_ctx_total + sum(int(c) for _, c in chunks) + tokens
+        if self._op:
+            return self._m_w + kv * self._m_kva + tokens * self._m_elem
+        return self._m_w + kv * self._m_kv
+
     def mixed_time(
         self,
         chunks: Sequence[tuple[int, int]],

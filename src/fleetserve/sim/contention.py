@@ -25,14 +25,52 @@ prefill (small ``u``) beside a decode barely slows it. Simplifications: a
 job's bandwidth use is spread evenly over its duration (its fixed launch and
 collective terms included), and compute is not contended beyond the shares
 (the scheduler keeps the shares' sum at most 1).
+
+KV copies beside iterations (:func:`beside_copies`). A migration's KV copy
+reads the source GPUs' HBM and writes the destination's at its link's rate
+while both keep running iterations (Llumnix's live stages, Mell's moves).
+The single-model simulator (:mod:`fleetserve.sim.migration`) keeps, per
+instance, the HBM fraction its copies in flight ask for, and an iteration
+planned while copies run is stretched by the same max-min division
+(limiting cases tested: no copy = the cost model's time; a memory-bound
+decode beside a copy at fraction ``c`` takes ``1 / (1 - c)`` as long; a
+compute-bound one is unchanged). A change of the copies re-plans the decode
+segment at the iteration in flight (that iteration keeps its time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BandwidthSharing", "bandwidth_shares"]
+import numpy as np
+
+__all__ = ["BandwidthSharing", "bandwidth_shares", "beside_copies"]
+
+
+def beside_copies(times: Any, memory_s: Any, copy_load: float) -> Any:
+    """Times of iterations that run while KV copies stream through the same
+    GPUs' memory (a migration's stages beside the decoding it serves).
+
+    An iteration alone takes ``times`` and moves ``memory_s`` seconds' worth
+    of HBM traffic (at full bandwidth), so it asks for ``u = memory_s / times``
+    of the bandwidth; the copies in flight ask for ``copy_load`` (each: its
+    link's bandwidth over the GPU's HBM bandwidth, read on the source, written
+    on the destination). Max-min division between the two (the copies lumped
+    as one job): when ``u + copy_load <= 1`` nothing changes; otherwise the
+    iteration gets ``b = max(1 - copy_load, min(u, 1/2))`` and takes
+    ``times * u / b``. The copies are link-bound and get their demand while it
+    is at most half the bandwidth (every catalog GPU: NVLink or network over
+    HBM is at most 0.19), so their transfer times are not stretched.
+    Elementwise over arrays; ``copy_load`` 0 returns ``times`` unchanged.
+    """
+    if copy_load <= 0.0:
+        return times
+    u = memory_s / times
+    b = np.maximum(1.0 - copy_load, np.minimum(u, 0.5))
+    return np.where(u + copy_load <= 1.0, times, times * u / b)
+
 
 _EPS = 1e-12
 _MIN_SPEED = 1e-6  # a job given (almost) nothing crawls until the next re-timing

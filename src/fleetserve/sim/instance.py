@@ -90,6 +90,7 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.sim.contention import beside_copies
 from fleetserve.sim.finish import FinishQueue
 
 if TYPE_CHECKING:
@@ -302,6 +303,9 @@ class Instance:
         self.mig_in = 0  # blocks reserved for incoming KV copies (part of ``used``)
         self.mig_out = 0  # blocks held for detached outgoing requests (part of ``used``)
         self.mig_refs = 0  # migrations in flight that touch this instance
+        # HBM fraction the KV copies in flight through this instance ask for
+        # (fleetserve.sim.contention.beside_copies); 0 when none
+        self.copy_load = 0.0
         self.preempted_migrating: list[Seq] = []  # preempted while migrating out
         self._logs: list[dict[int, Any]] = []  # change logs it reports to (see track)
 
@@ -428,6 +432,17 @@ class Instance:
         return None
 
     # ------------------------------------------------------------- migration
+    def add_copy_load(self, delta: float, now: float) -> float | None:
+        """A KV copy through this instance started (``delta`` > 0) or ended:
+        iterations planned from now on share the HBM with it
+        (:func:`~fleetserve.sim.contention.beside_copies`); the decode segment
+        in flight is truncated at its iteration in flight so the next boundary
+        re-plans. Returns a new iteration-end time, if any."""
+        self.copy_load += delta
+        if self.copy_load < 1e-12:
+            self.copy_load = 0.0
+        return self.truncate(now)
+
     def can_reserve(self, blocks: int) -> bool:
         """Whether ``blocks`` can be reserved for an incoming copy now without
         over-committing: free blocks as of now (the in-flight iteration's growth
@@ -558,7 +573,10 @@ class Instance:
         self._prefill = list(admitted)
         self.phase = PREFILL
         self.version += 1
-        return now + self.cost.prefill_time(lens)
+        t = self.cost.prefill_time(lens)
+        if self.copy_load:
+            t = float(beside_copies(t, self.cost.prefill_memory_s(lens), self.copy_load))
+        return now + t
 
     def _growth(self) -> tuple[list[int], int]:
         """``C`` (new blocks by residue, see the module docstring) and the first
@@ -623,7 +641,12 @@ class Instance:
         if not chunks:
             return None
         ctx = self._sum_base + B * self.steps + B
-        end = now + self.cost.mixed_time([(n, s.prefilled) for s, n in chunks], B, ctx)
+        work = [(n, s.prefilled) for s, n in chunks]
+        t_mixed = self.cost.mixed_time(work, B, ctx)
+        if self.copy_load:
+            mem = self.cost.mixed_memory_s(work, B, ctx)
+            t_mixed = float(beside_copies(t_mixed, mem, self.copy_load))
+        end = now + t_mixed
         self._chunks = chunks
         self._ends = np.array([end])
         self._n = 1
@@ -657,6 +680,8 @@ class Instance:
         ctx0 = self._sum_base + B * D
         ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
         t = self.cost.decode_time(B, ctx)
+        if self.copy_load:
+            t = beside_copies(t, self.cost.decode_memory(B, ctx), self.copy_load)
         ends = np.cumsum(np.concatenate(([now], t)))[1:]
         self._ends = ends
         self._n = n

@@ -140,6 +140,7 @@ class MigrationTask:
         "held",
         "held_tokens",
         "link",
+        "load",
         "mode",
         "phase",
         "reserved",
@@ -166,6 +167,7 @@ class MigrationTask:
         self.bytes = 0
         self.stages = 0
         self.t_detach: float | None = None
+        self.load = 0.0  # HBM fraction of its copy in flight on each end (0: none)
         self.head = False
         self.src_ref = False
         self.dst_ref = False
@@ -205,6 +207,7 @@ class Migrations:
         self.block_size = block_size
         self.intra = intra_node_link(gpu)
         self.inter = network_link(gpu)
+        self.hbm_bw = gpu.hbm_bw
         self.pending: dict[int, deque[tuple[Instance, str | None]]] = {}
         self._out: dict[int, list[MigrationTask]] = {}  # by source instance id
         self._in: dict[int, list[MigrationTask]] = {}  # by destination instance id
@@ -322,6 +325,7 @@ class Migrations:
         t.sent = done
         t.stages += 1
         t.phase = STAGE
+        self._copy_start(t, now, ev)
         ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, STAGE)))
 
     def _stop_and_copy(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
@@ -361,6 +365,7 @@ class Migrations:
         if t.phase != phase:
             return []
         ev: list[Event] = []
+        self._copy_end(t, now, ev)
         if phase == STAGE:
             self._next_stage(t, now, ev)
         elif phase == FINAL_COPY:
@@ -425,6 +430,7 @@ class Migrations:
         t.bytes += cost.kv_bytes(tokens)
         t.sent = kv
         t.phase = FINAL_COPY
+        self._copy_start(t, now, ev)
         ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, FINAL_COPY)))
 
     def _attach(self, t: MigrationTask, now: float) -> None:
@@ -448,7 +454,24 @@ class Migrations:
         t.held_tokens = 0
         self._unref(t, dst=True)
 
+    def _copy_start(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        """A KV copy of ``t`` starts: both ends' HBM serves it beside their
+        iterations (each GPU of the pair streams at the link's rate)."""
+        if not self.cfg.copy_contention:
+            return
+        t.load = t.link.bandwidth_Bps / self.hbm_bw
+        for inst in (t.src, t.dst):
+            _iter_end(inst, inst.add_copy_load(t.load, now), ev)
+
+    def _copy_end(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        """``t``'s copy in flight ended (or its move aborted): release its load."""
+        if t.load:
+            for inst in (t.src, t.dst):
+                _iter_end(inst, inst.add_copy_load(-t.load, now), ev)
+            t.load = 0.0
+
     def _abort(self, t: MigrationTask, reason: str, now: float, ev: list[Event]) -> None:
+        self._copy_end(t, now, ev)
         if t.reserved:
             _iter_end(t.dst, t.dst.unreserve(t.reserved, now), ev)
             t.reserved = 0
@@ -505,6 +528,8 @@ class Migrations:
             assert inst.mig_refs == len(out) + len(into), (iid, inst.mig_refs)
             assert inst.mig_in == sum(t.reserved for t in into), (iid, inst.mig_in)
             assert inst.mig_out == sum(t.held for t in out), (iid, inst.mig_out)
+            load = sum(t.load for t in out) + sum(t.load for t in into)
+            assert abs(inst.copy_load - load) < 1e-9, (iid, inst.copy_load, load)
             for t in out:
                 assert t.src is inst and t.seq.mig is t
                 if t.phase in (STAGE, DETACHING):
