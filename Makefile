@@ -52,7 +52,9 @@ bench-engine: $(STAMP)
 # session16.json.gz: the cost model fitted to measured kernels is every catalog
 # GPU's default (issue 22; docs/calibration.md): every run changed; the legacy
 # form (matmul_knee unset) reproduces session15.json.gz (one KunServe mean that
-# differs in its last digit between runs);
+# differs in its last digit between runs); then a migration's KV copy shares
+# the HBM with both ends' iterations (26 runs: Mell's mell, mell-nobatch and
+# llumnix, and the compare run's mell and llumnix);
 # session15.json.gz: KunServe pipelines prefill in lanes beside their decode
 # round (29 KunServe-world runs), SeaLLM's hot service changes once per run
 # (18 runs); every run gained requests.preemptions/preempted, Mell runs their
