@@ -28,6 +28,12 @@ from fleetserve.costmodel.attention import (
     fit_attention,
     load_vidur_attention,
 )
+from fleetserve.costmodel.network import (
+    NETWORK_TOPOLOGIES,
+    AllReduceFit,
+    fit_allreduce,
+    load_allreduce,
+)
 from fleetserve.costmodel.params import DEFAULT_PARAMS, EfficiencyParams, gpu_defaults
 from fleetserve.costmodel.vidur import (
     VIDUR_GPUS,
@@ -89,8 +95,31 @@ def attention_table(fits: list[AttnFit]) -> Table:
     return t
 
 
+def allreduce_table(fits: list[AllReduceFit]) -> Table:
+    """Per GPU and message size class, the held-out rows' errors: legacy and fitted."""
+    t = Table(title="Tensor-parallel all-reduce vs measured (NCCL): median / P90 |error|, held out")
+    for col in ("GPU", "size", "rows", "legacy", "legacy signed", "fitted", "fitted signed"):
+        t.add_column(col, justify="left" if col in ("GPU", "size") else "right")
+    for f in fits:
+        for name, d in f.errors.items():
+            d0 = f.legacy_errors[name]
+            t.add_row(
+                f.gpu,
+                name,
+                f"{int(d['n'])}",
+                _cell(d0),
+                f"{100 * d0['median_signed']:+.1f}%",
+                _cell(d),
+                f"{100 * d['median_signed']:+.1f}%",
+            )
+    return t
+
+
 def stale_defaults(
-    mlp: list[VidurFit], attn: list[AttnFit], catalog: dict[str, EfficiencyParams]
+    mlp: list[VidurFit],
+    attn: list[AttnFit],
+    catalog: dict[str, EfficiencyParams],
+    allreduce: list[AllReduceFit] | None = None,
 ) -> list[str]:
     """Where a fit differs from the catalog's defaults by more than rounding:
     one line per parameter (empty: the catalog holds these fits)."""
@@ -116,6 +145,10 @@ def stale_defaults(
         check(a.gpu, "attn_latency_s", a.latency_s, p.attn_latency_s, 0.5e-6)
         check(a.gpu, "attn_causal_factor", a.causal_factor, p.attn_causal_factor, 1e-6)
         check(a.gpu, "attn_query_waste", a.query_waste, p.attn_query_waste, 1e-6)
+    for r in allreduce or []:
+        p = catalog[r.gpu]
+        check(r.gpu, "allreduce_eff", r.eff, p.allreduce_eff, 0.005)
+        check(r.gpu, "allreduce_latency_s", r.latency_s, p.allreduce_latency_s, 0.5e-6)
     return out
 
 
@@ -188,8 +221,21 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
             f"{a.query_waste:g} pairs of waste per query; {a.rows} rows, {a.held_out} held out",
             highlight=False,
         )
+    ar_fits = []
+    for name, topo in NETWORK_TOPOLOGIES.items():
+        path = root / "network" / topo / "all_reduce.csv"
+        if path.is_file():
+            ar_fits.append(fit_allreduce(name, load_allreduce(path), get_gpu(VIDUR_GPUS[name])))
+    if ar_fits:
+        console.print(allreduce_table(ar_fits))
+        for r in ar_fits:
+            console.print(
+                f"{r.gpu} all-reduce: allreduce_eff {r.eff:.3f}, {r.latency_s * 1e6:.0f} µs per "
+                f"collective; {r.rows} intra-node rows, {r.held_out} held out",
+                highlight=False,
+            )
     catalog = {name: gpu_defaults(VIDUR_GPUS[name]) for name in VIDUR_GPUS}
-    stale = stale_defaults(fits, attn_fits, catalog)
+    stale = stale_defaults(fits, attn_fits, catalog, ar_fits)
     if stale:
         console.print(
             "[bold]the catalog's defaults (fleetserve.costmodel.params.GPU_PARAMS) differ "
@@ -208,6 +254,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
             "defaults": {"compute_eff": default[0], "mem_eff": default[1]},
             "fits": [dataclasses.asdict(f) for f in fits],
             "attention": [dataclasses.asdict(a) for a in attn_fits],
+            "allreduce": [dataclasses.asdict(r) for r in ar_fits],
             "stale_defaults": stale,
         }
         path = Path(args.out)

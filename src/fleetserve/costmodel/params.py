@@ -33,8 +33,15 @@ docstring) with values fitted by ``fleetserve calibrate``
   emulated GPUs (runtime workers on CPUs) keep :data:`DEFAULT_PARAMS` (the
   single roofline ``max``), which their own calibration replaces.
 
-``overhead_s`` (CPU-side step), ``allreduce_*`` are not in those profiles and
-keep the values below. Checked against published end-to-end figures in
+* the tensor-parallel all-reduce (``allreduce_eff``, ``allreduce_latency_s``):
+  Vidur's NCCL all-reduce profiles of DGX nodes (``network/{a100,h100}_dgx``,
+  intra-node rows, :mod:`fleetserve.costmodel.network`): held out, messages
+  above 1 MB within a median 11.7% (A100) and 7.1% (H100); below 1 MB the
+  profiles are bimodal (10-60 µs at one size) and no single latency fits
+  them within 35%.
+
+``overhead_s`` (the CPU-side step) is not in those profiles and keeps the
+value below. Checked against published end-to-end figures in
 ``tests/test_costmodel.py`` (within 30 %), as the legacy values were.
 
 The legacy defaults, :data:`DEFAULT_PARAMS`, and where they come from (each
@@ -329,6 +336,9 @@ A100_PARAMS = EfficiencyParams(
     attn_latency_s=15e-6,
     attn_causal_factor=2.0,
     attn_query_waste=256.0,
+    # tensor-parallel all-reduce: Vidur's a100_dgx collective profile
+    allreduce_eff=0.5,
+    allreduce_latency_s=30e-6,
 )
 """A100 (SXM, 40 and 80 GB) and A800: fitted to measured kernels (module docstring)."""
 
@@ -347,6 +357,9 @@ H100_PARAMS = EfficiencyParams(
     attn_latency_s=17e-6,
     attn_causal_factor=1.2,
     attn_query_waste=128.0,
+    # tensor-parallel all-reduce: Vidur's h100_dgx collective profile
+    allreduce_eff=0.695,
+    allreduce_latency_s=21e-6,
 )
 """H100 and H200 (SXM): fitted to measured kernels (module docstring)."""
 
