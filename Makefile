@@ -54,7 +54,8 @@ bench-engine: $(STAMP)
 # form (matmul_knee unset) reproduces session15.json.gz (one KunServe mean that
 # differs in its last digit between runs); then a migration's KV copy shares
 # the HBM with both ends' iterations (26 runs: Mell's mell, mell-nobatch and
-# llumnix, and the compare run's mell and llumnix);
+# llumnix, and the compare run's mell and llumnix); then the all-reduce fitted
+# to NCCL profiles (47 runs: every multi-LLM run of seallm, muxserve, fleet);
 # session15.json.gz: KunServe pipelines prefill in lanes beside their decode
 # round (29 KunServe-world runs), SeaLLM's hot service changes once per run
 # (18 runs); every run gained requests.preemptions/preempted, Mell runs their
