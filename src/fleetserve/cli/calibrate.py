@@ -214,6 +214,12 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         attn_rows = load_vidur_attention(args.attention)
         attn_fits.insert(0, fit_attention(args.attention_gpu, attn_rows, gpu))
     console.print(attention_table(attn_fits))
+    if args.attention is None:
+        console.print(
+            "the A100's attention defaults come from Vidur's attention.csv, not shipped: "
+            "pass --attention FILE to check them (docs/calibration.md says where to get it)",
+            highlight=False,
+        )
     for a in attn_fits:
         console.print(
             f"{a.gpu} attention: attn_eff {a.attn_eff:.3f}, kv_mem_eff {a.kv_mem_eff:.3f}, "
