@@ -56,10 +56,10 @@ def _cell(d: dict[str, float]) -> str:
 
 def fit_table(fits: list[VidurFit]) -> Table:
     """Per GPU and token class, the held-out rows' median / P90 absolute
-    error: the roofline's ``max`` with the default efficiencies, with fitted
-    ones, and the smooth knee fitted."""
+    error: the roofline's ``max`` with the legacy efficiencies (0.65, 0.8),
+    with fitted ones, and the smooth knee fitted (the catalog's default)."""
     t = Table(title="Layer matmuls vs Vidur's measured kernels: median / P90 |error|, held out")
-    for col in ("GPU", "tokens", "rows", "max, defaults", "max, fitted", "knee, fitted"):
+    for col in ("GPU", "tokens", "rows", "max, legacy", "max, fitted", "knee, fitted"):
         t.add_column(col, justify="left" if col in ("GPU", "tokens") else "right")
     for f in fits:
         for name, d in f.default_errors.items():
@@ -189,7 +189,7 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"{f.gpu} (as {f.catalog_gpu}): fitted compute_eff {f.compute_eff:.3f}, "
             f"mem_eff {f.mem_eff:.3f}, "
-            f"{f.kernel_latency_s * 1e6:.2f} µs per matmul kernel (defaults "
+            f"{f.kernel_latency_s * 1e6:.2f} µs per matmul kernel (legacy "
             f"{default[0]:g}, {default[1]:g}, none per kernel); {f.rows} rows, "
             f"{f.held_out} held out; element-wise operators {100 * f.others_share:.0f}% of a "
             "layer's measured time (median, not in the roofline)",
