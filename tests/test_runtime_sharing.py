@@ -118,6 +118,14 @@ def test_muxserve_plan_is_the_policys(stack: str, workers: int) -> None:
         assert sorted(plan_workers(cfg, [A, B], placer=history_placement)) == [(A,), (B,)]
 
 
+def test_link_overrides_are_refused_by_the_runtime() -> None:
+    """The runtime moves data through its real links: a simulated link override
+    is an error that names it, never silently ignored."""
+    cfg = _cfg("muxserve", 1, cluster={"intra_node_bw": 32e9})
+    with pytest.raises(ConfigError, match="intra_node_bw"):
+        plan_workers(cfg, [A, B], placer=history_placement)
+
+
 def test_seallm_plan_is_the_policys_and_shares_gpus() -> None:
     cfg = _cfg("seallm", 2)
     want = _policy_plan(cfg, "seallm")

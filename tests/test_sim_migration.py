@@ -886,3 +886,38 @@ def test_beside_copies_limiting_cases() -> None:
         assert float(beside_copies(float(t[i]), float(mem[i]), 0.2)) == pytest.approx(got[i])
     # copies asking for more than half: the iteration still gets its max-min share
     assert float(beside_copies(1.0, 1.0, 0.9)) == pytest.approx(2.0)
+
+
+def test_link_overrides_price_the_copies_and_other_worlds_refuse_them() -> None:
+    """``cluster.intra_node_bw`` / ``network_bw`` replace the catalog's links
+    (Mell's testbed: PCIe 4.0 and 10 Gbps): the same move takes longer on the
+    slower link; the multi-LLM and KunServe worlds and the runtime refuse them
+    rather than ignore them."""
+    from fleetserve.config import config_from_dict
+    from fleetserve.errors import ConfigError
+    from fleetserve.policy.catalog import check_world
+
+    reqs = [Request(0, MODEL, 0.0, 2000, 300)]
+    stalls = []
+    for bw in (None, 32e9):
+        over: dict[str, Any] = {} if bw is None else {"intra_node_bw": bw}
+        c = fixed(2, cluster=over)
+        assert (c.cluster.gpu_spec().intra_node_bw == bw) or bw is None
+        res, _ = run_script(c, list(reqs), when(decoding(0, 20), [Migrate(0, 1, "kv")]))
+        assert_all_finished(res)
+        stalls.append(res.records[0].migration_stall_s)
+    assert stalls[1] > stalls[0]  # the final copy crosses a ~9x slower link
+    with pytest.raises(ConfigError, match="intra_node_bw must be positive"):
+        fixed(2, cluster={"intra_node_bw": 0})
+    for world in (
+        {
+            "policy": {"stack": "muxserve"},
+            "multi": {"generator": "muxserve"},
+            "cluster": {"elastic": False, "gpus": 8},
+        },
+        {"policy": {"stack": "kunserve"}, "cluster": {"elastic": False, "gpus": 2}},
+    ):
+        data: dict[str, Any] = {"model": MODEL, **world}
+        data.setdefault("cluster", {})["network_bw"] = 1.25e9
+        with pytest.raises(ConfigError, match="only the single-model simulator"):
+            check_world(config_from_dict(data))

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import yaml
 
 from fleetserve.errors import ConfigError, InputError
+from fleetserve.spec import get_gpu
+from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.fleet import FLEET_DEFAULTS, check_fleet_args
 from fleetserve.workload.fleet_trace import TRACE_DEFAULTS, check_trace_args
 
@@ -123,6 +125,13 @@ class ClusterConfig:
         tp: tensor-parallel degree of every instance.
         mem_util: fraction of HBM usable for weights + KV (vLLM's gpu_memory_utilization).
         block_size: tokens per KV block.
+        intra_node_bw: GPU-to-GPU bandwidth inside a node, bytes/s per direction,
+            instead of the catalog's (e.g. Mell's testbed: PCIe 4.0, ``32e9``);
+            None: the catalog's. Read by the single-model simulator (KV
+            migrations); other worlds refuse it.
+        network_bw: inter-node bandwidth per GPU, bytes/s per direction, instead
+            of the catalog's (Mell's testbed: 10 Gbps, ``1.25e9``); None: the
+            catalog's.
     """
 
     gpu: str = "a100-40gb"
@@ -132,13 +141,37 @@ class ClusterConfig:
     tp: int = 1
     mem_util: float = 0.9
     block_size: int = 16
+    intra_node_bw: float | None = None
+    network_bw: float | None = None
 
     def __post_init__(self) -> None:
-        _positive(self, "gpus", "max_gpus", "tp", "mem_util", "block_size")
+        _positive(
+            self, "gpus", "max_gpus", "tp", "mem_util", "block_size", "intra_node_bw", "network_bw"
+        )
         if not self.elastic and self.gpus is None:
             raise ConfigError("cluster.gpus is required for a fixed pool (cluster.elastic: false)")
         if self.mem_util > 1:
             raise ConfigError(f"cluster.mem_util must be in (0, 1], got {self.mem_util}")
+
+    @property
+    def links_overridden(self) -> bool:
+        """Whether ``intra_node_bw`` or ``network_bw`` replaces the catalog's."""
+        return self.intra_node_bw is not None or self.network_bw is not None
+
+    def gpu_spec(self) -> GpuSpec:
+        """The catalog's ``gpu``, with ``intra_node_bw`` / ``network_bw`` when set.
+
+        Raises:
+            ConfigError: an unknown GPU name.
+        """
+        spec = get_gpu(self.gpu)
+        if not self.links_overridden:
+            return spec
+        return dataclasses.replace(
+            spec,
+            intra_node_bw=self.intra_node_bw or spec.intra_node_bw,
+            network_bw=self.network_bw or spec.network_bw,
+        )
 
 
 @dataclass(frozen=True)

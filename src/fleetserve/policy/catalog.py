@@ -534,6 +534,11 @@ def check_world(config: SimConfig) -> str:
             world's simulator does not read (it would be ignored).
     """
     world = world_of(config)
+    if world != SINGLE and config.cluster.links_overridden:
+        raise ConfigError(
+            "cluster.intra_node_bw / cluster.network_bw: only the single-model simulator "
+            f"reads them (KV migrations); the {WORLDS[world].label} simulator would ignore them"
+        )
     if world == KUNSERVE and config.cluster.gpus is None:
         raise ConfigError(
             f"stack {config.policy.stack!r} runs a fixed pool of replicas: set cluster.gpus "

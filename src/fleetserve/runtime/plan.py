@@ -354,6 +354,11 @@ def plan_workers(
             f"cluster.tp is {config.cluster.tp}: the runtime runs one engine per worker "
             "(tensor parallelism is modelled by the simulator only); set cluster.tp: 1 to serve"
         )
+    if config.cluster.links_overridden:
+        raise ConfigError(
+            "cluster.intra_node_bw / cluster.network_bw: the runtime moves data through its "
+            "real links (the object store); these overrides are for the simulator only"
+        )
     if kun_only(config.policy.stack):
         # KunServe: replicas of one model on every worker (buddy groups form at runtime)
         if len(models) != 1:

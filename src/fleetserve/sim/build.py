@@ -19,7 +19,7 @@ import numpy as np
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, InputError
-from fleetserve.spec import get_gpu, get_model
+from fleetserve.spec import get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload import (
     Request,
@@ -51,7 +51,7 @@ def request_cap_tokens(cfg: SimConfig, model: str) -> int:
     """Largest KV (tokens) one request may need: an instance's blocks minus the
     admission watermark, in tokens — the simulator rejects anything larger."""
     cl = cfg.cluster
-    spec, gpu = get_model(model), get_gpu(cl.gpu)
+    spec, gpu = get_model(model), cl.gpu_spec()
     blocks = kv_capacity_blocks(spec, gpu, cl.tp, cl.mem_util, cl.block_size)
     return (blocks - int(cfg.engine.watermark * blocks)) * cl.block_size
 

@@ -65,7 +65,7 @@ from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
 from fleetserve.sim.usage import UsageTotals
-from fleetserve.spec import ModelSpec, get_gpu, get_model
+from fleetserve.spec import ModelSpec, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload.request import Request, check_run_order
 
@@ -90,7 +90,7 @@ def preflight(config: SimConfig) -> None:
         kun_preflight(config)
         return
     resolve_policies(config)
-    gpu = get_gpu(config.cluster.gpu)
+    gpu = config.cluster.gpu_spec()
     cl = config.cluster
     for m in {config.model, *(config.workload.models or ())}:
         kv_capacity_blocks(get_model(m), gpu, cl.tp, cl.mem_util, cl.block_size)
@@ -144,7 +144,7 @@ class Simulator:
         self.cost_model = cost or CostModel()
 
         cl = config.cluster
-        self.gpu = get_gpu(cl.gpu)
+        self.gpu = cl.gpu_spec()
         self.policy_names = pn = resolve_policies(config)
         self.dispatcher = DISPATCH.get(pn["dispatch"]).from_config(config)
         self.batching_name = pn["batching"]
