@@ -74,17 +74,22 @@ def fit_table(fits: list[VidurFit]) -> Table:
     return t
 
 
-def attention_table(fits: list[AttnFit]) -> Table:
-    """Per GPU and kernel class, the held-out rows' median / P90 absolute and
-    median signed error: the legacy model and the fit."""
-    t = Table(title="Attention kernels vs measured: median / P90 |error|, held out")
-    for col in ("GPU", "class", "rows", "legacy", "legacy signed", "fitted", "fitted signed"):
-        t.add_column(col, justify="left" if col in ("GPU", "class") else "right")
-    for f in fits:
-        for name, d in f.errors.items():
-            d0 = f.default_errors[name]
+Errors = dict[str, dict[str, float]]
+
+
+def legacy_vs_fit_table(
+    title: str, class_label: str, fits: list[tuple[str, Errors, Errors]]
+) -> Table:
+    """Per GPU (``fits``: name, legacy errors, fitted errors) and class, the
+    held-out rows' median / P90 absolute and median signed error."""
+    t = Table(title=title)
+    for col in ("GPU", class_label, "rows", "legacy", "legacy signed", "fitted", "fitted signed"):
+        t.add_column(col, justify="left" if col in ("GPU", class_label) else "right")
+    for gpu, legacy, fitted in fits:
+        for name, d in fitted.items():
+            d0 = legacy[name]
             t.add_row(
-                f.gpu,
+                gpu,
                 name,
                 f"{int(d['n'])}",
                 _cell(d0),
@@ -93,26 +98,24 @@ def attention_table(fits: list[AttnFit]) -> Table:
                 f"{100 * d['median_signed']:+.1f}%",
             )
     return t
+
+
+def attention_table(fits: list[AttnFit]) -> Table:
+    """Per GPU and kernel class: the legacy model and the fit (held out)."""
+    return legacy_vs_fit_table(
+        "Attention kernels vs measured: median / P90 |error|, held out",
+        "class",
+        [(f.gpu, f.default_errors, f.errors) for f in fits],
+    )
 
 
 def allreduce_table(fits: list[AllReduceFit]) -> Table:
-    """Per GPU and message size class, the held-out rows' errors: legacy and fitted."""
-    t = Table(title="Tensor-parallel all-reduce vs measured (NCCL): median / P90 |error|, held out")
-    for col in ("GPU", "size", "rows", "legacy", "legacy signed", "fitted", "fitted signed"):
-        t.add_column(col, justify="left" if col in ("GPU", "size") else "right")
-    for f in fits:
-        for name, d in f.errors.items():
-            d0 = f.legacy_errors[name]
-            t.add_row(
-                f.gpu,
-                name,
-                f"{int(d['n'])}",
-                _cell(d0),
-                f"{100 * d0['median_signed']:+.1f}%",
-                _cell(d),
-                f"{100 * d['median_signed']:+.1f}%",
-            )
-    return t
+    """Per GPU and message size class: the legacy model and the fit (held out)."""
+    return legacy_vs_fit_table(
+        "Tensor-parallel all-reduce vs measured (NCCL): median / P90 |error|, held out",
+        "size",
+        [(f.gpu, f.legacy_errors, f.errors) for f in fits],
+    )
 
 
 def stale_defaults(

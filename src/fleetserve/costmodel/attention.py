@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import csv
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fleetserve.costmodel.vidur import class_error_stats, csv_number, equal_class_weights
 from fleetserve.errors import InputError
 from fleetserve.spec.types import GpuSpec
 
@@ -104,21 +104,6 @@ class AttnRow:
         return f"{kind}, {'<=512' if self.new <= 512 else '513+'} tokens"
 
 
-def _num(raw: dict[str, str | None], col: str, file: str, line: int) -> float:
-    text = raw.get(col)
-    if text is None or text == "":
-        raise InputError(f"{file}:{line}: column {col!r} is missing or empty")
-    try:
-        v = float(text)
-    except ValueError:
-        raise InputError(
-            f"{file}:{line}: column {col!r}: expected a number, got {text!r}"
-        ) from None
-    if not math.isfinite(v) or v < 0:
-        raise InputError(f"{file}:{line}: column {col!r}: expected a number >= 0, got {text!r}")
-    return v
-
-
 _VIDUR_COLS = (
     "n_embd",
     "n_q_head",
@@ -162,7 +147,7 @@ def load_vidur_attention(path: str | Path) -> list[AttnRow]:
                     f"{f}:{i}: column 'is_prefill': expected True or False, got {flag!r}"
                 )
             prefill = flag == "true"
-            v = {c: _num(raw, c, f, i) for c in _VIDUR_COLS[:-1]}
+            v = {c: csv_number(raw, c, f, i) for c in _VIDUR_COLS[:-1]}
             tp = int(v["num_tensor_parallel_workers"])
             q, kv = int(v["n_q_head"]), int(v["n_kv_head"])
             if tp < 1 or q % tp or kv % tp or q < 1 or int(v["n_embd"]) % q:
@@ -171,7 +156,7 @@ def load_vidur_attention(path: str | Path) -> list[AttnRow]:
                     f"not split over {tp} GPUs"
                 )
             col = "time_stats.attn_prefill.median" if prefill else "time_stats.attn_decode.median"
-            t = _num(raw, col, f, i) / 1e3
+            t = csv_number(raw, col, f, i) / 1e3
             new = int(v["prefill_chunk_size"]) if prefill else 1
             if t <= 0 or new < 1 or int(v["batch_size"]) < 1:
                 raise InputError(f"{f}:{i}: expected a time > 0, a batch and a chunk >= 1")
@@ -312,31 +297,6 @@ def held_out(rows: Sequence[AttnRow]) -> np.ndarray:
     return out
 
 
-def _stats(err: np.ndarray, classes: list[str]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    cls = np.array(classes)
-    for name in ["all", *sorted(set(classes))]:
-        sel = np.ones(len(classes), dtype=bool) if name == "all" else cls == name
-        if not sel.any():
-            continue
-        e = np.abs(err[sel])
-        out[name] = {
-            "n": float(sel.sum()),
-            "median_abs": float(np.median(e)),
-            "p90_abs": float(np.quantile(e, 0.9)),
-            "median_signed": float(np.median(err[sel])),
-        }
-    return out
-
-
-def _weights(rows: Sequence[AttnRow]) -> np.ndarray:
-    classes = [r.row_class for r in rows]
-    counts = {c: classes.count(c) for c in set(classes)}
-    w = np.array([1.0 / counts[c] for c in classes])
-    out: np.ndarray = w / w.sum()
-    return out
-
-
 def fit_attention(name: str, rows: Sequence[AttnRow], gpu: GpuSpec) -> AttnFit:
     """Fit the attention parameters of one GPU (module docstring).
 
@@ -357,14 +317,14 @@ def fit_attention(name: str, rows: Sequence[AttnRow], gpu: GpuSpec) -> AttnFit:
         return float((e * e) @ w)
 
     y_dec = np.array([r.time_s for r in dec])
-    w_dec = _weights(dec)
+    w_dec = equal_class_weights([r.row_class for r in dec])
     best_d = min(
         (loss(dec, w_dec, y_dec, 0.5, kme, lat, 1.0, 0.0), kme, lat)
         for kme, lat in itertools.product(np.linspace(0.3, 1.0, 71), np.arange(0.0, 31e-6, 1e-6))
     )
     _, kme, lat = best_d
     y_pre = np.array([r.time_s for r in pre])
-    w_pre = _weights(pre)
+    w_pre = equal_class_weights([r.row_class for r in pre])
     best_p = min(
         (loss(pre, w_pre, y_pre, ae, kme, lat, kappa, waste), ae, kappa, waste)
         for ae, kappa, waste in itertools.product(
@@ -387,9 +347,9 @@ def fit_attention(name: str, rows: Sequence[AttnRow], gpu: GpuSpec) -> AttnFit:
         latency_s=float(lat),
         causal_factor=round(float(kappa), 3),
         query_waste=float(waste),
-        errors=_stats(err, classes),
-        default_errors=_stats(err0, classes),
-        in_sample_errors=_stats(
+        errors=class_error_stats(err, classes),
+        default_errors=class_error_stats(err0, classes),
+        in_sample_errors=class_error_stats(
             attention_time(rows, gpu, ae, kme, lat, kappa, waste)
             / np.array([r.time_s for r in rows])
             - 1.0,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetserve.costmodel.vidur import class_error_stats, csv_number, equal_class_weights
 from fleetserve.errors import InputError
 from fleetserve.spec.types import GpuSpec
 
@@ -44,6 +45,7 @@ NETWORK_TOPOLOGIES = {"a100": "a100_dgx", "h100": "h100_dgx"}
 """The Vidur topology folder whose all-reduces stand for each GPU's tensor-parallel group."""
 
 _SMALL = 1 << 20  # size classes: up to 1 MB (decode-sized), larger (prefill-sized)
+_CLASSES = ("<= 1 MB", "> 1 MB")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +84,10 @@ def load_allreduce(path: str | Path) -> list[AllReduceRow]:
                 f"{p}:1: not a Vidur all-reduce profile: columns {', '.join(missing)} missing"
             )
         for i, raw in enumerate(reader, start=2):
-            vals = {}
-            for col in need:
-                text = raw.get(col) or ""
-                try:
-                    vals[col] = float(text)
-                except ValueError:
-                    raise InputError(
-                        f"{p}:{i}: column {col!r}: expected a number, got {text!r}"
-                    ) from None
-                if not math.isfinite(vals[col]) or vals[col] <= 0:
-                    raise InputError(
-                        f"{p}:{i}: column {col!r}: expected a number > 0, got {text!r}"
-                    )
+            vals = {col: csv_number(raw, col, str(p), i) for col in need}
+            zero = [col for col in need if vals[col] == 0]
+            if zero:
+                raise InputError(f"{p}:{i}: column {zero[0]!r}: expected a number > 0, got 0")
             workers = int(vals["num_workers"])
             if int(vals["devices_per_node"]) != workers or workers < 2:
                 continue  # spans nodes (or one GPU): not a tensor-parallel group
@@ -137,22 +130,6 @@ class AllReduceFit:
     legacy_errors: dict[str, dict[str, float]]
 
 
-def _stats(err: np.ndarray, classes: list[str]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    cls = np.array(classes)
-    for name in ("all", "<= 1 MB", "> 1 MB"):
-        sel = np.ones(len(classes), dtype=bool) if name == "all" else cls == name
-        if sel.any():
-            e = np.abs(err[sel])
-            out[name] = {
-                "n": float(sel.sum()),
-                "median_abs": float(np.median(e)),
-                "p90_abs": float(np.quantile(e, 0.9)),
-                "median_signed": float(np.median(err[sel])),
-            }
-    return out
-
-
 def fit_allreduce(name: str, rows: Sequence[AllReduceRow], gpu: GpuSpec) -> AllReduceFit:
     """Fit ``allreduce_eff`` and ``allreduce_latency_s`` on the training rows.
 
@@ -168,9 +145,7 @@ def fit_allreduce(name: str, rows: Sequence[AllReduceRow], gpu: GpuSpec) -> AllR
     if not train or not test:
         raise InputError(f"{name}: too few all-reduce sizes to hold some out")
     y = np.array([r.time_s for r in train])
-    classes = [r.size_class for r in train]
-    w = np.array([1.0 / classes.count(c) for c in classes])
-    w /= w.sum()
+    w = equal_class_weights([r.size_class for r in train])
     best = (math.inf, 0.7, 20e-6)
     for eff in np.linspace(0.2, 1.0, 161):
         lats = np.arange(0.0, 101e-6, 1e-6)
@@ -183,12 +158,14 @@ def fit_allreduce(name: str, rows: Sequence[AllReduceRow], gpu: GpuSpec) -> AllR
     _, eff, lat = best
     y_test = np.array([r.time_s for r in test])
     c_test = [r.size_class for r in test]
+    fitted = allreduce_time(test, gpu, eff, lat)
+    legacy = allreduce_time(test, gpu, 0.7, 20e-6)
     return AllReduceFit(
         gpu=name,
         rows=len(rows),
         held_out=len(test),
         eff=round(eff, 3),
         latency_s=lat,
-        errors=_stats(allreduce_time(test, gpu, eff, lat) / y_test - 1.0, c_test),
-        legacy_errors=_stats(allreduce_time(test, gpu, 0.7, 20e-6) / y_test - 1.0, c_test),
+        errors=class_error_stats(fitted / y_test - 1.0, c_test, _CLASSES),
+        legacy_errors=class_error_stats(legacy / y_test - 1.0, c_test, _CLASSES),
     )

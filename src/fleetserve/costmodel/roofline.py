@@ -157,10 +157,10 @@ class RawCoefficients:
     kv_mem_s: float
     comm_tok_s: float
     n_collectives: int
-    head_mem_s: float = 0.0
-    act_mem_s: float = 0.0
-    n_matmul_kernels: int = 0
-    layers: int = 0
+    head_mem_s: float
+    act_mem_s: float
+    n_matmul_kernels: int
+    layers: int
 
 
 def _executed_layers(model: ModelSpec) -> int:

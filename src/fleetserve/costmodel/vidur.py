@@ -116,7 +116,12 @@ class MlpRow:
         return qkv + h * h + (3 if self.gated else 2) * h * self.mlp_width
 
 
-def _num(raw: dict[str, str | None], col: str, file: str, line: int) -> float:
+def csv_number(raw: dict[str, str | None], col: str, file: str, line: int) -> float:
+    """Column ``col`` of a profile row as a finite number >= 0.
+
+    Raises:
+        InputError: missing, not a number, or negative (names file, line, column).
+    """
     text = raw.get(col)
     if text is None or text == "":
         raise InputError(f"{file}:{line}: column {col!r} is missing or empty")
@@ -131,8 +136,13 @@ def _num(raw: dict[str, str | None], col: str, file: str, line: int) -> float:
     return v
 
 
+def _median_sum(raw: dict[str, str | None], ops: Sequence[str], file: str, line: int) -> float:
+    """Seconds: the sum of ``ops``' median times (ms in the profile)."""
+    return sum(csv_number(raw, f"time_stats.{op}.median", file, line) for op in ops) / 1e3
+
+
 def _pos_int(raw: dict[str, str | None], col: str, file: str, line: int) -> int:
-    v = _num(raw, col, file, line)
+    v = csv_number(raw, col, file, line)
     if v < 1 or v != int(v):
         raise InputError(f"{file}:{line}: column {col!r}: expected an integer >= 1, got {v!r}")
     return int(v)
@@ -177,8 +187,10 @@ def load_mlp_profile(path: str | Path) -> list[MlpRow]:
                 gated=gated_text == "true",
                 tokens=_pos_int(raw, "num_tokens", f, i),
                 tp=_pos_int(raw, "num_tensor_parallel_workers", f, i),
-                matmul_s=sum(_num(raw, f"time_stats.{op}.median", f, i) for op in MATMULS) / 1e3,
-                others_s=sum(_num(raw, f"time_stats.{op}.median", f, i) for op in OTHERS) / 1e3,
+                matmul_s=sum(csv_number(raw, f"time_stats.{op}.median", f, i) for op in MATMULS)
+                / 1e3,
+                others_s=sum(csv_number(raw, f"time_stats.{op}.median", f, i) for op in OTHERS)
+                / 1e3,
             )
             if row.hidden % row.n_head:
                 raise InputError(f"{f}:{i}: n_embd {row.hidden} is not a multiple of n_head")
@@ -279,10 +291,16 @@ class VidurFit:
 CLASSES = ((1, 16, "1-16 tokens"), (17, 256, "17-256 tokens"), (257, 1 << 30, "257+ tokens"))
 
 
-def _error_stats(err: np.ndarray, tokens: np.ndarray) -> dict[str, dict[str, float]]:
-    out = {}
-    for lo, hi, name in ((1, 1 << 30, "all"), *CLASSES):
-        sel = (tokens >= lo) & (tokens <= hi)
+def class_error_stats(
+    err: np.ndarray, classes: Sequence[str], names: Sequence[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """``n``, median and P90 of ``|err|`` and median of ``err``, for all rows
+    (``"all"``) and per class in ``names`` order (default: sorted); classes
+    without rows are left out."""
+    cls = np.asarray(classes)
+    out: dict[str, dict[str, float]] = {}
+    for name in ["all", *(sorted(set(classes)) if names is None else names)]:
+        sel = np.ones(len(cls), dtype=bool) if name == "all" else cls == name
         if not sel.any():
             continue
         e = np.abs(err[sel])
@@ -295,17 +313,25 @@ def _error_stats(err: np.ndarray, tokens: np.ndarray) -> dict[str, dict[str, flo
     return out
 
 
+def equal_class_weights(classes: Sequence[str]) -> np.ndarray:
+    """Row weights giving each class the same total (summing to 1)."""
+    counts: dict[str, int] = {}
+    for c in classes:
+        counts[c] = counts.get(c, 0) + 1
+    w = np.array([1.0 / counts[c] for c in classes], dtype=np.float64)
+    out: np.ndarray = w / w.sum()
+    return out
+
+
+def _error_stats(err: np.ndarray, tokens: np.ndarray) -> dict[str, dict[str, float]]:
+    classes = [token_class(int(t)) for t in tokens]
+    return class_error_stats(err, classes, [name for _, _, name in CLASSES])
+
+
 def _class_weights(rows: Sequence[MlpRow]) -> np.ndarray:
     """Weights giving each token class (:data:`CLASSES`) the same total: the
     profile grid is dense at many tokens (a plain mean would fit those only)."""
-    tokens = np.array([r.tokens for r in rows])
-    w = np.zeros(len(rows), dtype=np.float64)
-    for lo, hi, _ in CLASSES:
-        sel = (tokens >= lo) & (tokens <= hi)
-        if sel.any():
-            w[sel] = 1.0 / sel.sum()
-    out: np.ndarray = w / w.sum()
-    return out
+    return equal_class_weights([token_class(r.tokens) for r in rows])
 
 
 def fit_efficiencies(
