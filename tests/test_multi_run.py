@@ -165,3 +165,53 @@ def test_unknown_multi_stack_and_unknown_service_names_are_clear(tmp_path: Path)
 
     with pytest.raises(FleetserveError, match="nope"):
         build_workload(config_from_dict(load_config(bad)))
+
+
+@pytest.mark.parametrize("stack", ["vllm", "muxserve", "seallm"])
+@pytest.mark.parametrize("sizes", [(1,), (2,), (2, 4)])
+def test_tp_sizes_bound_every_placement(stack: str, sizes: tuple[int, ...]) -> None:
+    """``multi.tp_sizes``: every group of every placement has an allowed size, and a
+    dedicated service takes the smallest allowed one it fits on."""
+    from fleetserve.policy.catalog import stack_for as _stack
+    from fleetserve.sim.multi_run import place_for_stack
+
+    names = sorted(SERVICES)
+    history = _requests(15.0, 1, names, 3.0)
+    settings = MultiRunSettings(gpu="a100-80gb", n_gpus=8, processes=1, tp_sizes=sizes)
+    plan, _ = place_for_stack(_stack(stack, MULTI), SERVICES, history, settings)
+    assert plan.groups and all(g.tp in sizes for g in plan.groups)
+    if stack == "vllm":
+        assert {g.tp for g in plan.groups} == {min(sizes)}
+
+
+def test_tp_sizes_that_fit_no_service_are_a_clear_error() -> None:
+    from fleetserve.policy.group_placement import dedicated_place
+    from fleetserve.spec import get_gpu
+
+    big = [Service("x", get_model("llama-3.1-70b"), 1.0, 500, 100)]
+    with pytest.raises(ConfigError, match="no allowed tensor-parallel size"):
+        dedicated_place(big, 8, get_gpu("a100-80gb"), 0.9, (1,))
+    with pytest.raises(ConfigError, match="powers of two"):
+        config_from_dict({"multi": {"tp_sizes": [3]}})
+
+
+def test_keep_models_replays_a_trace_with_its_services(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [
+        {"arrival_s": i * 0.5, "prompt_tokens": 100, "output_tokens": 10, "model": "ab"[i % 2]}
+        for i in range(80)
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    base = {
+        "cluster": {"gpu": "a100-80gb", "gpus": 2, "elastic": False},
+        "services": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "opt-6.7b"}],
+        "workload": {"trace": str(trace), "format": "jsonl", "keep_models": True},
+        "multi": {"history_s": 10},
+    }
+    wl = build_workload(config_from_dict(base))
+    assert [r.model for r in wl.requests[:4]] == ["a", "b", "a", "b"]
+    bad = {**base, "services": [{"name": "a", "model": "llama-2-7b"}]}
+    with pytest.raises(ConfigError, match="not services"):
+        build_workload(config_from_dict(bad))
+    with pytest.raises(ConfigError, match="leave out workload.models"):
+        config_from_dict({**base, "workload": {**base["workload"], "models": ["a"]}})

@@ -75,6 +75,10 @@ class WorkloadConfig:
         models: assign requests to these models (weights ``model_weights``);
             None keeps the trace's / the top-level ``model``.
         model_weights: popularity of ``models`` (default: equal).
+        keep_models: multi-LLM runs: each request's service is the trace's own
+            ``model`` field (e.g. the ``jsonl`` trace ``fleetserve plan``
+            writes), which must name a service; False assigns requests to the
+            services by ``models`` / ``model_weights``.
     """
 
     trace: str | None = None
@@ -90,9 +94,14 @@ class WorkloadConfig:
     max_requests: int | None = None
     models: tuple[str, ...] | None = None
     model_weights: tuple[float, ...] | None = None
+    keep_models: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "rate", "synthetic_duration_s", "rate_scale", "length_scale")
+        if self.keep_models and self.models is not None:
+            raise ConfigError(
+                "workload.keep_models keeps the trace's own services; leave out workload.models"
+            )
         _positive(self, "max_requests")
         if self.trace is not None and self.format is None:
             raise ConfigError(
@@ -353,6 +362,9 @@ class MultiConfigSection:
         contention: jobs a spatial scheduler (MuxServe's ADBS) runs at once
             share the GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`);
             false gives each the full bandwidth (the model before issue 22).
+        tp_sizes: the tensor-parallel sizes placement may give a group, powers
+            of two (None: each placement's own: ``dedicated`` the least a model
+            fits on, ``muxserve`` and ``seallm`` every power of two up to a node).
     """
 
     generator: str | None = None
@@ -372,8 +384,15 @@ class MultiConfigSection:
     max_services: int | None = None
     keepalive_s: float = 30.0
     contention: bool = True
+    tp_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.tp_sizes is not None and (
+            not self.tp_sizes or any(t < 1 or t & (t - 1) for t in self.tp_sizes)
+        ):
+            raise ConfigError(
+                f"multi.tp_sizes must be a non-empty list of powers of two, got {self.tp_sizes}"
+            )
         if not isinstance(self.contention, bool):
             raise ConfigError(f"multi.contention must be true or false, got {self.contention!r}")
         if self.keepalive_s < 0:
@@ -889,6 +908,15 @@ def _build(cls: type[T], data: dict[str, Any], prefix: str, src: str | None) -> 
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(f"{src}: {e}" if src else str(e)) from None
+
+
+def build_dataclass(
+    cls: type[T], data: dict[str, Any], prefix: str = "", src: str | None = None
+) -> T:
+    """Build a frozen config dataclass ``cls`` from a plain dict, as a config file is:
+    unknown keys rejected and every value type-checked, errors naming ``src`` and
+    the field's dotted path (under ``prefix``)."""
+    return _build(cls, data, prefix, src)
 
 
 def config_from_dict(data: dict[str, Any], src: str | None = None) -> SimConfig:

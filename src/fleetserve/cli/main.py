@@ -734,6 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.cli.bench import add_bench_serve_parser
     from fleetserve.cli.calibrate import add_calibrate_parser, add_validate_parser
     from fleetserve.cli.fidelity import add_fidelity_parser
+    from fleetserve.cli.plan import add_plan_parser
     from fleetserve.cli.serve import add_serve_parser
     from fleetserve.cli.stacks import add_stacks_parser
     from fleetserve.cli.tokenizer import add_tokenizer_parser
@@ -745,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stacks_parser(sub)
     add_calibrate_parser(sub)
     add_validate_parser(sub)
+    add_plan_parser(sub)
 
     trace = sub.add_parser("trace", help="trace utilities")
     tsub = trace.add_subparsers(dest="trace_command", required=True)

@@ -15,7 +15,7 @@ Every placement returns a :class:`~fleetserve.policy.groups.PlacementPlan`:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from fleetserve.costmodel import CostModel
@@ -49,15 +49,45 @@ def _alloc(sizes: Sequence[int], n_gpus: int, per_node: int) -> list[tuple[int, 
     return [g for g in out if g is not None]
 
 
+def _dedicated_tp(
+    svc: Service, gpu: GpuSpec, mem_util: float, tp_sizes: Collection[int] | None
+) -> int:
+    least = min_tp(svc.spec, gpu, mem_util, gpu.gpus_per_node)
+    if tp_sizes is None:
+        return least
+    fits = [t for t in sorted(tp_sizes) if least <= t <= gpu.gpus_per_node]
+    if not fits:
+        raise ConfigError(
+            f"service {svc.name!r}: {svc.spec.name} needs at least {least} x {gpu.name}; "
+            f"no allowed tensor-parallel size ({', '.join(map(str, sorted(tp_sizes)))}) "
+            f"is between {least} and a node ({gpu.gpus_per_node} GPUs)"
+        )
+    return fits[0]
+
+
 def dedicated_place(
-    services: Sequence[Service], n_gpus: int, gpu: GpuSpec, mem_util: float = 0.9
+    services: Sequence[Service],
+    n_gpus: int,
+    gpu: GpuSpec,
+    mem_util: float = 0.9,
+    tp_sizes: Collection[int] | None = None,
 ) -> PlacementPlan:
     """vLLM's spatial partition (see the module docstring).
 
+    Args:
+        services: the services.
+        n_gpus: GPUs in the pool.
+        gpu: the GPU type.
+        mem_util: share of each GPU's memory the engines may use.
+        tp_sizes: the tensor-parallel sizes allowed; each service runs on the
+            smallest allowed size at or above the least it fits on (None: that
+            least size, :func:`~fleetserve.spec.memory.min_tp`).
+
     Raises:
-        ConfigError: one instance of every service does not fit the pool.
+        ConfigError: one instance of every service does not fit the pool, or a
+            service fits no allowed size.
     """
-    tps = {s.name: min_tp(s.spec, gpu, mem_util, gpu.gpus_per_node) for s in services}
+    tps = {s.name: _dedicated_tp(s, gpu, mem_util, tp_sizes) for s in services}
     names = sorted(tps)
     count = dict.fromkeys(names, 1)
     rate = {s.name: s.rate for s in services}

@@ -100,7 +100,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleetserve.costmodel.roofline import CostModel, InstanceCost
@@ -542,10 +542,16 @@ def _tp_degrees(max_tp: int) -> list[int]:
 
 
 def _candidates_for(
-    est: _Estimator, svc: Service, max_tp: int, share_grid: Sequence[float]
+    est: _Estimator,
+    svc: Service,
+    max_tp: int,
+    share_grid: Sequence[float],
+    tp_sizes: Collection[int] | None = None,
 ) -> tuple[ParallelCandidate, ...]:
     out: list[ParallelCandidate] = []
     for tp in _tp_degrees(max_tp):
+        if tp_sizes is not None and tp not in tp_sizes:
+            continue
         if not unit_fits([svc], tp, est.gpu, est.mem_util):
             continue
         best: ParallelCandidate | None = None
@@ -562,8 +568,20 @@ def _candidates_for(
     return tuple(out)
 
 
-def _too_large(svc: Service, gpu: GpuSpec, max_tp: int, mem_util: float) -> ConfigError:
+def _too_large(
+    svc: Service,
+    gpu: GpuSpec,
+    max_tp: int,
+    mem_util: float,
+    tp_sizes: Collection[int] | None = None,
+) -> ConfigError:
     budget = math.floor(gpu.hbm_bytes * mem_util)
+    if tp_sizes is not None:
+        allowed = ", ".join(str(t) for t in sorted(tp_sizes))
+        return ConfigError(
+            f"service {svc.name!r}: model {svc.spec.name} fits on no mesh of an allowed "
+            f"tensor-parallel size ({allowed}) x {gpu.name} within one node and the pool"
+        )
     return ConfigError(
         f"service {svc.name!r}: model {svc.spec.name} ({svc.spec.weight_bytes / _GB:.1f} GB of "
         f"weights, plus KV for one request) fits on no mesh of up to {max_tp} x {gpu.name} "
@@ -624,13 +642,17 @@ def llm_parallel_candidates(
 
 
 def _all_candidates(
-    est: _Estimator, svcs: Sequence[Service], max_tp: int, grid: Sequence[float]
+    est: _Estimator,
+    svcs: Sequence[Service],
+    max_tp: int,
+    grid: Sequence[float],
+    tp_sizes: Collection[int] | None = None,
 ) -> dict[str, tuple[ParallelCandidate, ...]]:
     out: dict[str, tuple[ParallelCandidate, ...]] = {}
     for svc in svcs:
-        cands = _candidates_for(est, svc, max_tp, grid)
+        cands = _candidates_for(est, svc, max_tp, grid, tp_sizes)
         if not cands:
-            raise _too_large(svc, est.gpu, max_tp, est.mem_util)
+            raise _too_large(svc, est.gpu, max_tp, est.mem_util, tp_sizes)
         out[svc.name] = cands
     return out
 
@@ -681,6 +703,7 @@ def potential_mesh_groups(
     min_tps: Sequence[int],
     preferred_tps: Sequence[int] | None = None,
     max_groups: int = DEFAULT_MAX_MESH_GROUPS,
+    tp_sizes: Collection[int] | None = None,
 ) -> list[tuple[int, ...]]:
     """Algorithm 1's ``get_potential_device_mesh_groups``, with pruning.
 
@@ -698,6 +721,7 @@ def potential_mesh_groups(
         min_tps: each service's smallest feasible tensor degree.
         preferred_tps: each service's preferred degree (default ``min_tps``).
         max_groups: the most groups returned (>= 1).
+        tp_sizes: the mesh sizes allowed (None: every power of two up to a node).
 
     Returns:
         Mesh groups, each a tuple of sizes in descending order; ordered by
@@ -715,7 +739,7 @@ def potential_mesh_groups(
     caps = _node_caps(n_gpus, gpus_per_node)
     top = max(caps)
     smallest = min(pref)
-    sizes = [t for t in _tp_degrees(top) if t >= smallest]
+    sizes = [t for t in _tp_degrees(top) if t >= smallest and (tp_sizes is None or t in tp_sizes)]
     if not sizes or max(sizes) < max(min_tps):
         return []
     sizes.reverse()  # descending
@@ -842,6 +866,7 @@ def muxserve_search(
     prefill_share: float = 1.0,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_mesh_groups: int = DEFAULT_MAX_MESH_GROUPS,
+    tp_sizes: Collection[int] | None = None,
 ) -> MuxServeResult:
     """Algorithm 1 (enumeration-based greedy placement), with its estimates.
 
@@ -856,6 +881,8 @@ def muxserve_search(
         prefill_share: compute share of prefill jobs.
         max_batch: the largest batch of any service.
         max_mesh_groups: the most mesh groups evaluated.
+        tp_sizes: the mesh sizes (tensor-parallel degrees) allowed; None:
+            every power of two up to a node (MuxServe's own enumeration).
 
     Returns:
         The plan (meshes left empty dropped) and its estimates.
@@ -875,13 +902,15 @@ def muxserve_search(
     max_tp = min(gpu.gpus_per_node, n_gpus)
 
     # Algorithm 1, line 1: parallel candidates
-    cands = _all_candidates(est, svcs, max_tp, grid)
+    cands = _all_candidates(est, svcs, max_tp, grid, tp_sizes)
     share_at = {name: {c.tp: c.share for c in cs} for name, cs in cands.items()}
     min_tps = [cands[s.name][0].tp for s in svcs]
     pref_tps = [preferred_candidate(cands[s.name]).tp for s in svcs]
 
     # line 2: potential mesh groups
-    groups = potential_mesh_groups(n_gpus, gpu.gpus_per_node, min_tps, pref_tps, max_mesh_groups)
+    groups = potential_mesh_groups(
+        n_gpus, gpu.gpus_per_node, min_tps, pref_tps, max_mesh_groups, tp_sizes
+    )
     if not groups:
         worst = max(svcs, key=lambda s: (cands[s.name][0].tp, s.name))
         raise ConfigError(
@@ -958,6 +987,7 @@ def muxserve_place(
     prefill_share: float = 1.0,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_mesh_groups: int = DEFAULT_MAX_MESH_GROUPS,
+    tp_sizes: Collection[int] | None = None,
 ) -> PlacementPlan:
     """MuxServe's placement of ``services`` on ``n_gpus`` GPUs (Algorithm 1).
 
@@ -976,4 +1006,5 @@ def muxserve_place(
         prefill_share=prefill_share,
         max_batch=max_batch,
         max_mesh_groups=max_mesh_groups,
+        tp_sizes=tp_sizes,
     ).plan

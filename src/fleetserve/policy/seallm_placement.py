@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -375,6 +375,7 @@ def seallm_place(
     min_kv_requests: int = 8,
     max_services: int | None = None,
     processes: int | None = None,
+    tp_sizes: Collection[int] | None = None,
 ) -> tuple[PlacementPlan, list[Candidate]]:
     """SeaLLM's placement: the best allocation over all TP sizes.
 
@@ -393,6 +394,9 @@ def seallm_place(
         processes: parallel searches (default: one per TP size, at most the
             CPUs); the larger TP sizes, whose groups share among more services
             and take longer to simulate, start first.
+        tp_sizes: the TP sizes searched (None: every power of two up to a
+            node, SeaLLM's own enumeration); sizes the pool cannot hold are
+            skipped.
 
     Returns:
         The best plan and every TP size's candidate.
@@ -406,7 +410,8 @@ def seallm_place(
     sizes = []
     p = 1
     while p <= min(gpu.gpus_per_node, n_gpus):
-        sizes.append(p)
+        if tp_sizes is None or p in tp_sizes:
+            sizes.append(p)
         p *= 2
     jobs = [
         (tp, list(services), n_gpus, gpu, evaluate, alpha, mem_util, min_kv_requests, max_services)

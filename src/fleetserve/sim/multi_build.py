@@ -18,6 +18,7 @@ Three sources:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +34,14 @@ from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.request import Request
 from fleetserve.workload.service import Service
 
-__all__ = ["MultiInput", "build_multi", "history_placement", "multi_preflight", "multi_settings"]
+__all__ = [
+    "MultiInput",
+    "build_multi",
+    "history_placement",
+    "multi_preflight",
+    "multi_settings",
+    "split_history",
+]
 
 
 class MultiInput:
@@ -89,6 +97,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,
         burst_overrides=cfg.kunserve.overrides(),
+        tp_sizes=m.tp_sizes,
     )
 
 
@@ -112,7 +121,10 @@ def multi_preflight(cfg: SimConfig) -> None:
             )
 
 
-def _split(reqs: list[Request], history_s: float) -> tuple[list[Request], list[Request]]:
+def split_history(reqs: Sequence[Request], history_s: float) -> tuple[list[Request], list[Request]]:
+    """``reqs`` (sorted) split into the history (arrivals within ``history_s`` of
+    the first) and the run (the rest, times shifted so the run starts at 0),
+    both renumbered from 0."""
     t0 = reqs[0].arrival_s if reqs else 0.0
     hist = [r for r in reqs if r.arrival_s - t0 < history_s]
     run = [r for r in reqs if r.arrival_s - t0 >= history_s]
@@ -126,7 +138,7 @@ def _history_and_run(
     source: str, reqs: list[Request], history_s: float, *, require_run: bool
 ) -> tuple[list[Request], list[Request]]:
     """``reqs`` split at ``history_s`` (both parts renumbered from 0), checked."""
-    hist, run = _split(reqs, history_s)
+    hist, run = split_history(reqs, history_s)
     if not hist:
         raise ConfigError(
             f"no request arrives in the first multi.history_s = {history_s:g} s of "
@@ -219,7 +231,9 @@ def build_multi(
     names = tuple(s.name for s in cfg.services)
     wl_cfg = cfg.workload
     notes: list[str] = []
-    if wl_cfg.models is None:
+    if wl_cfg.keep_models:
+        notes.append("each request's service is the trace's model field")
+    elif wl_cfg.models is None:
         notes.append(f"requests assigned uniformly to the {len(names)} services")
         wl_cfg = replace(wl_cfg, models=names)
     elif set(wl_cfg.models) - set(names):
@@ -234,10 +248,18 @@ def build_multi(
             "model": cfg.services[0].model,
             "seed": cfg.seed,
             "workload": {k: v for k, v in cfg.to_dict()["workload"].items() if v is not None}
-            | {"models": list(wl_cfg.models or ()), "cap_lengths": False},
+            | ({} if wl_cfg.keep_models else {"models": list(wl_cfg.models or ())})
+            | {"cap_lengths": False},
         }
     )
     built = build_workload(plain, base_dir)
+    if wl_cfg.keep_models:
+        unknown = sorted({r.model for r in built.requests} - set(names))
+        if unknown:
+            raise ConfigError(
+                f"workload.keep_models: {built.source} names {unknown[:5]}, which are not "
+                f"services ({', '.join(names)})"
+            )
     hist, run = _history_and_run(built.source, built.requests, m.history_s, require_run=require_run)
     mean_p = sum(r.prompt_tokens for r in hist) / len(hist)
     mean_o = sum(r.output_tokens for r in hist) / len(hist)

@@ -73,6 +73,9 @@ class MultiRunSettings:
             boundaries (``migration.*``).
         burst_overrides: ``kunserve.*`` overrides of the stack's memory-pressure
             settings (:func:`burst_settings`).
+        tp_sizes: the tensor-parallel sizes placement may give a group (None:
+            each placement's own choice: ``dedicated`` the least a model fits
+            on, ``muxserve`` and ``seallm`` every power of two up to a node).
     """
 
     gpu: str = "a800-80gb"
@@ -98,6 +101,7 @@ class MultiRunSettings:
     link_share: float = 0.5
     compute_share: float = 0.1
     burst_overrides: Mapping[str, Any] = field(default_factory=dict)
+    tp_sizes: tuple[int, ...] | None = None
 
     def burst(self, stack: Stack) -> KunSettings | None:
         """The stack's memory-pressure settings for this run."""
@@ -196,10 +200,11 @@ def place_for_stack(
     gpu = gpu_spec if gpu_spec is not None else get_gpu(settings.gpu)
     svcs = list(services.values())
     cm = cost_model or CostModel()
+    tps = settings.tp_sizes
     if stack.placement == "dedicated":
-        return dedicated_place(svcs, settings.n_gpus, gpu, settings.mem_util), None
+        return dedicated_place(svcs, settings.n_gpus, gpu, settings.mem_util, tps), None
     if stack.placement == "muxserve":
-        return muxserve_place(svcs, settings.n_gpus, gpu, cm, settings.mem_util), None
+        return muxserve_place(svcs, settings.n_gpus, gpu, cm, settings.mem_util, tp_sizes=tps), None
     if stack.placement == "seallm":
         if not history:
             raise ConfigError(
@@ -222,6 +227,7 @@ def place_for_stack(
             ev,
             mem_util=settings.mem_util,
             processes=settings.processes,
+            tp_sizes=tps,
             **dict(settings.search_params),
         )
         est = next(c.slo_attainment for c in cands if c.plan == plan)

@@ -47,7 +47,7 @@ from numpy.typing import NDArray
 
 from fleetserve.errors import ConfigError
 from fleetserve.workload.bursty import length_profile
-from fleetserve.workload.multi import _draw_lengths, _model_specs, _sharegpt_sampler
+from fleetserve.workload.multi import _draw_lengths, _model_specs, sharegpt_sampler
 from fleetserve.workload.request import Request
 from fleetserve.workload.synthetic import LengthSampler, gamma_arrivals, power_law_rates
 
@@ -507,7 +507,7 @@ def _length_sampler(
 ) -> LengthSampler:
     if lengths == "azure-conv":
         return length_profile("azure-conv", azure_path=azure_path)
-    return _sharegpt_sampler(sharegpt)
+    return sharegpt_sampler(sharegpt)
 
 
 def fleet_workload(

@@ -187,7 +187,7 @@ def _load_lengths(path: str, mtime_ns: int, size: int) -> EmpiricalLengths:
     return lengths_from_file(path, "lengths")
 
 
-def _sharegpt_sampler(sharegpt: str | Path | None) -> EmpiricalLengths:
+def sharegpt_sampler(sharegpt: str | Path | None) -> EmpiricalLengths:
     """The ShareGPT lengths sampler, from ``sharegpt`` or the shared data folder."""
     if sharegpt is None:
         path = find_data_dir([SHAREGPT_FILE]) / SHAREGPT_FILE
@@ -445,7 +445,7 @@ def seallm_workload(
     samplers: dict[str, LengthSampler] = {}
     means: dict[str, tuple[float, float]] = {}
     if "chat" in profiles:
-        chat = _sharegpt_sampler(sharegpt)
+        chat = sharegpt_sampler(sharegpt)
         samplers["chat"] = chat
         means["chat"] = (_mean(chat.prompt), _mean(chat.output))
         notes.append(
@@ -554,7 +554,7 @@ def muxserve_workload(
         raise ConfigError(f"alpha must be >= 0, got {alpha!r}")
     specs = _model_specs(models, distinct=False)
     rates = power_law_rates(rate, len(specs), a)
-    chat = _sharegpt_sampler(sharegpt)
+    chat = sharegpt_sampler(sharegpt)
     mean_p, mean_o = _mean(chat.prompt), _mean(chat.output)
     width = max(2, len(str(len(specs) - 1)))
 

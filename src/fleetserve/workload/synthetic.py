@@ -111,7 +111,7 @@ def gamma_arrivals(
     r = _positive("rate", rate)
     if not (isinstance(cv, int | float) and math.isfinite(cv) and cv >= 0):
         raise ConfigError(f"cv must be a finite number >= 0, got {cv!r}")
-    if cv == 0:
+    if cv * cv == 0:  # cv 0, or so small that its square underflows: evenly spaced
         return _renewal(lambda k: np.full(k, 1.0 / r), r, n, duration_s)
     shape = 1.0 / (cv * cv)
     scale = 1.0 / (r * shape)
