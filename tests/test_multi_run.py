@@ -213,5 +213,5 @@ def test_keep_models_replays_a_trace_with_its_services(tmp_path: Path) -> None:
     bad = {**base, "services": [{"name": "a", "model": "llama-2-7b"}]}
     with pytest.raises(ConfigError, match="not services"):
         build_workload(config_from_dict(bad))
-    with pytest.raises(ConfigError, match="leave out workload.models"):
+    with pytest.raises(ConfigError, match=r"leave out workload\.models"):
         config_from_dict({**base, "workload": {**base["workload"], "models": ["a"]}})
