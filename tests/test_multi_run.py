@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,7 +203,7 @@ def test_keep_models_replays_a_trace_with_its_services(tmp_path: Path) -> None:
         for i in range(80)
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    base = {
+    base: dict[str, Any] = {
         "cluster": {"gpu": "a100-80gb", "gpus": 2, "elastic": False},
         "services": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "opt-6.7b"}],
         "workload": {"trace": str(trace), "format": "jsonl", "keep_models": True},
