@@ -89,11 +89,13 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if ch is None:
         console.print("[bold red]no candidate meets every SLO[/] (see report.md)")
     else:
+        breaks = ch["headroom_breaks_at"]
         console.print(
             f"[bold]chosen:[/] {ch['gpus']} x {ch['gpu']}, stack {ch['stack']}, "
             f"${ch['cost_per_hour']:.2f}/h, ${ch['cost_per_million_tokens']:.3f} per M tokens; "
             f"robust on other seeds: {'yes' if ch['robust'] else 'NO'}; "
             f"headroom x{ch['headroom']:g}"
+            + ("" if breaks is None else f" (x{breaks:g} breaks an SLO)")
         )
         alt = ch["robust_alternative"]
         if not ch["robust"] and alt is not None:

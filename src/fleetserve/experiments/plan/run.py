@@ -89,6 +89,8 @@ class PlanResult:
         headroom: the largest rate multiplier that still meets every SLO
             (``headroom_max`` when even that does; None: no chosen point).
         headroom_runs: the headroom search's outcomes.
+        headroom_breaks: the smallest multiplier tried that broke an SLO
+            (None: none did).
         search_wall_s, wall_s: wall time of the search and of everything.
         cost_cap_per_hour: the cap on the non-baseline stacks' cost (None: none).
         robust_choice: when the chosen point fails on another seed, the
@@ -114,6 +116,7 @@ class PlanResult:
     wall_s: float = 0.0
     cost_cap_per_hour: float | None = None
     robust_choice: Point | None = None
+    headroom_breaks: float | None = None
     alternatives: list[tuple[Point, list[Outcome]]] = field(default_factory=list)
 
     @property
@@ -261,7 +264,12 @@ def run_plan(
                 cap = s.cost_cap * base.best.cost_per_hour
         search_wall = clock() - t_start
         found = [r.best for r in results.values() if r is not None and r.best is not None]
-        chosen = min(found, key=lambda p: (point_key(p), p.stack)) if found else None
+        # equal cost and size: the larger tightest SLO margin, then the stack's name
+        chosen = (
+            min(found, key=lambda p: (point_key(p), -outcomes[p].min_margin, p.stack))
+            if found
+            else None
+        )
         result = PlanResult(
             spec,
             base_dir,
@@ -310,6 +318,7 @@ def _robustness_and_headroom(
                 else:
                     hi = mid
     result.headroom = lo
+    result.headroom_breaks = hi if hi > lo else None
     result.headroom_runs = runs
     result.robustness = _collect(chosen, futures)
     if all(o.meets for o in result.robustness):
