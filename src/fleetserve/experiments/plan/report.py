@@ -183,6 +183,7 @@ def plan_summary(result: PlanResult, out: Path) -> dict[str, Any]:
             "robustness": [_outcome(o) for o in result.robustness],
             "robust": all(o.meets for o in result.robustness),
             "headroom": result.headroom,
+            "headroom_breaks_at": result.headroom_breaks,
             "headroom_max": spec.search.headroom_max,
             "headroom_runs": [_outcome(o) for o in result.headroom_runs],
             "replay": replay_command(out),
@@ -264,8 +265,8 @@ def _markdown(doc: dict[str, Any], result: PlanResult) -> str:
             f"**Headroom**: meets every SLO with every service's rate x{ch['headroom']:g}"
             + (
                 " (the most tried, `search.headroom_max`)"
-                if ch["headroom"] >= ch["headroom_max"]
-                else " (bisection; the next step up breaks an SLO)"
+                if ch["headroom_breaks_at"] is None
+                else f"; x{ch['headroom_breaks_at']:g} breaks one (bisection)"
             )
             + ".",
             "",
