@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-kunserve bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
+.PHONY: run test lint bench bench-kunserve bench-plan bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ bench: $(STAMP)
 # Issue 22: kunserve vs vllm on the Mooncake trace (P99 TTFT, throughput, simulation cost).
 bench-kunserve: $(STAMP)
 	$(BIN)/python benchmarks/kunserve_mooncake.py
+
+# Issue 23: fleetserve plan on configs/plan-example.yaml (target: under 5 minutes here),
+# and bisection vs brute force on a reduced plan (same answer; both times).
+bench-plan: $(STAMP)
+	$(BIN)/python benchmarks/plan_search.py
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py

@@ -244,6 +244,15 @@ def test_the_same_plan_gives_the_same_answer(tiny_runs: dict[str, Any]) -> None:
     }
 
 
+def test_two_processes_give_the_answer_of_one(tiny_runs: dict[str, Any]) -> None:
+    spec, base, one = tiny_runs["spec"], tiny_runs["base"], tiny_runs["fast"]
+    two = run_plan(replace(spec, search=replace(spec.search, jobs=2)), base)
+    assert two.chosen == one.chosen and two.headroom == one.headroom
+    assert {p: o.services for p, o in two.outcomes.items()} == {
+        p: o.services for p, o in one.outcomes.items()
+    }
+
+
 def test_nothing_below_a_lower_bound_is_feasible(tiny_runs: dict[str, Any]) -> None:
     spec, base, res = tiny_runs["spec"], tiny_runs["base"], tiny_runs["fast"]
     for combos in res.combos.values():
