@@ -56,9 +56,10 @@ def _stack(draw: Any) -> tuple[list[Combo], dict[tuple[str, int], int]]:
     for i in range(n):
         gpu = f"g{i}"
         price = draw(st.sampled_from([0.5, 1.0, 1.3, 2.0, 3.0]))
+        step = draw(st.sampled_from([1, 1, 2, 4]))
         thr = draw(st.integers(1, 30))  # > max_gpus: never feasible
         lb = draw(st.integers(1, thr))
-        combos.append(Combo("s", gpu, 1, price, lb, max_gpus, order=i))
+        combos.append(Combo("s", gpu, 1, price, lb, max_gpus, order=i, step=step))
         thresholds[(gpu, 1)] = thr
     return combos, thresholds
 
@@ -81,7 +82,7 @@ def test_pruned_bisection_finds_what_brute_force_finds(
     # never simulated below a lower bound, nor above max_gpus
     for p, _ok in fast.evaluated:
         c = next(c for c in combos if c.gpu == p.gpu)
-        assert c.lower_bound <= p.n_gpus <= c.max_gpus
+        assert c.lower_bound <= p.n_gpus <= c.max_gpus and p.n_gpus % c.step == 0
     assert len(fast.evaluated) <= len(slow.evaluated)
 
 
@@ -257,8 +258,9 @@ def test_nothing_below_a_lower_bound_is_feasible(tiny_runs: dict[str, Any]) -> N
     spec, base, res = tiny_runs["spec"], tiny_runs["base"], tiny_runs["fast"]
     for combos in res.combos.values():
         for c in combos:
-            if c.lower_bound > 1:
-                o = evaluate(EvalTask(spec, base, c.point(c.lower_bound - 1), spec.seed))
+            lo, _ = c.units
+            if lo > 1:
+                o = evaluate(EvalTask(spec, base, c.point(lo - 1), spec.seed))
                 assert not o.meets
 
 
@@ -285,6 +287,53 @@ def test_outputs_and_replay(tiny_runs: dict[str, Any], monkeypatch: pytest.Monke
             if r["model"] == svc
         ]
         assert nearest_rank(ttft, 0.99) == ch["services"][svc]["ttft_p99_s"]
+
+
+def test_one_service_plans_compare_the_one_model_stacks_and_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one service, Mell, Llumnix and KunServe join (their own simulators);
+    whichever stack is chosen, its replay reproduces the plan's figures."""
+    path = _tiny(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["services"] = data["services"][:1]
+    data["services"][0]["traffic"]["rate"] = 6.0
+    data["search"]["stacks"] = ["vllm", "llumnix", "mell", "kunserve"]
+    data["gpus"] = [{"name": "a100-80gb"}]
+    path.write_text(yaml.safe_dump(data))
+    spec, base = load_plan(path)
+    res = run_plan(spec, base)
+    assert set(res.searches) == {"vllm", "llumnix", "mell", "kunserve"}
+    for name in ("llumnix", "mell", "kunserve"):
+        search = res.searches[name]
+        assert search is not None and search.evaluated
+        assert all(o.error is None for p, o in res.outcomes.items() if p.stack == name)
+    out = tmp_path / "out"
+    write_plan(res, out)
+    doc = json.loads((out / "plan.json").read_text())
+    for name in ("llumnix", "mell", "kunserve"):  # replay each stack's cheapest point
+        best = res.searches[name].best  # type: ignore[union-attr]
+        if best is None:
+            continue
+        res.chosen = best
+        write_plan(res, out)
+        monkeypatch.chdir(out)
+        assert main(["simulate", "chosen.yaml", "--out", f"replay-{name}", "--no-progress"]) == 0
+        with (out / f"replay-{name}" / "requests.csv").open() as fh:
+            ttft = [
+                float(r["first_token_s"]) - float(r["arrival_s"])
+                if r["first_token_s"]
+                else math.inf
+                for r in csv.DictReader(fh)
+            ]
+        assert nearest_rank(ttft, 0.99) == res.outcomes[best].services["a"].ttft_p99_s
+    assert doc["per_stack"]["vllm"]["status"] == "feasible"
+
+
+def test_several_services_refuse_one_model_stacks(tmp_path: Path) -> None:
+    path = _tiny(tmp_path, search={"stacks": ["vllm", "mell"]})
+    with pytest.raises(ConfigError, match="serves one model"):
+        load_plan(path)
 
 
 def test_cli_plan_runs_and_reports(tmp_path: Path) -> None:

@@ -1,17 +1,21 @@
 """Simulate one candidate fleet and judge it against every service's SLOs.
 
-A point runs in the multi-LLM world exactly as ``fleetserve simulate`` runs the
-config :func:`sim_config` writes for it (same settings through
-:func:`~fleetserve.sim.multi_build.multi_settings`, same requests): the plan's
-replay command reproduces its figures.
+A point runs exactly as ``fleetserve simulate`` runs the config
+:func:`sim_config` writes for it (same settings, same requests), so the plan's
+replay command reproduces its figures. Multi-LLM stacks run in the multi-LLM
+simulator (placement on the history, then the run); the one-model stacks of a
+one-service plan in theirs: ``mell``, ``llumnix`` in the single-model
+simulator (Mell on an elastic pool capped at the point's size: its scheduler
+activates and releases GPUs), ``kunserve`` in KunServe's, on the run's
+requests (:func:`one_model_requests`).
 
 Judging. Per service, P99s are nearest-rank quantiles over *all* its run
 requests, a rejected or unfinished one counting as an infinite latency (so
 more than 1% of them lost fails any P99 SLO); TPOT over the requests with at
 least two output tokens. The attainment is the share of requests finished
-within ``attainment_scale`` times their idle execution time. A placement that
-cannot host the services on the pool (too few GPUs for its groups) is an
-infeasible point, with the placement's message.
+within ``attainment_scale`` times their idle execution time. A stack that
+cannot run on the pool (a placement without room for its groups, Mell's packer
+needing more GPUs than the cap) is an infeasible point, with the message.
 
 Runs stop at ``max_time_s = 2 x (history + duration) + 60`` s of simulated
 time: requests still in flight then count as missed (an overloaded fleet's
@@ -23,23 +27,35 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from fleetserve.config import config_from_dict
-from fleetserve.errors import ConfigError
+from fleetserve.errors import FleetserveError, InputError
 from fleetserve.experiments.plan.bounds import nearest_rank
 from fleetserve.experiments.plan.search import Point
 from fleetserve.experiments.plan.spec import PlanSpec
 from fleetserve.experiments.plan.traffic import Traffic, build_traffic
 from fleetserve.metrics.records import RequestRecord
 from fleetserve.metrics.summary import slo_attainment, slo_key
-from fleetserve.policy.catalog import get_stack
+from fleetserve.policy.catalog import KUNSERVE, MULTI, SINGLE, get_stack
+from fleetserve.sim.kun_run import run_kun
 from fleetserve.sim.multi_build import multi_settings
 from fleetserve.sim.multi_run import run_multi_stack
+from fleetserve.sim.simulator import Simulator
+from fleetserve.workload.request import Request
 
-__all__ = ["EvalTask", "Outcome", "ServiceResult", "evaluate", "sim_config", "tp_sizes"]
+__all__ = [
+    "EvalTask",
+    "Outcome",
+    "ServiceResult",
+    "evaluate",
+    "one_model_requests",
+    "plan_world",
+    "sim_config",
+    "tp_sizes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +148,46 @@ def max_time_s(spec: PlanSpec) -> float:
     return 2.0 * (spec.history_s + spec.duration_s) + 60.0
 
 
+def plan_world(stack: str) -> str:
+    """The simulator a plan runs ``stack`` in: the multi-LLM one when the stack
+    runs there, else its own (single-model, or KunServe's)."""
+    worlds = get_stack(stack).worlds
+    if MULTI in worlds:
+        return MULTI
+    return KUNSERVE if worlds == (KUNSERVE,) else SINGLE
+
+
+def one_model_requests(spec: PlanSpec, traffic: Traffic) -> list[Request]:
+    """The run of a one-service plan for a one-model simulator: the catalog
+    model in ``model``, the first arrival at 0.0 (as a ``jsonl`` replay reads it)."""
+    (svc,) = spec.services
+    t0 = traffic.run[0].arrival_s
+    return [replace(r, model=svc.model, arrival_s=r.arrival_s - t0) for r in traffic.run]
+
+
 def sim_config(spec: PlanSpec, point: Point, trace: str, seed: int) -> dict[str, Any]:
-    """The ``fleetserve simulate`` config of a point, on the ``jsonl`` ``trace``."""
+    """The ``fleetserve simulate`` config of a point, on the ``jsonl`` ``trace``
+    (the whole stream for a multi-LLM stack, :func:`one_model_requests` else)."""
+    if plan_world(point.stack) != MULTI:
+        (svc,) = spec.services
+        elastic = get_stack(point.stack).memory == "planned"  # Mell: an elastic pool
+        pool = (
+            {"elastic": True, "max_gpus": point.n_gpus}
+            if elastic
+            else {
+                "elastic": False,
+                "gpus": point.n_gpus,
+            }
+        )
+        return {
+            "model": svc.model,
+            "seed": seed,
+            "max_time_s": max_time_s(spec),
+            "cluster": {"gpu": point.gpu, "tp": point.tp, "mem_util": spec.mem_util, **pool},
+            "engine": {"max_num_seqs": spec.max_num_seqs},
+            "policy": {"stack": point.stack},
+            "workload": {"trace": trace, "format": "jsonl"},
+        }
     return {
         "seed": seed,
         "max_time_s": max_time_s(spec),
@@ -164,11 +218,15 @@ def _p99(values: list[float]) -> float:
     return nearest_rank(values, 0.99)
 
 
-def judge(spec: PlanSpec, records: list[RequestRecord]) -> dict[str, ServiceResult]:
-    """Per-service figures and margins of a run's records (module docstring)."""
+def judge(
+    spec: PlanSpec, records: list[RequestRecord], *, by_model: bool = False
+) -> dict[str, ServiceResult]:
+    """Per-service figures and margins of a run's records (module docstring);
+    ``by_model``: the records name the catalog model (a one-model simulator)."""
     out = {}
     for svc in spec.services:
-        recs = [r for r in records if r.model == svc.name]
+        tag = svc.model if by_model else svc.name
+        recs = [r for r in records if r.model == tag]
         ttft, tpot, e2e = [], [], []
         lost = 0
         for r in recs:
@@ -204,20 +262,28 @@ def evaluate(task: EvalTask) -> Outcome:
     traffic = _traffic(spec, task.base_dir, task.seed, task.rate_factor, task.window)
     cfg = config_from_dict(sim_config(spec, p, "traffic.jsonl", task.seed))
     common = {"seed": task.seed, "rate_factor": task.rate_factor, "window": task.window}
+    world = plan_world(p.stack)
     try:
-        result = run_multi_stack(
-            get_stack(p.stack).name,
-            traffic.services,
-            list(traffic.history),
-            list(traffic.run),
-            multi_settings(cfg),
-        )
-    except ConfigError as e:
+        if world == MULTI:
+            result = run_multi_stack(
+                get_stack(p.stack).name,
+                traffic.services,
+                list(traffic.history),
+                list(traffic.run),
+                multi_settings(cfg),
+            )
+        elif world == KUNSERVE:
+            result = run_kun(cfg, one_model_requests(spec, traffic))
+        else:
+            result = Simulator(cfg, one_model_requests(spec, traffic)).run()
+    except InputError:
+        raise
+    except FleetserveError as e:  # the stack cannot run on this pool (placement, Mell's cap)
         return Outcome(p, error=str(e), sim_wall_s=time.perf_counter() - t0, **common)  # type: ignore[arg-type]
     used = sum(g.end_s - g.start_s for g in result.gpu_intervals) / 3600.0
     return Outcome(
         p,
-        judge(spec, result.records),
+        judge(spec, result.records, by_model=world != MULTI),
         gpu_hours_used=used,
         sim_wall_s=time.perf_counter() - t0,
         **common,  # type: ignore[arg-type]

@@ -10,7 +10,8 @@ Files in the output folder:
 * ``frontier.png``: cost per hour against the worst service's P99 TTFT of
   every simulated point, feasible ones filled, the frontier drawn;
 * ``traffic.jsonl`` and ``chosen.yaml``: the search's requests and the chosen
-  point as a ``fleetserve simulate`` config, so that
+  point as a ``fleetserve simulate`` config (a one-model stack's config reads
+  ``traffic-run.jsonl``, the run without the history), so that
   ``fleetserve simulate DIR/chosen.yaml --out DIR/replay`` replays it.
 """
 
@@ -26,10 +27,16 @@ import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fleetserve.experiments.plan.evaluate import Outcome, sim_config
+from fleetserve.experiments.plan.evaluate import (
+    Outcome,
+    one_model_requests,
+    plan_world,
+    sim_config,
+)
 from fleetserve.experiments.plan.run import PlanResult
 from fleetserve.experiments.plan.search import Point, point_key
 from fleetserve.experiments.plan.traffic import write_jsonl
+from fleetserve.policy.catalog import MULTI
 
 __all__ = ["frontier", "plan_summary", "write_plan"]
 
@@ -46,6 +53,7 @@ def _point(p: Point) -> dict[str, Any]:
         "stack": p.stack,
         "gpu": p.gpu,
         "tp_min": p.tp,
+        "tp_exact": plan_world(p.stack) != MULTI,
         "gpus": p.n_gpus,
         "price_per_gpu_hour": p.price,
         "cost_per_hour": round(p.cost_per_hour, 6),
@@ -198,6 +206,11 @@ def plan_summary(result: PlanResult, out: Path) -> dict[str, Any]:
     return doc
 
 
+def _tp(p: dict[str, Any]) -> str:
+    """``TP 2`` (every instance of a one-model stack) or ``TP >= 2`` (a placement's choice)."""
+    return f"TP {p['tp_min']}" if p["tp_exact"] else f"TP >= {p['tp_min']}"
+
+
 def _fmt_s(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "lost"
@@ -218,7 +231,7 @@ def _markdown(doc: dict[str, Any], result: PlanResult) -> str:
     else:
         lines += [
             f"**Cheapest fleet meeting every SLO: {ch['gpus']} x {ch['gpu']} with stack "
-            f"`{ch['stack']}`** (TP >= {ch['tp_min']}): **${ch['cost_per_hour']:.2f} per hour**, "
+            f"`{ch['stack']}`** ({_tp(ch)}): **${ch['cost_per_hour']:.2f} per hour**, "
             f"${ch['cost_per_million_tokens']:.3f} per million tokens "
             f"(${ch['cost_per_million_output_tokens']:.2f} per million output tokens).",
             "",
@@ -253,7 +266,7 @@ def _markdown(doc: dict[str, Any], result: PlanResult) -> str:
             lines += [
                 (
                     f"**Cheapest robust alternative**: {alt['gpus']} x {alt['gpu']} with "
-                    f"`{alt['stack']}` (TP >= {alt['tp_min']}), ${alt['cost_per_hour']:.2f} per "
+                    f"`{alt['stack']}` ({_tp(alt)}), ${alt['cost_per_hour']:.2f} per "
                     "hour: meets every SLO on every seed."
                     if alt is not None
                     else f"No robust alternative among the {tried} tried "
@@ -279,7 +292,7 @@ def _markdown(doc: dict[str, Any], result: PlanResult) -> str:
         if st["status"] == "feasible":
             c = st["cheapest"]
             lines.append(
-                f"| {name} | {c['gpus']} x {c['gpu']} (TP >= {c['tp_min']}) | "
+                f"| {name} | {c['gpus']} x {c['gpu']} ({_tp(c)}) | "
                 f"{c['cost_per_hour']:.2f} | {st['evaluated']} points |"
             )
         else:
@@ -299,7 +312,7 @@ def _markdown(doc: dict[str, Any], result: PlanResult) -> str:
             default=None,
         )
         lines.append(
-            f"| {f['gpus']} x {f['gpu']} (TP >= {f['tp_min']}) | {f['stack']} | "
+            f"| {f['gpus']} x {f['gpu']} ({_tp(f)}) | {f['stack']} | "
             f"{f['cost_per_hour']:.2f} | {_fmt_s(worst)} |"
         )
     t = doc["timing"]
@@ -387,9 +400,13 @@ def write_plan(result: PlanResult, out: Path) -> dict[str, Any]:
     (out / "plan.json").write_text(json.dumps(doc, indent=2, allow_nan=False), encoding="utf-8")
     (out / "report.md").write_text(_markdown(doc, result), encoding="utf-8")
     _plot(result, out / "frontier.png")
-    write_jsonl(result.traffic, out / "traffic.jsonl")
+    write_jsonl(result.traffic.stream, out / "traffic.jsonl")
     if result.chosen is not None:
-        cfg = sim_config(result.spec, result.chosen, "traffic.jsonl", result.spec.seed)
+        trace = "traffic.jsonl"
+        if plan_world(result.chosen.stack) != MULTI:  # a one-model simulator: the run only
+            trace = "traffic-run.jsonl"
+            write_jsonl(one_model_requests(result.spec, result.traffic), out / trace)
+        cfg = sim_config(result.spec, result.chosen, trace, result.spec.seed)
         head = f"# The plan's chosen point; replay with:\n#   {replay_command(out)}\n"
         (out / "chosen.yaml").write_text(head + yaml.safe_dump(cfg, sort_keys=False))
     return doc

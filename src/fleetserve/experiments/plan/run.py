@@ -6,7 +6,10 @@
 2. Combos: every candidate stack on every candidate GPU; for ``dedicated``
    placement (``vllm``) one combo per allowed TP degree that changes some
    service's degree, for placements that choose degrees themselves one combo
-   (they choose among the allowed ones). Each gets its pool lower bound.
+   (they choose among the allowed ones); for one-model stacks (``mell``,
+   ``llumnix``, ``kunserve``: a plan with one service) one combo per allowed
+   degree the model fits on, its pool growing one instance at a time. Each
+   gets its pool lower bound.
 3. Search: one branch-and-bound-with-bisection per stack
    (:mod:`~fleetserve.experiments.plan.search`). The baseline stack
    (``search.baseline``, ``vllm``: fast to simulate) goes first, alone; then
@@ -40,7 +43,7 @@ from typing import Protocol
 
 from fleetserve.errors import ConfigError
 from fleetserve.experiments.plan.bounds import IdleFloor, check_feasible, pool_lower_bound
-from fleetserve.experiments.plan.evaluate import EvalTask, Outcome, evaluate
+from fleetserve.experiments.plan.evaluate import EvalTask, Outcome, evaluate, plan_world
 from fleetserve.experiments.plan.search import (
     Combo,
     Point,
@@ -53,7 +56,7 @@ from fleetserve.experiments.plan.search import (
 )
 from fleetserve.experiments.plan.spec import PlanSpec
 from fleetserve.experiments.plan.traffic import Traffic, build_traffic
-from fleetserve.policy.catalog import MULTI, stack_for
+from fleetserve.policy.catalog import MULTI, get_stack
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.spec.memory import min_tp
 from fleetserve.spec.prices import gpu_price
@@ -144,12 +147,19 @@ def build_combos(
     combos: dict[str, list[Combo]] = {}
     unplaceable: list[tuple[str, str, str]] = []
     tps = sorted(spec.search.tp)
-    for name in spec.search.stack_names:
-        stack = stack_for(name, MULTI)
+    for name in spec.stack_names:
+        stack = get_stack(name)
         combos[name] = []
+        one_model = plan_world(name) != MULTI
         for gi, g in enumerate(spec.gpus):
             price = gpu_price(g.name, g.price_per_hour)
-            if stack.placement == "dedicated":
+            if one_model:  # instances of exactly t GPUs each, t at least the model's least
+                least = _dedicated_tps(spec, g.name, 1)
+                choices = [
+                    (ti, t) for ti, t in enumerate(tps) if least is not None and t >= least[0]
+                ]
+                choices = [(ti, t) for ti, t in choices if t <= get_gpu(g.name).gpus_per_node]
+            elif stack.placement == "dedicated":
                 seen: set[tuple[int, ...]] = set()
                 choices = []
                 for ti, t in enumerate(tps):
@@ -166,8 +176,18 @@ def build_combos(
                 if lb is None:
                     unplaceable.append((name, g.name, "a service fits no allowed TP degree"))
                     continue
+                step = t if one_model else 1
                 combos[name].append(
-                    Combo(name, g.name, t, price, lb, spec.search.max_gpus, gi * 100 + ti)
+                    Combo(
+                        name,
+                        g.name,
+                        t,
+                        price,
+                        -(-lb // step) * step,
+                        spec.search.max_gpus,
+                        gi * 100 + ti,
+                        step,
+                    )
                 )
     return combos, unplaceable
 

@@ -1,7 +1,8 @@
 """The plan's search, as pure logic: which point to simulate next.
 
 A *combo* is a stack on a GPU type with a TP choice; its *points* are its pool
-sizes. Each stack is searched on its own (so every stack gets its cheapest
+sizes (multiples of its ``step``: a world of equal instances grows by one
+instance at a time). Each stack is searched on its own (so every stack gets its cheapest
 feasible point for the report), by a generator that yields the next
 :class:`Point` to simulate and receives whether it met every SLO:
 
@@ -57,6 +58,8 @@ class Combo:
         lower_bound: fewest GPUs that could meet the SLOs.
         max_gpus: the largest pool considered.
         order: position of (gpu, tp) in the input, for ties.
+        step: pool sizes are multiples of it (a world of equal TP instances:
+            ``tp``; a multi-LLM pool: 1).
     """
 
     stack: str
@@ -66,10 +69,16 @@ class Combo:
     lower_bound: int
     max_gpus: int
     order: int = 0
+    step: int = 1
 
-    def point(self, n_gpus: int) -> Point:
-        """The combo with ``n_gpus`` GPUs."""
-        return Point(self.stack, self.gpu, self.tp, n_gpus, self.price, self.order)
+    def point(self, units: int) -> Point:
+        """The combo with ``units * step`` GPUs."""
+        return Point(self.stack, self.gpu, self.tp, units * self.step, self.price, self.order)
+
+    @property
+    def units(self) -> tuple[int, int]:
+        """The smallest and largest pool size, in ``step`` units."""
+        return -(-self.lower_bound // self.step), self.max_gpus // self.step
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +133,15 @@ def stack_search(combos: Sequence[Combo]) -> Search:
     """
     out = StackSearch()
     for c in sorted(combos, key=lambda c: (c.lower_bound * c.price, c.order)):
-        lo = c.lower_bound
-        if lo > c.max_gpus:
-            out.pruned.append((c, f"lower bound {lo} > max_gpus {c.max_gpus}"))
+        lo, cap = c.units
+        if lo > cap:
+            out.pruned.append((c, f"lower bound {c.lower_bound} > max_gpus {c.max_gpus}"))
             continue
-        cap = c.max_gpus
         if out.best is not None:
             if point_key(c.point(lo)) >= point_key(out.best):
-                out.pruned.append((c, f"lower bound {lo} GPUs costs no less than the best"))
+                out.pruned.append(
+                    (c, f"lower bound {c.lower_bound} GPUs costs no less than the best")
+                )
                 continue
             while cap > lo and point_key(c.point(cap)) >= point_key(out.best):
                 cap -= 1
@@ -167,7 +177,8 @@ def brute_force_search(combos: Sequence[Combo]) -> Search:
     """Every pool size of every combo, from its lower bound to ``max_gpus``."""
     out = StackSearch()
     for c in sorted(combos, key=lambda c: c.order):
-        for n in range(c.lower_bound, c.max_gpus + 1):
+        lo, hi = c.units
+        for n in range(lo, hi + 1):
             ok = yield c.point(n)
             out.evaluated.append((c.point(n), ok))
             if ok and _better(c.point(n), out.best):

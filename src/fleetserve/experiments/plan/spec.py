@@ -29,11 +29,12 @@ from typing import Any
 
 from fleetserve.config import apply_override, build_dataclass, load_config
 from fleetserve.errors import ConfigError
-from fleetserve.policy.catalog import MULTI, stack_for
+from fleetserve.policy.catalog import MULTI, get_stack, stacks_in
 
 __all__ = [
     "DEFAULT_STACKS",
     "LENGTH_PROFILES",
+    "ONE_MODEL_STACKS",
     "BurstSpec",
     "GpuOption",
     "PlanService",
@@ -57,6 +58,13 @@ DEFAULT_STACKS: tuple[str, ...] = (
 and the composed ones (the catalog's ablations, e.g. ``seallm-fcfs``, are left
 out: they are research variants, not deployment choices; name them in
 ``search.stacks`` to include them)."""
+
+ONE_MODEL_STACKS: tuple[str, ...] = ("llumnix", "mell", "kunserve")
+"""Stacks added by default when a plan has one service: Llumnix and Mell (the
+single-model simulator: one model's instances, KV migration; Mell on an elastic
+pool capped at the candidate's size) and KunServe (replicas dropping layers
+under bursts). They serve one model, so a plan with several services cannot
+use them."""
 
 LENGTH_PROFILES: tuple[str, ...] = ("azure-conv", "sharegpt", "burstgpt", "agieval-cot")
 """Built-in request-length distributions of synthetic traffic
@@ -229,8 +237,10 @@ class SearchSpec:
     """How the search runs.
 
     Attributes:
-        stacks: candidate stacks (multi-LLM stacks of the catalog); None:
-            :data:`DEFAULT_STACKS`.
+        stacks: candidate stacks of the catalog: multi-LLM stacks, and with a
+            single service also single-model and KunServe stacks; None:
+            :data:`DEFAULT_STACKS` (with one service, :data:`ONE_MODEL_STACKS`
+            too).
         tp: allowed tensor-parallel degrees. Each is a candidate of the
             ``dedicated`` placement (every service on the smallest allowed
             degree at or above the least it fits on, and at or above the
@@ -272,11 +282,6 @@ class SearchSpec:
     robust_tries: int = 4
 
     def __post_init__(self) -> None:
-        if self.baseline is not None and self.baseline not in self.stack_names:
-            raise ConfigError(
-                f"search.baseline {self.baseline!r} is not among the candidate stacks "
-                f"({', '.join(self.stack_names)}); name one of them or null"
-            )
         if not (math.isfinite(self.cost_cap) and self.cost_cap >= 1):
             raise ConfigError(f"search.cost_cap must be >= 1, got {self.cost_cap}")
         if not self.tp or any(t < 1 or t & (t - 1) for t in self.tp):
@@ -291,16 +296,8 @@ class SearchSpec:
             raise ConfigError(f"search.headroom_max must be >= 1, got {self.headroom_max}")
         if self.headroom_steps < 0:
             raise ConfigError(f"search.headroom_steps must be >= 0, got {self.headroom_steps}")
-        if self.stacks is not None:
-            if not self.stacks:
-                raise ConfigError("search.stacks: name at least one stack (or leave it out)")
-            for s in self.stacks:
-                stack_for(s, MULTI)
-
-    @property
-    def stack_names(self) -> tuple[str, ...]:
-        """The candidate stacks."""
-        return self.stacks if self.stacks is not None else DEFAULT_STACKS
+        if self.stacks is not None and not self.stacks:
+            raise ConfigError("search.stacks: name at least one stack (or leave it out)")
 
 
 @dataclass(frozen=True)
@@ -346,6 +343,30 @@ class PlanSpec:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in self.stack_names:
+            stack = get_stack(name)
+            if MULTI not in stack.worlds and len(self.services) > 1:
+                raise ConfigError(
+                    f"search.stacks: {name!r} serves one model (it runs in the "
+                    f"{' and '.join(stack.worlds)} simulator); this plan has "
+                    f"{len(self.services)} services. Multi-LLM stacks: "
+                    f"{', '.join(stacks_in(MULTI))}"
+                )
+        b = self.search.baseline
+        if b is not None and b not in self.stack_names:
+            raise ConfigError(
+                f"search.baseline {b!r} is not among the candidate stacks "
+                f"({', '.join(self.stack_names)}); name one of them or null"
+            )
+
+    @property
+    def stack_names(self) -> tuple[str, ...]:
+        """The candidate stacks (the search's, or the defaults for this plan)."""
+        if self.search.stacks is not None:
+            return self.search.stacks
+        if len(self.services) == 1:
+            return DEFAULT_STACKS + ONE_MODEL_STACKS
+        return DEFAULT_STACKS
 
 
 def load_plan(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[PlanSpec, Path]:

@@ -21,6 +21,7 @@ writes, so a replay sees the very same requests).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -190,10 +191,11 @@ def build_traffic(
     return Traffic(stream, services, tuple(hist), tuple(run), tuple(notes))
 
 
-def write_jsonl(traffic: Traffic, path: Path) -> None:
-    """Write the whole stream as a ``jsonl`` trace (the service in ``model``)."""
+def write_jsonl(requests: Sequence[Request], path: Path) -> None:
+    """Write ``requests`` as a ``jsonl`` trace (e.g. the whole stream, the
+    service in ``model``)."""
     with path.open("w", encoding="utf-8") as f:
-        for r in traffic.stream:
+        for r in requests:
             f.write(
                 json.dumps(
                     {
