@@ -633,10 +633,12 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """SSE events until the request ends; a disconnect aborts it (``finally``).
 
-    ``per_token`` (vLLM's ``continuous_usage_stats``): a chunk for every token,
-    text or not, each with the ``usage`` so far (``completion_tokens`` counts
-    the tokens streamed up to it), and ``usage`` on the finishing chunk too.
-    Without it, a token whose text is held back sends nothing.
+    A chunk for every token, as vLLM streams: a token whose bytes do not yet
+    complete a character sends an empty text delta (the held-back bytes go out
+    with the token that completes them; never a U+FFFD), so a client times
+    tokens, not characters. ``per_token`` (vLLM's ``continuous_usage_stats``)
+    adds to each chunk the ``usage`` so far (``completion_tokens`` counts the
+    tokens streamed up to it), and ``usage`` on the finishing chunk too.
     """
     n_out = 0  # every token the request makes goes through ``t.events``, from the first
     try:
@@ -657,8 +659,6 @@ async def _stream(
             ev = await t.events.get()
             if ev[0] == "token":
                 n_out += 1
-                if not ev[1] and not per_token:
-                    continue
                 if chat:
                     choice = {"index": 0, "delta": {"content": ev[1]}, "finish_reason": None}
                 else:
