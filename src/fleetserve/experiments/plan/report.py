@@ -120,7 +120,13 @@ def plan_summary(result: PlanResult, out: Path) -> dict[str, Any]:
     chosen = result.chosen_outcome
     per_stack: dict[str, Any] = {}
     for name, search in result.searches.items():
-        if search is None:
+        if not result.combos.get(name):
+            per_stack[name] = {
+                "status": "cannot host every service on any candidate GPU at the allowed TP "
+                "degrees",
+                "evaluated": 0,
+            }
+        elif search is None:
             per_stack[name] = {"status": "cut by the time budget"}
         elif search.best is None:
             cap = result.cost_cap_per_hour
