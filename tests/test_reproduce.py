@@ -369,3 +369,32 @@ def test_missing_data_is_one_line_error(
 def test_report_only_needs_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, o, e = run_cli(capsys, "reproduce", "mell", "--report-only", "--out", tmp_path)
     assert_one_line_error(rc, o, e, "no runs/")
+
+
+def test_set_overrides_every_run_and_is_recorded(
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reproduce --set``: every run's config carries the override (e.g. Mell's
+    testbed links), OUT/overrides.txt records it; a key no run reads is refused
+    before anything runs."""
+    monkeypatch.setenv(DATA_ENV, str(data_dir))
+    out = tmp_path / "out"
+    link = "cluster.intra_node_bw=32000000000"
+    rc, _, e = run_cli(
+        capsys, "reproduce", "mell", "--stacks", "bf", "--scale", SCALE, "--jobs", "1",
+        "--no-progress", "--set", link, "--out", out,
+    )  # fmt: skip
+    assert rc == 0, e
+    assert (out / "overrides.txt").read_text() == link + "\n"
+    summaries = list(out.glob("runs/**/summary.json"))
+    assert summaries
+    for path in summaries:
+        assert json.loads(path.read_text())["config"]["cluster"]["intra_node_bw"] == 32e9
+    rc, o, e = run_cli(
+        capsys, "reproduce", "mell", "--stacks", "bf", "--scale", SCALE, "--set",
+        "cluster.nosuch=1", "--out", tmp_path / "bad",
+    )  # fmt: skip
+    assert_one_line_error(rc, o, e, "--set on run", "nosuch")

@@ -264,13 +264,42 @@ def _fleet_tables(spec: dict[str, Any]) -> list[Table]:
     return out
 
 
+def _overridden(specs: list[Any], overrides: Sequence[str] | None) -> list[Any]:
+    """The grid's runs with ``--set`` overrides applied to every config, each
+    checked before anything runs (a key no run's simulator reads is an error)."""
+    if not overrides:
+        return specs
+    import copy
+    import dataclasses
+
+    from fleetserve.policy.catalog import check_world
+
+    out = []
+    for spec in specs:
+        cfg = copy.deepcopy(spec.config)
+        for a in overrides:
+            apply_override(cfg, a)
+        try:
+            check_world(config_from_dict(cfg))
+        except FleetserveError as e:
+            raise FleetserveError(f"--set on run {spec.key}: {e}") from None
+        out.append(dataclasses.replace(spec, config=cfg))
+    return out
+
+
 def _run_specs(
-    console: Console, specs: list[Any], jobs: int, show: bool
+    console: Console,
+    specs: list[Any],
+    jobs: int,
+    show: bool,
+    overrides: Sequence[str] | None = None,
 ) -> tuple[float, list[Any]]:
-    """Run a grid with progress bars; ``(wall seconds, failed outcomes)``."""
+    """Run a grid with progress bars (``--set`` overrides applied to every run);
+    ``(wall seconds, failed outcomes)``."""
     from fleetserve.experiments.progress import grid_progress
     from fleetserve.experiments.runner import run_grid
 
+    specs = _overridden(specs, overrides)
     t0 = time.perf_counter()
     if show:
         with grid_progress(console, len(specs)) as listener:
@@ -318,7 +347,7 @@ def _reproduce_multi(
             f"a {sizes.history_s:g} s history, {jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
     files, report = write_report(out, exp, mode, wall_s=wall, jobs=jobs)
     _print_grid_report(console, exp.name, report, files, wall, out)
     return _report_failures(failed)
@@ -391,7 +420,7 @@ def _reproduce_kunserve(
             f"{kv}; {len(specs)} runs, {sizes.duration_s:g} s of arrivals each, {jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
         wall += probe_s
     files, report = write_report(out, mode, provisions, wall_s=wall, jobs=jobs)
     _print_grid_report(console, "kunserve", report, files, wall, out)
@@ -427,7 +456,7 @@ def _reproduce_fleet(
             f"{jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs, extra_notes=notes)
     for t in _fleet_tables(report["table"]):
         console.print(t)
@@ -465,6 +494,14 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
     if args.stacks is not None:
         stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
     out = Path(args.out)
+    if args.set and not args.report_only:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "overrides.txt").write_text("\n".join(args.set) + "\n", encoding="utf-8")
+        console.print(
+            f"[yellow]note:[/] every run with --set {' '.join(args.set)} (not the paper's "
+            "setup unless it says so; each run's summary.json has its config)",
+            highlight=False,
+        )
     if args.experiment == "kunserve":
         return _reproduce_kunserve(args, console, jobs, stacks, out)
     if args.experiment == "fleet":
@@ -486,7 +523,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
             f"mell ({mode.name}): {len(specs)} runs, arrivals in the first "
             f"{mode.window_s:g} s of each workload, {jobs} jobs"
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs)
     console.print(_reproduce_table(report))
     console.print(_claims_table(report))
@@ -680,6 +717,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rebuild the tables (table.md; fleet: report.md), results and figures from "
         "OUT/runs without simulating (give --quick if the runs were quick)",
+    )
+    rep.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config field of every run (repeatable), e.g. "
+        "cluster.intra_node_bw=32000000000; written to OUT/overrides.txt",
     )
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
     # Test-only: multiply the arrival windows / run lengths (e.g. 0.02 for a seconds-long
