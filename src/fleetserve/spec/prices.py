@@ -14,9 +14,13 @@ Sources (read 2026-11-26):
 * ``rtx4090-24gb``: DeployBase, "RTX 4090 cloud pricing"
   (https://deploybase.ai/articles/rtx-4090-cloud), March 2026: RunPod
   on-demand $0.34.
+* ``l4-24gb``: DeployBase, "NVIDIA L4 price"
+  (https://deploybase.ai/articles/nvidia-l4-price): RunPod on-demand $0.44.
 
-No source for ``a100-40gb``, ``a800-80gb``, ``l4-24gb`` and ``v100-32gb`` was
-found that is comparable with these; they have no default.
+RunPod is one of Mercatus' specialty providers, so the two sources price the
+same tier. No comparable source was found for ``a100-40gb`` (offers rarely say
+which A100), ``a800-80gb`` (sold in China only) or ``v100-32gb``; they have no
+default.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ GPU_PRICES: dict[str, float] = {
     "h100-80gb": 3.00,
     "h200-141gb": 4.00,
     "rtx4090-24gb": 0.34,
+    "l4-24gb": 0.44,
 }
 """USD per GPU-hour, on-demand (module docstring for the sources)."""
 
