@@ -404,6 +404,27 @@ def test_model_that_fits_no_gpu_is_refused(tmp_path: Path) -> None:
         run_plan(spec, base)
 
 
+def test_input_errors_name_the_service(tmp_path: Path) -> None:
+    path = _tiny(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["services"][1]["traffic"]["curve"] = [[0, 1], [0, 2]]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"services\[1\]: traffic\.curve"):
+        load_plan(path)
+    data["services"][1]["traffic"]["curve"] = [[0, 1], [80, 3]]
+    data["services"][1]["model"] = "llama-9b"
+    path.write_text(yaml.safe_dump(data))
+    spec, base = load_plan(path)
+    with pytest.raises(ConfigError, match="service 'b': unknown model 'llama-9b'"):
+        run_plan(spec, base)
+    data["services"][1]["model"] = "qwen-2.5-14b"
+    data["services"][1]["traffic"] = {"rate": 0.001, "prompt_tokens": 10, "output_tokens": 5}
+    path.write_text(yaml.safe_dump(data))
+    spec, base = load_plan(path)
+    with pytest.raises(ConfigError, match="service 'b' has no request in the simulated"):
+        run_plan(spec, base)
+
+
 def test_missing_trace_names_the_file(tmp_path: Path) -> None:
     path = _tiny(tmp_path)
     data = yaml.safe_load(path.read_text())

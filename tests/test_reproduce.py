@@ -398,3 +398,4 @@ def test_set_overrides_every_run_and_is_recorded(
         "cluster.nosuch=1", "--out", tmp_path / "bad",
     )  # fmt: skip
     assert_one_line_error(rc, o, e, "--set on run", "nosuch")
+    assert not (tmp_path / "bad" / "overrides.txt").exists()  # refused before anything

@@ -293,6 +293,7 @@ def _run_specs(
     jobs: int,
     show: bool,
     overrides: Sequence[str] | None = None,
+    out: Path | None = None,
 ) -> tuple[float, list[Any]]:
     """Run a grid with progress bars (``--set`` overrides applied to every run);
     ``(wall seconds, failed outcomes)``."""
@@ -300,6 +301,9 @@ def _run_specs(
     from fleetserve.experiments.runner import run_grid
 
     specs = _overridden(specs, overrides)
+    if overrides and out is not None:  # checked: record them in the output folder
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "overrides.txt").write_text("\n".join(overrides) + "\n", encoding="utf-8")
     t0 = time.perf_counter()
     if show:
         with grid_progress(console, len(specs)) as listener:
@@ -347,7 +351,7 @@ def _reproduce_multi(
             f"a {sizes.history_s:g} s history, {jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set, out)
     files, report = write_report(out, exp, mode, wall_s=wall, jobs=jobs)
     _print_grid_report(console, exp.name, report, files, wall, out)
     return _report_failures(failed)
@@ -420,7 +424,7 @@ def _reproduce_kunserve(
             f"{kv}; {len(specs)} runs, {sizes.duration_s:g} s of arrivals each, {jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set, out)
         wall += probe_s
     files, report = write_report(out, mode, provisions, wall_s=wall, jobs=jobs)
     _print_grid_report(console, "kunserve", report, files, wall, out)
@@ -456,7 +460,7 @@ def _reproduce_fleet(
             f"{jobs} jobs",
             highlight=False,
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set, out)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs, extra_notes=notes)
     for t in _fleet_tables(report["table"]):
         console.print(t)
@@ -495,8 +499,6 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
         stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
     out = Path(args.out)
     if args.set and not args.report_only:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "overrides.txt").write_text("\n".join(args.set) + "\n", encoding="utf-8")
         console.print(
             f"[yellow]note:[/] every run with --set {' '.join(args.set)} (not the paper's "
             "setup unless it says so; each run's summary.json has its config)",
@@ -523,7 +525,7 @@ def cmd_reproduce(args: argparse.Namespace, console: Console) -> int:
             f"mell ({mode.name}): {len(specs)} runs, arrivals in the first "
             f"{mode.window_s:g} s of each workload, {jobs} jobs"
         )
-        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set)
+        wall, failed = _run_specs(console, specs, jobs, not args.no_progress, args.set, out)
     files, report = write_report(out, mode, wall_s=wall, jobs=jobs)
     console.print(_reproduce_table(report))
     console.print(_claims_table(report))

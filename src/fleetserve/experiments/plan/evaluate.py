@@ -12,7 +12,9 @@ requests (:func:`one_model_requests`).
 Judging. Per service, P99s are nearest-rank quantiles over *all* its run
 requests, a rejected or unfinished one counting as an infinite latency (so
 more than 1% of them lost fails any P99 SLO); TPOT over the requests with at
-least two output tokens. The attainment is the share of requests finished
+least two output tokens. A service without a request in a run (possible on a
+robustness seed; the search's own traffic refuses it) has nothing to miss. The
+attainment is the share of requests finished
 within ``attainment_scale`` times their idle execution time. A stack that
 cannot run on the pool (a placement without room for its groups, Mell's packer
 needing more GPUs than the cap) is an infeasible point, with the message.
@@ -227,6 +229,9 @@ def judge(
     for svc in spec.services:
         tag = svc.model if by_model else svc.name
         recs = [r for r in records if r.model == tag]
+        if not recs:  # no request of this service in the run: nothing to miss
+            out[svc.name] = ServiceResult(0, 0, 0.0, 0.0, 0.0, None, {})
+            continue
         ttft, tpot, e2e = [], [], []
         lost = 0
         for r in recs:

@@ -394,7 +394,8 @@ def _plot(result: PlanResult, path: Path) -> None:
     ax.set_ylabel("worst service's P99 TTFT, s")
     ax.set_title("Simulated candidates (filled: every SLO met)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -386,5 +386,13 @@ def load_plan(path: str | Path, overrides: tuple[str, ...] = ()) -> tuple[PlanSp
     for key in ("services", "gpus"):
         if key not in data:
             raise ConfigError(f"{path}: missing key {key!r}")
+    services = data["services"]
+    for i, raw in enumerate(services if isinstance(services, list) else []):
+        if isinstance(raw, dict):  # a service's own checks, named by its position
+            try:
+                build_dataclass(PlanService, raw, f"services[{i}]", str(path))
+            except ConfigError as e:
+                detail = str(e).removeprefix(f"{path}: ")
+                raise ConfigError(f"{path}: services[{i}]: {detail}") from None
     spec = build_dataclass(PlanSpec, data, "", str(path))
     return spec, Path(path).resolve().parent

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fleetserve.errors import ConfigError, InputError
+from fleetserve.errors import ConfigError, FleetserveError, InputError
 from fleetserve.experiments.plan.spec import PlanService, PlanSpec, TrafficSpec
 from fleetserve.sim.multi_build import split_history
 from fleetserve.sim.multi_run import services_from_window
@@ -162,6 +162,10 @@ def build_traffic(
     notes: list[str] = []
     tagged: list[tuple[float, int, Request]] = []
     for i, svc in enumerate(spec.services):
+        try:
+            get_model(svc.model)
+        except FleetserveError as e:
+            raise ConfigError(f"service {svc.name!r}: {e}") from None
         rng = np.random.default_rng([seed, i])
         if svc.traffic.trace is not None:
             reqs = _from_trace(svc, base_dir, span, rate_factor, window)
@@ -175,6 +179,12 @@ def build_traffic(
     t0 = tagged[0][0]
     stream = tuple(replace(r, id=k, arrival_s=a - t0) for k, (a, _, r) in enumerate(tagged))
     hist, run = split_history(stream, spec.history_s)
+    silent = [s.name for s in spec.services if not any(r.model == s.name for r in run)]
+    if silent and run:
+        raise ConfigError(
+            f"service {silent[0]!r} has no request in the simulated traffic (the "
+            f"{spec.duration_s:g} s after the history): raise its rate or duration_s"
+        )
     if not hist or not run:
         raise ConfigError(
             f"the plan's traffic has {len(hist)} requests in the history ({spec.history_s:g} s) "
