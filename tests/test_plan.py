@@ -7,6 +7,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -179,8 +180,9 @@ def test_lost_requests_count_as_infinite_latency(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- real plans
 
 
-def _tiny(tmp_path: Path, **extra: Any) -> Path:
-    """Two small services, one GPU type, two stacks, a few GPUs at most."""
+def _tiny(tmp_path: Path, edit: Callable[[Any], object] | None = None, **extra: Any) -> Path:
+    """Two small services, one GPU type, two stacks, a few GPUs at most; ``extra``
+    replaces top-level keys, then ``edit`` may change the plan dict in place."""
     plan: dict[str, Any] = {
         "duration_s": 60,
         "history_s": 20,
@@ -209,8 +211,9 @@ def _tiny(tmp_path: Path, **extra: Any) -> Path:
             "headroom_steps": 2,
         },
     }
-    for k, v in extra.items():
-        plan[k] = v
+    plan.update(extra)
+    if edit is not None:
+        edit(plan)
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     return path
@@ -294,13 +297,14 @@ def test_one_service_plans_compare_the_one_model_stacks_and_replay(
 ) -> None:
     """With one service, Mell, Llumnix and KunServe join (their own simulators);
     whichever stack is chosen, its replay reproduces the plan's figures."""
-    path = _tiny(tmp_path)
-    data = yaml.safe_load(path.read_text())
-    data["services"] = data["services"][:1]
-    data["services"][0]["traffic"]["rate"] = 6.0
-    data["search"]["stacks"] = ["vllm", "llumnix", "mell", "kunserve"]
-    data["gpus"] = [{"name": "a100-80gb"}]
-    path.write_text(yaml.safe_dump(data))
+
+    def one_service(plan: dict[str, Any]) -> None:
+        plan["services"] = plan["services"][:1]
+        plan["services"][0]["traffic"]["rate"] = 6.0
+        plan["search"]["stacks"] = ["vllm", "llumnix", "mell", "kunserve"]
+        plan["gpus"] = [{"name": "a100-80gb"}]
+
+    path = _tiny(tmp_path, one_service)
     spec, base = load_plan(path)
     res = run_plan(spec, base)
     assert set(res.searches) == {"vllm", "llumnix", "mell", "kunserve"}
@@ -366,19 +370,13 @@ def test_bad_plans_get_one_line_errors(tmp_path: Path, change: dict[str, Any], m
 
 
 def test_traffic_must_be_one_kind(tmp_path: Path) -> None:
-    path = _tiny(tmp_path)
-    data = yaml.safe_load(path.read_text())
-    data["services"][0]["traffic"]["curve"] = [[0, 1]]
-    path.write_text(yaml.safe_dump(data))
+    path = _tiny(tmp_path, lambda p: p["services"][0]["traffic"].update(curve=[[0, 1]]))
     with pytest.raises(ConfigError, match="exactly one of rate, curve or trace"):
         load_plan(path)
 
 
 def test_slo_below_idle_latency_fails_before_any_simulation(tmp_path: Path) -> None:
-    path = _tiny(tmp_path)
-    data = yaml.safe_load(path.read_text())
-    data["services"][0]["slo"]["ttft_p99_s"] = 0.001
-    path.write_text(yaml.safe_dump(data))
+    path = _tiny(tmp_path, lambda p: p["services"][0]["slo"].update(ttft_p99_s=0.001))
     spec, base = load_plan(path)
     seen: list[str] = []
 
@@ -395,13 +393,31 @@ def test_slo_below_idle_latency_fails_before_any_simulation(tmp_path: Path) -> N
 
 
 def test_model_that_fits_no_gpu_is_refused(tmp_path: Path) -> None:
-    path = _tiny(tmp_path, gpus=[{"name": "rtx4090-24gb"}])
-    data = yaml.safe_load(path.read_text())
-    data["services"][1]["model"] = "llama-3.1-70b"
-    path.write_text(yaml.safe_dump(data))
+    path = _tiny(
+        tmp_path,
+        lambda p: p["services"][1].update(model="llama-3.1-70b"),
+        gpus=[{"name": "rtx4090-24gb"}],
+    )
     spec, base = load_plan(path)
     with pytest.raises(ConfigError, match="fits no candidate GPU"):
         run_plan(spec, base)
+
+
+def test_a_gpu_the_model_does_not_fit_is_skipped_not_fatal(tmp_path: Path) -> None:
+    """At mem_util 0.5 the 90B model fits no node of RTX 4090s but fits A100-80GBs:
+    the plan places it on the A100s and lists the RTX 4090 as unusable."""
+
+    def big(plan: dict[str, Any]) -> None:
+        plan["services"] = plan["services"][:1]
+        plan["services"][0]["model"] = "llama-3.2-90b"
+        plan["services"][0]["slo"] = {"e2e_p99_s": 60.0}
+        plan["gpus"] = [{"name": "rtx4090-24gb"}, {"name": "a100-80gb"}]
+        plan["search"].update(stacks=["vllm"], tp=[1, 2, 4, 8], max_gpus=8)
+
+    spec, base = load_plan(_tiny(tmp_path, big, mem_util=0.5))
+    res = run_plan(spec, base)
+    assert res.chosen is not None and res.chosen.gpu == "a100-80gb"
+    assert ("vllm", "rtx4090-24gb", "a service fits no allowed TP degree") in res.unplaceable
 
 
 def test_input_errors_name_the_service(tmp_path: Path) -> None:
@@ -426,10 +442,8 @@ def test_input_errors_name_the_service(tmp_path: Path) -> None:
 
 
 def test_missing_trace_names_the_file(tmp_path: Path) -> None:
-    path = _tiny(tmp_path)
-    data = yaml.safe_load(path.read_text())
-    data["services"][0]["traffic"] = {"trace": "nope.csv", "format": "azure"}
-    path.write_text(yaml.safe_dump(data))
+    trace = {"trace": "nope.csv", "format": "azure"}
+    path = _tiny(tmp_path, lambda p: p["services"][0].update(traffic=trace))
     spec, base = load_plan(path)
     with pytest.raises(InputError, match=r"nope\.csv"):
         build_traffic(spec, base, seed=0)

@@ -24,10 +24,10 @@ from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.seallm_placement import Evaluator, seallm_place
 from fleetserve.spec.memory import min_tp
-from fleetserve.spec.types import GpuSpec
+from fleetserve.spec.types import GpuSpec, ModelSpec
 from fleetserve.workload.service import Service
 
-__all__ = ["GROUP_PLACEMENTS", "dedicated_place", "place_services"]
+__all__ = ["GROUP_PLACEMENTS", "dedicated_place", "dedicated_tp", "place_services"]
 
 
 def _alloc(sizes: Sequence[int], n_gpus: int, per_node: int) -> list[tuple[int, ...]] | None:
@@ -49,16 +49,30 @@ def _alloc(sizes: Sequence[int], n_gpus: int, per_node: int) -> list[tuple[int, 
     return [g for g in out if g is not None]
 
 
-def _dedicated_tp(
-    svc: Service, gpu: GpuSpec, mem_util: float, tp_sizes: Collection[int] | None
+def dedicated_tp(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    mem_util: float = 0.9,
+    tp_sizes: Collection[int] | None = None,
+    *,
+    name: str | None = None,
 ) -> int:
-    least = min_tp(svc.spec, gpu, mem_util, gpu.gpus_per_node)
+    """The TP degree dedicated placement gives ``model``: the smallest allowed
+    size (``tp_sizes``; None: any power of two) at or above the least it fits on
+    (:func:`~fleetserve.spec.memory.min_tp`), within a node.
+
+    Raises:
+        ConfigError: the model fits no node of ``gpu``, or no allowed size
+            (``name``, the service's, goes in the message).
+    """
+    least = min_tp(model, gpu, mem_util, gpu.gpus_per_node)
     if tp_sizes is None:
         return least
     fits = [t for t in sorted(tp_sizes) if least <= t <= gpu.gpus_per_node]
     if not fits:
+        who = f"service {name!r}: " if name is not None else ""
         raise ConfigError(
-            f"service {svc.name!r}: {svc.spec.name} needs at least {least} x {gpu.name}; "
+            f"{who}{model.name} needs at least {least} x {gpu.name}; "
             f"no allowed tensor-parallel size ({', '.join(map(str, sorted(tp_sizes)))}) "
             f"is between {least} and a node ({gpu.gpus_per_node} GPUs)"
         )
@@ -87,7 +101,7 @@ def dedicated_place(
         ConfigError: one instance of every service does not fit the pool, or a
             service fits no allowed size.
     """
-    tps = {s.name: _dedicated_tp(s, gpu, mem_util, tp_sizes) for s in services}
+    tps = {s.name: dedicated_tp(s.spec, gpu, mem_util, tp_sizes, name=s.name) for s in services}
     names = sorted(tps)
     count = dict.fromkeys(names, 1)
     rate = {s.name: s.rate for s in services}

@@ -46,11 +46,19 @@ from fleetserve.costmodel.roofline import raw_coefficients
 from fleetserve.errors import ConfigError
 from fleetserve.experiments.plan.spec import PlanSpec
 from fleetserve.experiments.plan.traffic import Traffic
+from fleetserve.policy.group_placement import dedicated_tp
 from fleetserve.spec import get_gpu, get_model
-from fleetserve.spec.memory import fits, min_tp
+from fleetserve.spec.memory import fits
 from fleetserve.spec.types import GpuSpec
 
-__all__ = ["IdleFloor", "check_feasible", "nearest_rank", "pool_lower_bound", "service_tps"]
+__all__ = [
+    "IdleFloor",
+    "check_feasible",
+    "dedicated_tps",
+    "nearest_rank",
+    "pool_lower_bound",
+    "service_tps",
+]
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
@@ -163,6 +171,20 @@ def check_feasible(spec: PlanSpec, traffic: Traffic) -> dict[str, list[IdleFloor
     return floors
 
 
+def dedicated_tps(spec: PlanSpec, gpu_name: str, least: int) -> tuple[int, ...] | None:
+    """Each service's TP degree under dedicated placement with the allowed degrees
+    at or above ``least`` (:func:`~fleetserve.policy.group_placement.dedicated_tp`);
+    None when some service fits no such degree on this GPU."""
+    gpu = get_gpu(gpu_name)
+    try:
+        return tuple(
+            dedicated_tp(get_model(s.model), gpu, spec.mem_util, spec.tp_from(least))
+            for s in spec.services
+        )
+    except ConfigError:
+        return None
+
+
 def pool_lower_bound(
     spec: PlanSpec, traffic: Traffic, gpu_name: str, placement: str, min_tp_size: int
 ) -> int | None:
@@ -170,16 +192,10 @@ def pool_lower_bound(
     SLOs with (module docstring); None when some service fits no allowed degree
     at or above ``min_tp_size`` on this GPU."""
     gpu = get_gpu(gpu_name)
-    allowed = [t for t in spec.search.tp if t >= min_tp_size]
-    per_service = []
-    weights = 0
-    for svc in spec.services:
-        ok = service_tps(svc.model, gpu, allowed, spec.mem_util)
-        if not ok:
-            return None
-        least = min_tp(get_model(svc.model), gpu, spec.mem_util, gpu.gpus_per_node)
-        per_service.append(min(t for t in ok if t >= least))
-        weights += get_model(svc.model).weight_bytes
+    per_service = dedicated_tps(spec, gpu_name, min_tp_size)
+    if per_service is None:
+        return None
+    weights = sum(get_model(svc.model).weight_bytes for svc in spec.services)
     budget = math.floor(gpu.hbm_bytes * spec.mem_util)
     if placement == "dedicated":
         memory = sum(per_service)

@@ -57,6 +57,7 @@ __all__ = [
     "plan_world",
     "sim_config",
     "tp_sizes",
+    "traffic_for",
 ]
 
 
@@ -142,7 +143,7 @@ class EvalTask:
 def tp_sizes(spec: PlanSpec, point: Point) -> list[int]:
     """The TP degrees the point's placement may use: the allowed ones at or above
     the point's (``dedicated`` takes the smallest that fits each service)."""
-    return [t for t in sorted(spec.search.tp) if t >= point.tp]
+    return spec.tp_from(point.tp)
 
 
 def max_time_s(spec: PlanSpec) -> float:
@@ -212,7 +213,11 @@ def sim_config(spec: PlanSpec, point: Point, trace: str, seed: int) -> dict[str,
 
 
 @functools.lru_cache(maxsize=8)
-def _traffic(spec: PlanSpec, base_dir: Path, seed: int, rate_factor: float, window: int) -> Traffic:
+def traffic_for(
+    spec: PlanSpec, base_dir: Path, seed: int, rate_factor: float = 1.0, window: int = 0
+) -> Traffic:
+    """:func:`~fleetserve.experiments.plan.traffic.build_traffic`, memoized per
+    process (every point of a search simulates the same traffic)."""
     return build_traffic(spec, base_dir, seed=seed, rate_factor=rate_factor, window=window)
 
 
@@ -264,7 +269,7 @@ def evaluate(task: EvalTask) -> Outcome:
     """Place and simulate ``task.point`` on the plan's traffic, and judge it."""
     t0 = time.perf_counter()
     spec, p = task.spec, task.point
-    traffic = _traffic(spec, task.base_dir, task.seed, task.rate_factor, task.window)
+    traffic = traffic_for(spec, task.base_dir, task.seed, task.rate_factor, task.window)
     cfg = config_from_dict(sim_config(spec, p, "traffic.jsonl", task.seed))
     common = {"seed": task.seed, "rate_factor": task.rate_factor, "window": task.window}
     world = plan_world(p.stack)

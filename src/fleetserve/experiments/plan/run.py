@@ -42,8 +42,19 @@ from pathlib import Path
 from typing import Protocol
 
 from fleetserve.errors import ConfigError
-from fleetserve.experiments.plan.bounds import IdleFloor, check_feasible, pool_lower_bound
-from fleetserve.experiments.plan.evaluate import EvalTask, Outcome, evaluate, plan_world
+from fleetserve.experiments.plan.bounds import (
+    IdleFloor,
+    check_feasible,
+    dedicated_tps,
+    pool_lower_bound,
+)
+from fleetserve.experiments.plan.evaluate import (
+    EvalTask,
+    Outcome,
+    evaluate,
+    plan_world,
+    traffic_for,
+)
 from fleetserve.experiments.plan.search import (
     Combo,
     Point,
@@ -55,10 +66,9 @@ from fleetserve.experiments.plan.search import (
     stack_search,
 )
 from fleetserve.experiments.plan.spec import PlanSpec
-from fleetserve.experiments.plan.traffic import Traffic, build_traffic
+from fleetserve.experiments.plan.traffic import Traffic
 from fleetserve.policy.catalog import MULTI, get_stack
-from fleetserve.spec import get_gpu, get_model
-from fleetserve.spec.memory import min_tp
+from fleetserve.spec import get_gpu
 from fleetserve.spec.prices import gpu_price
 
 __all__ = ["PlanListener", "PlanResult", "build_combos", "run_plan"]
@@ -128,18 +138,6 @@ class PlanResult:
         return None if self.chosen is None else self.outcomes[self.chosen]
 
 
-def _dedicated_tps(spec: PlanSpec, gpu_name: str, t: int) -> tuple[int, ...] | None:
-    gpu = get_gpu(gpu_name)
-    out = []
-    for svc in spec.services:
-        least = min_tp(get_model(svc.model), gpu, spec.mem_util, gpu.gpus_per_node)
-        fits = [x for x in sorted(spec.search.tp) if x >= max(t, least) and x <= gpu.gpus_per_node]
-        if not fits:
-            return None
-        out.append(fits[0])
-    return tuple(out)
-
-
 def build_combos(
     spec: PlanSpec, traffic: Traffic
 ) -> tuple[dict[str, list[Combo]], list[tuple[str, str, str]]]:
@@ -154,16 +152,14 @@ def build_combos(
         for gi, g in enumerate(spec.gpus):
             price = gpu_price(g.name, g.price_per_hour)
             if one_model:  # instances of exactly t GPUs each, t at least the model's least
-                least = _dedicated_tps(spec, g.name, 1)
-                choices = [
-                    (ti, t) for ti, t in enumerate(tps) if least is not None and t >= least[0]
-                ]
-                choices = [(ti, t) for ti, t in choices if t <= get_gpu(g.name).gpus_per_node]
+                least = dedicated_tps(spec, g.name, 1)  # (the one service's degree,)
+                node = get_gpu(g.name).gpus_per_node
+                choices = [(ti, t) for ti, t in enumerate(tps) if least and least[0] <= t <= node]
             elif stack.placement == "dedicated":
                 seen: set[tuple[int, ...]] = set()
                 choices = []
                 for ti, t in enumerate(tps):
-                    assign = _dedicated_tps(spec, g.name, t)
+                    assign = dedicated_tps(spec, g.name, t)
                     if assign is not None and assign not in seen:
                         seen.add(assign)
                         choices.append((ti, t))
@@ -234,7 +230,7 @@ def run_plan(
         InputError: a missing or malformed trace.
     """
     t_start = clock()
-    traffic = build_traffic(spec, base_dir, seed=spec.seed)
+    traffic = traffic_for(spec, base_dir, spec.seed)
     floors = check_feasible(spec, traffic)
     combos, unplaceable = build_combos(spec, traffic)
     if not any(combos.values()):

@@ -30,6 +30,7 @@ from typing import Any
 from fleetserve.config import apply_override, build_dataclass, load_config
 from fleetserve.errors import ConfigError
 from fleetserve.policy.catalog import MULTI, get_stack, stacks_in
+from fleetserve.workload.loaders import FORMATS
 
 __all__ = [
     "DEFAULT_STACKS",
@@ -70,7 +71,8 @@ LENGTH_PROFILES: tuple[str, ...] = ("azure-conv", "sharegpt", "burstgpt", "agiev
 """Built-in request-length distributions of synthetic traffic
 (:func:`fleetserve.experiments.plan.traffic.length_sampler`)."""
 
-TRACE_FORMATS: tuple[str, ...] = ("azure", "mooncake", "burstgpt", "jsonl")
+TRACE_FORMATS: tuple[str, ...] = tuple(f for f in FORMATS if f != "lengths")
+"""Trace formats a service's traffic may replay (``lengths`` has no arrival times)."""
 
 
 def _finite_positive(where: str, v: float | None) -> None:
@@ -358,6 +360,10 @@ class PlanSpec:
                 f"search.baseline {b!r} is not among the candidate stacks "
                 f"({', '.join(self.stack_names)}); name one of them or null"
             )
+
+    def tp_from(self, least: int) -> list[int]:
+        """The allowed TP degrees at or above ``least`` (a candidate's TP choice)."""
+        return [t for t in sorted(self.search.tp) if t >= least]
 
     @property
     def stack_names(self) -> tuple[str, ...]:
