@@ -57,6 +57,7 @@ BATCHES = (1, 8, 32)
 TARGET = 2.0
 PAD_ID = 258  # the byte tokenizer's PAD
 ARENA_BYTES = 512 * 2**20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -79,12 +80,17 @@ def run_engine(
     return wall, outs
 
 
-def load_hf(folder: Path) -> Any:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_hf(folder: Path, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    m = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    m = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     gc = m.generation_config
     gc.eos_token_id = None  # ignore_eos: never stop, never suppress EOS
     gc.pad_token_id = PAD_ID
@@ -98,12 +104,15 @@ def load_hf(folder: Path) -> Any:
 def run_hf(model: Any, prompts: list[list[int]], n_new: int) -> tuple[float, list[list[int]]]:
     """One batched, left-padded greedy ``generate``; (wall seconds, outputs)."""
     width = max(len(p) for p in prompts)
+    device = model.device
+    sync(device)
     t0 = time.perf_counter()
     ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -112,8 +121,9 @@ def run_hf(model: Any, prompts: list[list[int]], n_new: int) -> tuple[float, lis
             min_new_tokens=n_new,
             do_sample=False,
         )
+    res = out[:, width:].tolist()  # on the host: a CUDA run has finished
     wall = time.perf_counter() - t0
-    return wall, out[:, width:].tolist()
+    return wall, res
 
 
 Run = tuple[float, list[list[int]]]
@@ -162,7 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="best of N runs per point (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-decode-split", action="store_true", help="skip the 1-token runs")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    ap.add_argument(
+        "--attention", default="auto", choices=["auto", "gather", "flex"], help="engine attention"
+    )
+    ap.add_argument("--out", help=f"JSON to write (default {OUT_JSON.relative_to(ROOT)})")
+    ap.add_argument(
+        "--dtype", default="float32", choices=sorted(DTYPES), help="both systems' weights and KV"
+    )
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     batches = [int(b) for b in args.batches.split(",")]
     n_new = args.max_new_tokens
@@ -170,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     print(
         f"engine vs HF generate: prompts uniform in [{args.min_prompt}, {args.max_prompt}] "
-        f"tokens, {n_new} new tokens, greedy fp32, {args.threads} thread(s), best of {args.runs}"
+        f"tokens, {n_new} new tokens, greedy {args.dtype} on {device} (engine attention "
+        f"{args.attention}), {args.threads} thread(s), best of {args.runs}"
     )
     engine_file = Path(engine_module.__file__ or "")
     engine_sha = hashlib.sha256(engine_file.read_bytes()).hexdigest()[:12]
@@ -180,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             src = load_weight_source(name)
             folder = save_checkpoint(Path(tmp) / name, src)
-            hf = load_hf(folder)
-            eng = Engine([src], ARENA_BYTES)
+            hf = load_hf(folder, device, dtype)
+            eng = Engine([src], ARENA_BYTES, device=device, dtype=dtype, attention=args.attention)
             warm = make_prompts(2, 8, 32, seed=999)
             run_engine(eng, name, warm, 4)
             run_hf(hf, warm, 4)
@@ -241,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"target >= {TARGET:.0f}x HF at batch 32, {r['model']}: {r['ratio']:.2f}x ({verdict})"
         )
-    OUT_JSON.parent.mkdir(parents=True, exist_ok=True)
-    OUT_JSON.write_text(
+    out_json = Path(args.out) if args.out else OUT_JSON
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(
         json.dumps(
             {
                 "machine": platform.platform(),
@@ -250,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_file": str(engine_file),
                 "engine_sha256": engine_sha,
                 "threads": args.threads,
+                "device": str(device),
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+                "dtype": args.dtype,
+                "attention": args.attention,
                 "max_new_tokens": n_new,
                 "prompt_range": [args.min_prompt, args.max_prompt],
                 "rows": rows,
@@ -259,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n",
         encoding="utf-8",
     )
-    print(f"wrote {OUT_JSON.relative_to(ROOT)}")
+    print(f"wrote {out_json}")
     return 0
 
 

@@ -64,6 +64,7 @@ from fleetserve.runtime.engine.model import (
     qkv,
     rms_norm,
 )
+from fleetserve.runtime.engine.paged_flex import FlexStep, PagedFlex, flex_supported
 from fleetserve.runtime.engine.sampling import (
     SamplingParams,
     StopMatcher,
@@ -184,6 +185,7 @@ class AttnGroup:
         )
 
 
+ATTENTION_MODES = ("auto", "gather", "flex")
 _GROUP_MIN = 8  # a decode bucket takes this many requests before it may close
 
 
@@ -393,6 +395,12 @@ class Engine:
         max_running: most requests in one batch.
         max_batch_tokens: most tokens (prefill + decode) in one step.
         engine_id: this engine's id in views and logs.
+        attention: how requests with cached context attend: ``gather`` (copy
+            their pages into a padded tensor, then dense attention: the
+            fastest on a CPU), ``flex`` (FlexAttention reading the pages in
+            place, :mod:`~fleetserve.runtime.engine.paged_flex`; compiled on
+            CUDA, dense and slow on a CPU) or ``auto`` (default: ``flex`` on
+            CUDA for every model it supports, else ``gather``).
     """
 
     def __init__(
@@ -407,9 +415,14 @@ class Engine:
         max_running: int = 256,
         max_batch_tokens: int = 8192,
         engine_id: int = 0,
+        attention: str = "auto",
     ) -> None:
         if not models:
             raise ConfigError("an engine needs at least one model")
+        if attention not in ATTENTION_MODES:
+            raise ConfigError(
+                f"attention {attention!r}: expected one of {', '.join(ATTENTION_MODES)}"
+            )
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but torch sees no CUDA device")
@@ -427,6 +440,10 @@ class Engine:
                 srcs.append((self._source(m), None))
         hd = max(s.cfg.spec.head_dim for s, _ in srcs)
         self.pool = KVPool(arena_bytes, block_size, hd, dtype, self.device)
+        self.attention = attention
+        self._flex: PagedFlex | None = None
+        self._flex_models: set[str] = set()
+        self._flex_step: tuple[Batch, FlexStep] | None = None
         self.models: dict[str, _Model] = {}
         for src, lay in srcs:
             self._load(src, lay)
@@ -437,6 +454,19 @@ class Engine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------- models
+    def _choose_attention(self, name: str, head_dim: int) -> None:
+        if self.attention == "gather" or (self.attention == "auto" and self.device.type != "cuda"):
+            return
+        pool = self.pool
+        why = flex_supported(pool.page_elems, pool.block_size, head_dim, self.device)
+        if why:
+            if self.attention == "flex":
+                raise ConfigError(f"model {name!r}: attention 'flex' cannot run: {why}")
+            return
+        if self._flex is None:
+            self._flex = PagedFlex(pool.arena, pool.block_size, compiled=self.device.type == "cuda")
+        self._flex_models.add(name)
+
     @staticmethod
     def _source(s: str | WeightSource) -> WeightSource:
         return load_weight_source(s) if isinstance(s, str) else s
@@ -451,6 +481,7 @@ class Engine:
         if held and (held[0] < 0 or held[-1] >= n):
             raise ConfigError(f"model {name!r}: layers {held} outside [0, {n})")
         self.pool.add_model(name, n, cfg.spec.num_kv_heads, cfg.spec.head_dim)
+        self._choose_attention(name, cfg.spec.head_dim)
         dev, dt = self.device, self.dtype
         m = _Model(
             cfg=cfg,
@@ -838,11 +869,25 @@ class Engine:
                 )
         max_tb = -(-batch.max_ctx // pool.block_size)
         tabs = [pool.table(r) for r in batch.rids]
-        out = torch.zeros((len(tabs), max_tb, *tabs[0].shape[1:]), dtype=torch.int64)
+        out = torch.full((len(tabs), max_tb, *tabs[0].shape[1:]), -1, dtype=torch.int64)
         for i, t in enumerate(tabs):
             n = min(t.shape[0], max_tb)
             out[i, :n] = t[:n]
+        if self._flex is not None and batch.model in self._flex_models and batch.groups:
+            self._flex.mark(out, out.shape[2])
         return out.clamp_(min=0).to(self.device)
+
+    def _flex_inputs(self, batch: Batch) -> FlexStep:
+        """The batch's FlexAttention inputs, built once for all its layers."""
+        assert self._flex is not None
+        if self._flex_step is None or self._flex_step[0] is not batch:
+            st, ln = batch.starts.tolist(), batch.lens.tolist()
+            first = (torch.cumsum(batch.lens, 0) - batch.lens).tolist()
+            members = [i for i, s in enumerate(st) if s > 0]
+            spec = self.models[batch.model].cfg.spec
+            fs = self._flex.step(members, st, ln, first, spec.num_kv_heads, spec.num_layers)
+            self._flex_step = (batch, fs)
+        return self._flex_step[1]
 
     def _attend(
         self,
@@ -875,6 +920,10 @@ class Engine:
                 enable_gqa=True,
             )
             out[lo:hi] = a[0].transpose(0, 1).reshape(hi - lo, nh * d)
+        if self._flex is not None and batch.model in self._flex_models and batch.groups:
+            fs = self._flex_inputs(batch)
+            out[fs.rows] = self._flex.attend(fs, tab, layer, q, nh, nkv, d)
+            return out
         # the rest, group by group: padded attention over K/V gathered from the
         # pages, keys and values each in one index_select (rows: request, head, block)
         for g in batch.groups:
