@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-decode-split", action="store_true", help="skip the 1-token runs")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ap.add_argument(
-        "--attention", default="auto", choices=["auto", "gather", "flex"], help="engine attention"
+        "--attention", default="gather", choices=["gather", "flex"], help="engine attention"
     )
     ap.add_argument("--out", help=f"JSON to write (default {OUT_JSON.relative_to(ROOT)})")
     ap.add_argument(

@@ -133,7 +133,7 @@ def test_engine_flex_continuation_logits_equal_gather() -> None:
 def test_attention_modes() -> None:
     with pytest.raises(ConfigError, match="attention 'paged'"):
         Engine([A], 16 * MiB, attention="paged")
-    # auto on the CPU keeps the gather path; flex is taken when asked
+    # the gather path is the default; flex is taken when asked
     assert not Engine([A], 16 * MiB)._flex_models
     assert Engine([A], 16 * MiB, attention="flex")._flex_models == {A}
     cpu = torch.device("cpu")
@@ -149,7 +149,7 @@ def test_attention_modes() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_flex_equals_cuda_gather(dtype: str) -> None:
-    """On CUDA 'auto' compiles FlexAttention; greedy outputs equal the gather
+    """On CUDA 'flex' compiles FlexAttention; greedy outputs equal the gather
     path's (fp32: token for token; bf16: the same on most requests)."""
     dt = getattr(torch, dtype)
     rng = random.Random(1)
@@ -157,13 +157,13 @@ def test_cuda_flex_equals_cuda_gather(dtype: str) -> None:
     params = SamplingParams(max_tokens=24, ignore_eos=True)
 
     def run(mode: str) -> list[list[int]]:
-        eng = Engine([A], 256 * MiB, device="cuda", dtype=dt, max_batch_tokens=256, attention=mode)
-        assert bool(eng._flex_models) == (mode == "auto")
+        eng = Engine([A], 256 * MiB, device="cuda", dtype=dt, max_batch_tokens=512, attention=mode)
+        assert bool(eng._flex_models) == (mode == "flex")
         out = eng.generate(A, prompts, params)
         eng.check_integrity()
         return out
 
-    flex, gather = run("auto"), run("gather")
+    flex, gather = run("flex"), run("gather")
     if dtype == "float32":
         assert flex == gather
     else:

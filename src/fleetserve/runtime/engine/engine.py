@@ -185,7 +185,7 @@ class AttnGroup:
         )
 
 
-ATTENTION_MODES = ("auto", "gather", "flex")
+ATTENTION_MODES = ("gather", "flex")
 _GROUP_MIN = 8  # a decode bucket takes this many requests before it may close
 
 
@@ -395,12 +395,13 @@ class Engine:
         max_running: most requests in one batch.
         max_batch_tokens: most tokens (prefill + decode) in one step.
         engine_id: this engine's id in views and logs.
-        attention: how requests with cached context attend: ``gather`` (copy
-            their pages into a padded tensor, then dense attention: the
-            fastest on a CPU), ``flex`` (FlexAttention reading the pages in
-            place, :mod:`~fleetserve.runtime.engine.paged_flex`; compiled on
-            CUDA, dense and slow on a CPU) or ``auto`` (default: ``flex`` on
-            CUDA for every model it supports, else ``gather``).
+        attention: how requests with cached context attend: ``gather``
+            (default: copy their pages into a padded tensor, then dense
+            attention) or ``flex`` (FlexAttention reading the pages in place,
+            :mod:`~fleetserve.runtime.engine.paged_flex`; compiled on CUDA,
+            dense and slow on a CPU). Measured on an H100 (docs/gpu.md), the
+            compiled kernel over 16-token head-wise pages is slower than the
+            gather, so ``gather`` stays the default on every device.
     """
 
     def __init__(
@@ -415,7 +416,7 @@ class Engine:
         max_running: int = 256,
         max_batch_tokens: int = 8192,
         engine_id: int = 0,
-        attention: str = "auto",
+        attention: str = "gather",
     ) -> None:
         if not models:
             raise ConfigError("an engine needs at least one model")
@@ -455,14 +456,12 @@ class Engine:
 
     # ------------------------------------------------------------- models
     def _choose_attention(self, name: str, head_dim: int) -> None:
-        if self.attention == "gather" or (self.attention == "auto" and self.device.type != "cuda"):
+        if self.attention == "gather":
             return
         pool = self.pool
         why = flex_supported(pool.page_elems, pool.block_size, head_dim, self.device)
         if why:
-            if self.attention == "flex":
-                raise ConfigError(f"model {name!r}: attention 'flex' cannot run: {why}")
-            return
+            raise ConfigError(f"model {name!r}: attention 'flex' cannot run: {why}")
         if self._flex is None:
             self._flex = PagedFlex(pool.arena, pool.block_size, compiled=self.device.type == "cuda")
         self._flex_models.add(name)

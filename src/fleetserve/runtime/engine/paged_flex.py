@@ -89,7 +89,9 @@ class FlexStep:
     g_b: torch.Tensor  # [Nm] member of each row
     g_t: torch.Tensor  # [Nm] query slot of each row
     qpos: torch.Tensor  # [m*kv_heads, q_len] absolute position of each query
-    kv_blocks: torch.Tensor  # [m*kv_heads, 1, n_qb] int32 token blocks of each entry
+    kv_blocks: torch.Tensor  # [m*kv_heads, 1, n_qb] int32 partial token blocks of each entry
+    full_blocks: torch.Tensor  # [m*kv_heads, 1, n_qb] int32 token blocks below every query
+    part_at: torch.Tensor  # [m*kv_heads, width] index of the k-th partial block in the table
     seq_base: torch.Tensor  # [m*kv_heads] int32 page id of the entry at layer 0
     q_len: int
     width: int  # token blocks of the longest member
@@ -159,24 +161,92 @@ class PagedFlex:
         slot = torch.arange(q_len)[None, :]
         qpos = st[:, None] + torch.minimum(slot, ln[:, None] - 1)  # [m, q_len]
         ntb = -(-(st + ln) // bs)
+        full = (st + 1) // bs  # token blocks every query of the member sees whole
         n_qb = -(-q_len // _Q_BLOCK)
         ent = torch.arange(kv_heads)
         seq_base = (mem[:, None] * num_layers * kv_heads + ent[None, :]).reshape(-1)
+        width = int(ntb.max())
+
+        def per_entry(x: torch.Tensor) -> torch.Tensor:
+            out = x.repeat_interleave(kv_heads).to(torch.int32)[:, None, None]
+            return out.expand(-1, 1, n_qb).contiguous().to(dev)
+
+        part_at = (full.repeat_interleave(kv_heads)[:, None] + torch.arange(width)).clamp(
+            max=width - 1
+        )
         return FlexStep(
             mem=mem.to(dev),
             rows=(fi[g_b] + g_t).to(dev),
             g_b=g_b.to(dev),
             g_t=g_t.to(dev),
             qpos=qpos.repeat_interleave(kv_heads, 0).to(dev),
-            kv_blocks=ntb.repeat_interleave(kv_heads)
-            .to(torch.int32)[:, None, None]
-            .expand(-1, 1, n_qb)
-            .contiguous()
-            .to(dev),
+            kv_blocks=per_entry(ntb - full),
+            full_blocks=per_entry(full),
+            part_at=part_at.to(dev),
             seq_base=seq_base.to(torch.int32).to(dev),
             q_len=q_len,
-            width=int(ntb.max()),
+            width=width,
         )
+
+    def block_mask(self, fs: FlexStep, tab: torch.Tensor, layer: int, head_dim: int) -> Any:
+        """The layer's block mask: each entry's pages in token order, those below
+        every query as full blocks (no mask evaluated), the rest partial."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs, hk = self.bs, tab.shape[2]
+        e, w = fs.seq_base.numel(), fs.width
+        n_qb = fs.kv_blocks.shape[2]
+        s_len = self.num_pages * 2 * bs - bs
+        idx = (tab[fs.mem, :w].permute(0, 2, 1).reshape(e, w) * 2).to(torch.int32)
+        part = idx.gather(1, fs.part_at)
+        if not self.compiled:  # eager: the lists as wide as the key sequence
+            pad = s_len // bs - w
+            idx = torch.nn.functional.pad(idx, (0, pad))
+            part = torch.nn.functional.pad(part, (0, pad))
+        width = idx.shape[1]
+        seq_id = fs.seq_base + layer * hk
+        page_seq, page_tb, qpos = self.page_seq, self.page_tb, fs.qpos
+
+        def visible(b: Any, h: Any, qi: Any, kv: Any) -> Any:
+            pg = kv // (2 * bs)
+            off = kv % (2 * bs)
+            return (
+                (off < bs) & (page_seq[pg] == seq_id[b]) & (page_tb[pg] * bs + off <= qpos[b, qi])
+            )
+
+        return BlockMask.from_kv_blocks(
+            fs.kv_blocks,
+            part[:, None, None].expand(e, 1, n_qb, width),
+            fs.full_blocks,
+            idx[:, None, None].expand(e, 1, n_qb, width),
+            BLOCK_SIZE=(_Q_BLOCK, bs),
+            mask_mod=visible,
+            seq_lengths=(fs.q_len, s_len),
+            compute_q_blocks=False,
+        )
+
+    def run(
+        self, fs: FlexStep, mask: Any, q: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+    ) -> torch.Tensor:
+        """The attention kernel of the members' rows under ``mask``: [Nm, heads*head_dim]."""
+        bs, d, hk = self.bs, head_dim, kv_heads
+        g = heads // hk
+        m, q_len = fs.mem.numel(), fs.q_len
+        e = m * hk
+        a2 = self.arena.view(-1, d)  # [num_pages * 2 * bs, d]
+        keys, vals = a2[:-bs][None, None], a2[bs:][None, None]
+        if q_len == 1:
+            qp = q[fs.rows].reshape(m, hk, g, 1, d).reshape(e, g, 1, d)
+        else:
+            pad = q.new_zeros(m, q_len, heads, d)
+            pad[fs.g_b, fs.g_t] = q[fs.rows].view(-1, heads, d)
+            qp = pad.view(m, q_len, hk, g, d).permute(0, 2, 3, 1, 4).reshape(e, g, q_len, d)
+        if self._expand_kv:
+            keys, vals = keys.expand(e, -1, -1, -1), vals.expand(e, -1, -1, -1)
+        opts = {"BLOCK_N": min(bs, 128)} if self.compiled else None
+        o = self._fn(qp, keys, vals, block_mask=mask, enable_gqa=True, kernel_options=opts)
+        o = o.view(m, hk, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(m, q_len, heads * d)
+        return o[fs.g_b, fs.g_t]
 
     def attend(
         self,
@@ -193,47 +263,5 @@ class PagedFlex:
         ``tab`` is the layer's clamped device tables [B, T, kv_heads]; the new
         tokens' K/V must already be in their pages.
         """
-        from torch.nn.attention.flex_attention import BlockMask
-
-        bs, d, hk = self.bs, head_dim, kv_heads
-        g = heads // hk
-        m, q_len = fs.mem.numel(), fs.q_len
-        e = m * hk
-        n_qb = fs.kv_blocks.shape[2]
-        a2 = self.arena.view(-1, d)  # [num_pages * 2 * bs, d]
-        keys, vals = a2[:-bs][None, None], a2[bs:][None, None]
-        s_len = keys.shape[2]
-        width = fs.width if self.compiled else s_len // bs  # eager: as wide as K
-        idx = tab[fs.mem, : fs.width].permute(0, 2, 1).reshape(e, 1, 1, fs.width)
-        kvi = torch.zeros((e, 1, n_qb, width), dtype=torch.int32, device=tab.device)
-        kvi[:, :, :, : fs.width] = (idx * 2).to(torch.int32)
-        seq_id = fs.seq_base + layer * hk
-        page_seq, page_tb, qpos = self.page_seq, self.page_tb, fs.qpos
-
-        def visible(b: Any, h: Any, qi: Any, kv: Any) -> Any:
-            pg = kv // (2 * bs)
-            off = kv % (2 * bs)
-            return (
-                (off < bs) & (page_seq[pg] == seq_id[b]) & (page_tb[pg] * bs + off <= qpos[b, qi])
-            )
-
-        mask = BlockMask.from_kv_blocks(
-            fs.kv_blocks,
-            kvi,
-            BLOCK_SIZE=(_Q_BLOCK, bs),
-            mask_mod=visible,
-            seq_lengths=(q_len, s_len),
-            compute_q_blocks=False,
-        )
-        if q_len == 1:
-            qp = q[fs.rows].reshape(m, hk, g, 1, d).reshape(e, g, 1, d)
-        else:
-            pad = q.new_zeros(m, q_len, heads, d)
-            pad[fs.g_b, fs.g_t] = q[fs.rows].view(-1, heads, d)
-            qp = pad.view(m, q_len, hk, g, d).permute(0, 2, 3, 1, 4).reshape(e, g, q_len, d)
-        if self._expand_kv:
-            keys, vals = keys.expand(e, -1, -1, -1), vals.expand(e, -1, -1, -1)
-        opts = {"BLOCK_N": 16} if self.compiled else None
-        o = self._fn(qp, keys, vals, block_mask=mask, enable_gqa=True, kernel_options=opts)
-        o = o.view(m, hk, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(m, q_len, heads * d)
-        return o[fs.g_b, fs.g_t]
+        mask = self.block_mask(fs, tab, layer, head_dim)
+        return self.run(fs, mask, q, heads, kv_heads, head_dim)
