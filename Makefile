@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-kunserve bench-plan bench-engine serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
+.PHONY: run test lint bench bench-kunserve bench-plan bench-engine gpu-check serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench-kunserve: $(STAMP)
 # and bisection vs brute force on a reduced plan (same answer; both times).
 bench-plan: $(STAMP)
 	$(BIN)/python benchmarks/plan_search.py
+
+# On a machine with an NVIDIA GPU and a CUDA torch in its python3 (no venv): the
+# CUDA tests, paged FlexAttention vs gather, engine vs HF on CUDA (docs/gpu.md).
+gpu-check:
+	bash benchmarks/gpu_check.sh results/gpu
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py

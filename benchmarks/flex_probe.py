@@ -1,7 +1,8 @@
 """Probe FlexAttention over a paged arena on this machine's GPU (a debugging aid
-for ``paged_flex.py``): for block sizes 16 and 64 and two batch shapes, compile,
-check one decode step of B requests against the gather path (the engine's
-default) and time both, the block mask's construction apart from the kernel.
+for ``paged_flex.py``): for block sizes 16 (with and without full blocks) and
+64 and three batch shapes, compile, check one decode step of B requests
+against the gather path (the engine's default) and time both, the block
+mask's construction apart from the kernel.
 Run: ``python3 benchmarks/flex_probe.py`` (needs CUDA)."""
 
 # ruff: noqa: B023  (closures called within their loop iteration)
@@ -33,9 +34,9 @@ def main() -> int:
     dev = torch.device("cuda")
     d, heads, kvh, layers, dtype = 128, 32, 8, 1, torch.bfloat16
     print("one decode step, Llama-2-7B heads (32 q, 8 kv, d 128), bf16; times in us")
-    for bs in (16, 64):
-        for b, ctx in ((8, 512), (64, 2048)):
-            name = f"bs={bs} b={b} ctx={ctx}"
+    for bs, full in ((16, False), (16, True), (64, False)):
+        for b, ctx in ((1, 2048), (8, 512), (64, 2048)):
+            name = f"bs={bs}{' full blocks' if full else ''} b={b} ctx={ctx}"
             try:
                 ntb = -(-ctx // bs)
                 need = b * ntb * kvh * layers
@@ -56,7 +57,7 @@ def main() -> int:
                     sc = torch.matmul(qg, keys.transpose(-1, -2)).mul_(d**-0.5)
                     return torch.matmul(torch.softmax(sc, -1), vals).reshape(b, -1)
 
-                pf = PagedFlex(arena, bs, compiled=True)
+                pf = PagedFlex(arena, bs, compiled=True, full_blocks=full)
                 pf.mark(tables, layers)
                 fs = pf.step(list(range(b)), [ctx - 1] * b, [1] * b, list(range(b)), kvh, layers)
                 t0 = time.perf_counter()

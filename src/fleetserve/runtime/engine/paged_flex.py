@@ -42,6 +42,15 @@ exact but dense, which the tests use on small arenas to check the layout. The
 eager path also wants the block list as wide as the key sequence, so it is
 padded there; the compiled kernel takes the compact one.
 
+**Measured on an H100** (torch 2.11, ``benchmarks/flex_probe.py``, bf16,
+Llama-2-7B heads, one decode step): the compiled kernel over 16-token pages
+moved 235 GB/s where the gather path moved 885 GB/s (64 requests of 2,048
+tokens), and building the block mask costs ~130 us per layer on the host, so
+the engine keeps ``gather`` as its default. ``full_blocks`` (pages below every
+query skip the mask) made the kernel ~1.5x faster there but gave wrong greedy
+tokens at batch 1 on CUDA (exact in eager mode): it is off by default until
+that is understood (docs/gpu.md).
+
 Where the arena cannot be seen as one matrix (a model narrower than another
 in the same engine) or the kernel's shape limits are not met, the engine
 keeps the gather path (:func:`flex_supported`).
@@ -100,7 +109,9 @@ class FlexStep:
 class PagedFlex:
     """FlexAttention over one engine's arena (see the module docstring)."""
 
-    def __init__(self, arena: torch.Tensor, block_size: int, *, compiled: bool) -> None:
+    def __init__(
+        self, arena: torch.Tensor, block_size: int, *, compiled: bool, full_blocks: bool = False
+    ) -> None:
         self.arena = arena
         self.bs = block_size
         self.num_pages = arena.shape[0]
@@ -109,6 +120,7 @@ class PagedFlex:
         self.page_tb = torch.zeros(self.num_pages, dtype=torch.int32, device=dev)
         self._marked: torch.Tensor | None = None
         self.compiled = compiled
+        self.full_blocks = full_blocks
         self._expand_kv = False  # probe only (benchmarks/flex_probe.py): K/V batch by stride 0
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -161,7 +173,8 @@ class PagedFlex:
         slot = torch.arange(q_len)[None, :]
         qpos = st[:, None] + torch.minimum(slot, ln[:, None] - 1)  # [m, q_len]
         ntb = -(-(st + ln) // bs)
-        full = (st + 1) // bs  # token blocks every query of the member sees whole
+        # token blocks every query of the member sees whole (none: every block partial)
+        full = (st + 1) // bs if self.full_blocks else torch.zeros_like(st)
         n_qb = -(-q_len // _Q_BLOCK)
         ent = torch.arange(kv_heads)
         seq_base = (mem[:, None] * num_layers * kv_heads + ent[None, :]).reshape(-1)
@@ -189,8 +202,9 @@ class PagedFlex:
         )
 
     def block_mask(self, fs: FlexStep, tab: torch.Tensor, layer: int, head_dim: int) -> Any:
-        """The layer's block mask: each entry's pages in token order, those below
-        every query as full blocks (no mask evaluated), the rest partial."""
+        """The layer's block mask: each entry's pages in token order, as partial
+        blocks (the mask function evaluated); with ``full_blocks``, those below
+        every query as full blocks (no mask evaluated) and the rest partial."""
         from torch.nn.attention.flex_attention import BlockMask
 
         bs, hk = self.bs, tab.shape[2]
