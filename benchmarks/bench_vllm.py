@@ -145,13 +145,17 @@ class Worker:
 
 
 def offline(args: argparse.Namespace, ckpt: Path, out: Path) -> list[dict[str, Any]]:
-    rng = random.Random(args.seed)
     n = args.offline_requests
-    prompts = [
-        [rng.randrange(256) for _ in range(rng.randint(*args.prompt_range))] for _ in range(n)
-    ]
-    max_tokens = [rng.randint(*args.output_range) for _ in range(n)]
-    warm_p, warm_n = prompts[:4], [8] * 4
+
+    def workload(seed: int) -> tuple[list[list[int]], list[int]]:
+        rng = random.Random(seed)
+        lo, hi = args.prompt_range
+        prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+        return prompts, [rng.randint(*args.output_range) for _ in range(n)]
+
+    # the same lengths every repeat, new token ids (no cache could reuse a prompt)
+    prompts, max_tokens = workload(args.seed)
+    warm_p, warm_n = [[1, 2, 3, 4]] * 4, [8] * 4
     tokens = sum(max_tokens)
     rows: list[dict[str, Any]] = []
     for threads in args.threads:
@@ -173,9 +177,11 @@ def offline(args: argparse.Namespace, ckpt: Path, out: Path) -> list[dict[str, A
                 w.run(warm_p, warm_n)
             outputs: dict[str, list[list[int]]] = {}
             for rep in range(args.repeats):
+                rng = random.Random(args.seed * 1000 + rep)
+                ids = [[rng.randrange(256) for _ in p] for p in prompts] if rep else prompts
                 order = list(workers) if rep % 2 == 0 else list(reversed(workers))
                 for name in order:
-                    res = workers[name].run(prompts, max_tokens)
+                    res = workers[name].run(ids, max_tokens)
                     outputs.setdefault(name, res["outputs"])
                     rows.append(
                         {
@@ -248,6 +254,7 @@ def start_vllm(
     cmd = [str(vllm_python), str(VLLM_CLI), "serve", str(ckpt), "--host", "127.0.0.1"]
     cmd += ["--port", str(port)]
     cmd += ["--dtype", "float32", "--api-key", key, "--max-model-len", "4096", "--seed", "0"]
+    cmd += ["--no-enable-prefix-caching"]  # fleetserve has none (and prompts repeat)
     proc = subprocess.Popen(
         cmd,
         stdout=log.open("wb"),
@@ -260,16 +267,25 @@ def start_vllm(
 
 
 def bench_serve(
-    args: argparse.Namespace, base: str, model: str, ckpt: Path, key: str, rate: float, res: Path
+    args: argparse.Namespace,
+    base: str,
+    model: str,
+    ckpt: Path,
+    key: str,
+    rate: float,
+    rep: int,
+    res: Path,
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its result JSON."""
+    """One ``vllm bench serve`` run; its result JSON. Both servers get the same
+    prompts for a (rate, repeat); every (rate, repeat) gets its own."""
     n = max(args.min_prompts, round(rate * args.duration))
+    seed = args.seed * 1000 + args.rates.index(rate) * 100 + rep
     cmd = [str(args.vllm_python), str(VLLM_CLI), "bench", "serve", "--backend", "vllm"]
     cmd += ["--base-url", base]
     cmd += ["--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(ckpt)]
     cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--ignore-eos"]
-    cmd += ["--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(args.seed)]
+    cmd += ["--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed)]
     cmd += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     cmd += ["--save-result", "--result-dir", str(res.parent), "--result-filename", res.name]
     env = dict(os.environ, OPENAI_API_KEY=key, OMP_NUM_THREADS="1")
@@ -307,7 +323,7 @@ def online(args: argparse.Namespace, ckpt: Path, out: Path) -> list[dict[str, An
                 for rate in args.rates:
                     res = out / "online" / f"{name}-rate{rate:g}-rep{rep}.json"
                     res.parent.mkdir(parents=True, exist_ok=True)
-                    d = bench_serve(args, base, model, ckpt, key, rate, res)
+                    d = bench_serve(args, base, model, ckpt, key, rate, rep, res)
                     row = {
                         "system": name,
                         "repeat": rep,

@@ -54,7 +54,8 @@ def vllm_engine(ckpt: str, kv_gb: int) -> Any:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gb))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=ckpt, dtype="float32", seed=0, max_model_len=4096)
+    # no prefix caching: fleetserve has none, and a repeated prompt would skip its prefill
+    llm = LLM(model=ckpt, dtype="float32", seed=0, max_model_len=4096, enable_prefix_caching=False)
 
     def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         params = [
