@@ -58,8 +58,10 @@ from fleetserve.runtime.engine.model import (
     LayerWeights,
     Rotary,
     attention_padded,
+    fuse_views,
     layer_numel,
     layer_views,
+    linear,
     mlp,
     qkv,
     rms_norm,
@@ -536,6 +538,7 @@ class Engine:
         src = tensors if tensors is not None else layer_tensors(m.source, layer)
         for k, v in views.items():
             v.copy_(src[k])
+        fuse_views(views)  # qkv and gate_up: views of the same pages
         m.layers[layer] = views
 
     # ----------------------------------------------------------- requests
@@ -797,7 +800,7 @@ class Engine:
     def head(self, batch: Batch, h: torch.Tensor) -> torch.Tensor:
         m = self.models[batch.model]
         x = rms_norm(h[batch.last], m.norm, m.cfg.rms_norm_eps)
-        return F.linear(x, m.lm_head)
+        return linear(x, m.lm_head)
 
     @torch.inference_mode()
     def run_layers(
@@ -834,7 +837,7 @@ class Engine:
             else:
                 assert tables is not None
                 a = self._attend(batch, tables, li, q, k, v)
-            h = h + F.linear(a, w["o"])
+            h = h + linear(a, w["o"])
             h = h + mlp(cfg, w, h)
         return h
 
