@@ -21,8 +21,9 @@
    the vLLM stack, an API key) or ``vllm serve`` (same checkpoint, float32),
    then vLLM's own client, ``vllm bench serve`` (random dataset,
    ``--input-len``/``--output-len`` tokens, ``ignore_eos``, Poisson arrivals), at
-   each ``--rates`` value for ``--duration`` seconds' worth of requests; then the
-   server is stopped. Both servers use ``--server-threads`` threads.
+   each ``--rates`` value for ``--duration`` seconds' worth of requests (after 4
+   unmeasured warm-up requests); then the server is stopped. Both servers use
+   ``--server-threads`` threads.
 4. ``OUT/report.md`` and ``OUT/results.json``: medians over repeats and the
    ratio fleetserve / vLLM of each figure (offline tok/s: above 1 is fleetserve
    faster; latencies: below 1 is fleetserve faster), with every run listed.
@@ -275,11 +276,13 @@ def bench_serve(
     rate: float,
     rep: int,
     res: Path,
+    n: int | None = None,
 ) -> dict[str, Any]:
     """One ``vllm bench serve`` run; its result JSON. Both servers get the same
     prompts for a (rate, repeat); every (rate, repeat) gets its own."""
-    n = max(args.min_prompts, round(rate * args.duration))
-    seed = args.seed * 1000 + args.rates.index(rate) * 100 + rep
+    base_seed = args.seed if n is None else args.seed + 1  # warm-up prompts differ
+    n = n if n is not None else max(args.min_prompts, round(rate * args.duration))
+    seed = base_seed * 1000 + args.rates.index(rate) * 100 + rep
     cmd = [str(args.vllm_python), str(VLLM_CLI), "bench", "serve", "--backend", "vllm"]
     cmd += ["--base-url", base]
     cmd += ["--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(ckpt)]
@@ -320,6 +323,10 @@ def online(args: argparse.Namespace, ckpt: Path, out: Path) -> list[dict[str, An
                 model = wait_ready(proc, base, key, args.ready_timeout, log)[0]
                 ready_s = time.monotonic() - t0
                 print(f"online rep {rep}: {name} ready in {ready_s:.1f} s", flush=True)
+                # a few requests first, not measured: first-use costs are not serving speed
+                warm = out / "online" / f"{name}-warmup-rep{rep}.json"
+                warm.parent.mkdir(parents=True, exist_ok=True)
+                bench_serve(args, base, model, ckpt, key, args.rates[0], rep, warm, n=4)
                 for rate in args.rates:
                     res = out / "online" / f"{name}-rate{rate:g}-rep{rep}.json"
                     res.parent.mkdir(parents=True, exist_ok=True)
