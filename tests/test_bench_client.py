@@ -13,18 +13,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
 STUB = r"""
-import json, sys, time
+import sys
+if sys.argv[1] == "--version":  # before the imports: they take seconds
+    print("stub 0"); sys.exit(0)
+import json, time
 from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
-if sys.argv[1] == "--version":
-    print("stub 0"); sys.exit(0)
 a = sys.argv[2:]
 opt = {a[i]: a[i + 1] for i in range(len(a) - 1) if a[i].startswith("--")}
 tok = AutoTokenizer.from_pretrained(opt["--tokenizer"])
@@ -57,9 +59,14 @@ def test_bench_client_harness_runs_a_client_against_a_real_server(tmp_path: Path
     stub = tmp_path / "aiperf"
     stub.write_text(f"#!{sys.executable}\n{STUB}")
     stub.chmod(0o755)
+    # the shipped config with two workers (one per model) instead of four: the
+    # harness is under test, and the two workers fewer start seconds sooner
+    config = yaml.safe_load((ROOT / "configs/serve-tiny.yaml").read_text())
+    config["serve"]["workers"] = 2
+    (tmp_path / "serve-tiny.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "report"
     cmd = [sys.executable, str(ROOT / "benchmarks/bench_client.py"), "--client", str(stub)]
-    cmd += ["--out", str(out), "--rates", "1,2", "--config", str(ROOT / "configs/serve-tiny.yaml")]
+    cmd += ["--out", str(out), "--rates", "1,2", "--config", str(tmp_path / "serve-tiny.yaml")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     summary = (out / "summary.md").read_text()

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from png_util import skip_run_rendering
 
 from fleetserve.cli.main import main
 
@@ -48,6 +49,14 @@ def _plain_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture(autouse=True)
+def _no_run_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run folder's plots are built but not rendered: nothing here looks
+    at the PNGs (test_metrics checks what ``write_run`` renders), and rendering
+    them was half of this file's time."""
+    skip_run_rendering(monkeypatch)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from png_util import skip_rendering
 from test_cli import assert_one_line_error, run_cli
 from test_fidelity_sim import A, _config, _profile, config_from_dict
 
@@ -31,6 +32,15 @@ from fleetserve.experiments.fidelity_overhead import (
 from fleetserve.metrics.probes import ProbeRequest
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
+
+
+@pytest.fixture(autouse=True)
+def _no_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulated runs' plots are built but not rendered: nothing here looks
+    at them (test_fidelity_sim renders those of the same kind of run), and
+    rendering them was about half of this file's time."""
+    skip_rendering(monkeypatch)
+
 
 # ------------------------------------------------------------------------ parameters
 

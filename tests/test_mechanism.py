@@ -288,13 +288,9 @@ def _usage(
     return links, compute
 
 
-@settings(max_examples=300, deadline=None)
-@given(scenarios())
-def test_budgets_respected_except_lone_oversize(
-    case: tuple[list[PendingMove], MechanismContext],
+def _budgets_respected_except_lone_oversize(
+    out: list[tuple[PendingMove, str]], c: MechanismContext
 ) -> None:
-    moves, c = case
-    out = AdaptiveHybrid().assign(moves, c)
     links, compute = _usage(out, c)
     for port, charges in links.items():
         if sum(charges) > _budget(port, c):
@@ -308,11 +304,7 @@ def test_budgets_respected_except_lone_oversize(
             assert len(nz) == 1 and nz[0] > _compute(inst, c), (inst, tokens)
 
 
-@settings(max_examples=300, deadline=None)
-@given(scenarios())
-def test_answer_is_well_formed(case: tuple[list[PendingMove], MechanismContext]) -> None:
-    moves, c = case
-    out = AdaptiveHybrid().assign(moves, c)
+def _answer_is_well_formed(moves: list[PendingMove], out: list[tuple[PendingMove, str]]) -> None:
     ids = [id(m) for m, _ in out]
     assert len(ids) == len(set(ids))  # nothing twice
     assert set(ids) <= {id(m) for m in moves}  # nothing invented
@@ -327,12 +319,10 @@ def test_answer_is_well_formed(case: tuple[list[PendingMove], MechanismContext])
     assert [pos[i] for i in ids] == sorted(pos[i] for i in ids)
 
 
-@settings(max_examples=300, deadline=None)
-@given(scenarios())
-def test_every_waiting_move_fits_nowhere(case: tuple[list[PendingMove], MechanismContext]) -> None:
+def _every_waiting_move_fits_nowhere(
+    moves: list[PendingMove], out: list[tuple[PendingMove, str]], c: MechanismContext
+) -> None:
     """First fit is maximal: a move left out fits no bin it may use, even alone."""
-    moves, c = case
-    out = AdaptiveHybrid().assign(moves, c)
     links, compute = _usage(out, c)
     started = {id(m) for m, _ in out}
     for m in moves:
@@ -354,6 +344,22 @@ def test_every_waiting_move_fits_nowhere(case: tuple[list[PendingMove], Mechanis
                 assert any(links.get(p) for p in charges)
             if tok_ok:
                 assert compute.get(m.dst)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_budgets_respected_answer_well_formed_and_every_waiting_move_fits_nowhere(
+    case: tuple[list[PendingMove], MechanismContext],
+) -> None:
+    """Three properties of each answer, on each of the 300 scenarios (drawing a
+    scenario takes longer than checking all three): budgets are respected
+    except by a lone oversize move; the answer is well formed; first fit is
+    maximal (a move left out fits no bin it may use, even alone)."""
+    moves, c = case
+    out = AdaptiveHybrid().assign(moves, c)
+    _budgets_respected_except_lone_oversize(out, c)
+    _answer_is_well_formed(moves, out)
+    _every_waiting_move_fits_nowhere(moves, out, c)
 
 
 @settings(max_examples=200, deadline=None)

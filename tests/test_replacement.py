@@ -4,6 +4,7 @@ load, unchanged groups are untouched)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -139,10 +140,25 @@ def _run(
     return sim
 
 
+def _switching(
+    sched: str, mechanism: str = "kv", link_share: float = 0.5
+) -> tuple[MultiSimulator, Alternate]:
+    """A run alternating plans A and B, and its replanner: made once per
+    arguments (the run is deterministic; three tests read the FCFS one)."""
+    return _switching_once(sched, mechanism, link_share)
+
+
+@functools.cache
+def _switching_once(
+    sched: str, mechanism: str, link_share: float
+) -> tuple[MultiSimulator, Alternate]:
+    rep = Alternate([PLAN_A, PLAN_B])
+    return _run(sched, rep, mechanism=mechanism, link_share=link_share), rep
+
+
 @pytest.mark.parametrize("sched", ["fcfs", "db", "adbs"])
 def test_switching_plans_moves_requests_and_every_request_ends_once(sched: str) -> None:
-    rep = Alternate([PLAN_A, PLAN_B])
-    sim = _run(sched, rep)
+    sim, rep = _switching(sched)
     recs = sim.records
     assert all(r.status == "finished" and r.generated == r.output_tokens for r in recs)
     info = sim.replacements
@@ -172,7 +188,7 @@ def test_a_replanner_that_keeps_the_plan_changes_nothing() -> None:
 
 
 def test_moved_requests_wait_for_the_weights_and_keep_their_tokens() -> None:
-    sim = _run("fcfs", Alternate([PLAN_A, PLAN_B]))
+    sim, _ = _switching("fcfs")
     ready = sim._ready_at
     for m in sim.migrations:
         assert m.dst in ready  # moved to a group of the new plan
@@ -220,7 +236,7 @@ def test_the_mechanism_family_moves_the_requests_of_a_replacement(mechanism: str
     every move here fits NVLink's (KV); with a share of 0.2 % (300 MB per
     epoch) the rest go as tokens. Every request still ends once."""
     share = 0.002 if mechanism == "adaptive" else 0.5
-    sim = _run("fcfs", Alternate([PLAN_A, PLAN_B]), mechanism=mechanism, link_share=share)
+    sim, _ = _switching("fcfs", mechanism, share)
     recs = sim.records
     assert all(r.status == "finished" and r.generated == r.output_tokens for r in recs)
     modes = {m.mode for m in sim.migrations}
@@ -233,5 +249,5 @@ def test_the_mechanism_family_moves_the_requests_of_a_replacement(mechanism: str
             assert m.bytes % 4 == 0 and m.bytes < 4 * 10_000
     else:
         assert modes == {"kv", "token"}
-        roomy = _run("fcfs", Alternate([PLAN_A, PLAN_B]), mechanism="adaptive")
+        roomy, _ = _switching("fcfs", "adaptive")
         assert {m.mode for m in roomy.migrations} == {"kv"}

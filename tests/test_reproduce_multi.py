@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from png_util import skip_run_rendering
 from test_cli import assert_one_line_error, run_cli
 
 from fleetserve.cli.main import main
@@ -82,9 +83,12 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def seallm_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A tiny real ``reproduce seallm --quick`` with two cheap stacks, in process."""
+    """A tiny real ``reproduce seallm --quick`` with two cheap stacks, in process.
+    Each run folder's plots are built but not rendered (nothing here looks at
+    them); the report's figures are rendered."""
     out = tmp_path_factory.mktemp("seallm") / "out"
     with pytest.MonkeyPatch.context() as mp:
+        skip_run_rendering(mp)
         mp.setenv(DATA_ENV, str(data_dir))
         mp.setenv("NO_COLOR", "1")
         mp.setenv("COLUMNS", "200")
@@ -418,6 +422,7 @@ def test_tiny_muxserve_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(DATA_ENV, str(data_dir))
+    skip_run_rendering(monkeypatch)  # nothing here looks at each run's plots
     rc, o, e = run_cli(
         capsys,
         "reproduce",

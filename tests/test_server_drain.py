@@ -28,36 +28,64 @@ HDR = {"Authorization": f"Bearer {KEY}"}
 
 
 @contextmanager
-def serve_process(tmp: Path, *sets: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``fleetserve serve configs/serve-tiny.yaml --api-key`` on a free port,
-    ready (``/ready`` 200); killed at the end if still running."""
-    port = free_port()
+def serve_processes(
+    tmp: Path, sets: dict[str, tuple[str, ...]]
+) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], str]]]:
+    """One ``fleetserve serve configs/serve-tiny.yaml --api-key`` on a free port
+    per entry of ``sets`` (its ``--set`` overrides; its log in ``tmp/NAME``),
+    all started at once and ready (``/ready`` 200); killed at the end if still
+    running. Much of a start is waiting for Ray's processes and the workers to
+    come up: two started together took 1.0-1.5 times one start on 2 cores."""
     exe = Path(sys.executable).parent / "fleetserve"
-    cmd = [str(exe), "serve", str(ROOT / "configs/serve-tiny.yaml"), "--port", str(port)]
-    cmd += ["--api-key", KEY]
-    for s in sets:
-        cmd += ["--set", s]
-    log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - closed below
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
-    url = f"http://127.0.0.1:{port}"
+    procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    logs = []
     try:
+        for name, overrides in sets.items():
+            port = free_port()
+            cmd = [str(exe), "serve", str(ROOT / "configs/serve-tiny.yaml"), "--port", str(port)]
+            cmd += ["--api-key", KEY]
+            for s in overrides:
+                cmd += ["--set", s]
+            (tmp / name).mkdir()
+            log = open(tmp / name / "serve.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp / name, env=env
+            )
+            procs[name] = (proc, f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield proc, url
+        waiting = set(procs)
+        while waiting:
+            for name in sorted(waiting):
+                proc, url = procs[name]
+                assert proc.poll() is None, (tmp / name / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"the server {name!r} did not become ready"
+                try:
+                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                        waiting.discard(name)
+                except httpx.HTTPError:
+                    pass
+            if waiting:
+                time.sleep(0.3)
+        yield procs
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        log.close()
+        for proc, _url in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        for log in logs:
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], str]]]:
+    """Each test's own server (each test stops its server), both started together."""
+    sets = {"finish": ("serve.drain_timeout_s=120",), "deadline": ("serve.drain_timeout_s=1",)}
+    with serve_processes(tmp_path_factory.mktemp("drain"), sets) as procs:
+        yield procs
 
 
 def _send(url: str, i: int, max_tokens: int, out: dict[int, Any]) -> None:
@@ -101,26 +129,28 @@ def _start(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], d
     return threads, out
 
 
-def test_sigterm_finishes_every_request_in_flight_and_exits_0(tmp_path: Path) -> None:
-    with serve_process(tmp_path, "serve.drain_timeout_s=120") as (proc, url):
-        # nothing of the server or of Ray listens beyond loopback (with --api-key)
-        socks = listening_sockets(proc.pid)
-        assert len({pid for _a, _p, pid in socks}) >= 4, socks  # server, GCS, raylet, workers
-        assert not [s for s in socks if not s[0].is_loopback], socks
-        threads, out = _start(url, 16, 120)
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        late = httpx.post(
-            url + "/v1/completions", headers=HDR, json={"model": "tiny-llama-a", "prompt": "x"}
-        )
-        assert late.status_code == 503
-        assert int(late.headers["retry-after"]) >= 1
-        assert late.json()["error"]["code"] == "shutting_down"
-        assert httpx.get(url + "/ready").status_code == 503
-        assert httpx.get(url + "/health").status_code == 200
-        for t in threads:
-            t.join(240)
-        assert proc.wait(60) == 0
+def test_sigterm_finishes_every_request_in_flight_and_exits_0(
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    proc, url = servers["finish"]
+    # nothing of the server or of Ray listens beyond loopback (with --api-key)
+    socks = listening_sockets(proc.pid)
+    assert len({pid for _a, _p, pid in socks}) >= 4, socks  # server, GCS, raylet, workers
+    assert not [s for s in socks if not s[0].is_loopback], socks
+    threads, out = _start(url, 16, 120)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(
+        url + "/v1/completions", headers=HDR, json={"model": "tiny-llama-a", "prompt": "x"}
+    )
+    assert late.status_code == 503
+    assert int(late.headers["retry-after"]) >= 1
+    assert late.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(url + "/ready").status_code == 503
+    assert httpx.get(url + "/health").status_code == 200
+    for t in threads:
+        t.join(240)
+    assert proc.wait(60) == 0
     assert len(out) == 16
     for i, (kind, status, got) in sorted(out.items()):
         assert status == 200, (i, kind, got)
@@ -134,13 +164,15 @@ def test_sigterm_finishes_every_request_in_flight_and_exits_0(tmp_path: Path) ->
             assert json.loads(got[-2])["choices"][0]["finish_reason"] == "length"
 
 
-def test_drain_deadline_ends_what_is_left_with_an_error_and_exits_0(tmp_path: Path) -> None:
-    with serve_process(tmp_path, "serve.drain_timeout_s=1") as (proc, url):
-        threads, out = _start(url, 4, 4000)
-        proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(120)
-        assert proc.wait(60) == 0
+def test_drain_deadline_ends_what_is_left_with_an_error_and_exits_0(
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]],
+) -> None:
+    proc, url = servers["deadline"]
+    threads, out = _start(url, 4, 4000)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert proc.wait(60) == 0
     for _i, (kind, status, got) in sorted(out.items()):
         if kind == "plain":
             assert status == 503 and got["error"]["type"] == "service_unavailable", got

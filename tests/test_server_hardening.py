@@ -524,16 +524,31 @@ def test_ray_refuses_a_client_without_the_token(srv: Running) -> None:
     env["RAY_gcs_server_port_wait_time_s"] = "2"  # give up after 2 tries, not 20
     code = f"import ray; ray.init(address={gcs!r}, log_to_driver=False); print('JOINED')"
 
-    def join(**extra: str) -> subprocess.CompletedProcess[str]:
+    def join(**extra: str) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-c", code]
-        return subprocess.run(cmd, env=env | extra, capture_output=True, text=True, timeout=120)
+        out = subprocess.PIPE
+        return subprocess.Popen(cmd, env=env | extra, stdout=out, stderr=out, text=True)
 
-    without = join(RAY_AUTH_MODE="disabled")
+    def result(p: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+        stdout, stderr = p.communicate(timeout=120)
+        return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+    # the three clients at once: a refused one spends most of its time waiting
+    procs = [
+        join(RAY_AUTH_MODE="disabled"),
+        join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64),
+        join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ["RAY_AUTH_TOKEN"]),
+    ]
+    try:
+        without, wrong, right = [result(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert "JOINED" not in without.stdout and without.returncode != 0
     assert "InvalidAuthToken" in without.stderr
-    wrong = join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)
     assert "JOINED" not in wrong.stdout and "InvalidAuthToken" in wrong.stderr
-    right = join(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.environ["RAY_AUTH_TOKEN"])
     assert "JOINED" in right.stdout, right.stderr[-2000:]  # the control: the token is the key
 
 
