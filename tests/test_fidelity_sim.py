@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from png_util import skip_run_rendering
 
 from fleetserve.cli.serve import serve_config_dict
 from fleetserve.config import SimConfig
@@ -64,6 +65,14 @@ from fleetserve.spec.emulated import arena_kv_blocks, arena_pages, arena_weight_
 from fleetserve.spec.memory import group_kv_bytes
 
 A, B = "tiny-llama-a", "tiny-llama-b"
+
+
+@pytest.fixture(autouse=True)
+def _run_rendering_once(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulated runs' plots are rendered by the test of the result folder
+    only; elsewhere they are built but not rendered (nothing else looks at them)."""
+    if request.node.name != "test_simulate_emulated_writes_a_result_dir":
+        skip_run_rendering(monkeypatch)
 
 
 def config_from_dict(data: dict) -> SimConfig:

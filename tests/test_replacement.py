@@ -113,6 +113,7 @@ def _run(
     layout: str = "merged",
     mechanism: str = "kv",
     link_share: float = 0.5,
+    check: bool = True,
 ) -> MultiSimulator:
     svc = services(("a", "llama-2-7b", 6.0), ("b", "llama-2-13b", 3.0))
     reqs = workload({"a": 4.0, "b": 2.0}, 30.0, 3, 1024, 300)
@@ -121,7 +122,7 @@ def _run(
         n_gpus=2,
         scheduler=sched,
         layout=layout,
-        check_integrity=True,
+        check_integrity=check,
         max_num_seqs=64,
         mechanism=mechanism,
         link_share=link_share,
@@ -180,7 +181,9 @@ def test_switching_plans_moves_requests_and_every_request_ends_once(sched: str) 
 
 
 def test_a_replanner_that_keeps_the_plan_changes_nothing() -> None:
-    plain = _run("db", None)
+    # the reference without the invariant checks: the run compared with it checks
+    # them after every event, and every request's timeline is asserted to be equal
+    plain = _run("db", None, check=False)
     same = _run("db", Alternate([PLAN_A]))
     assert same.replacements and not same.migrations
     key = [(r.status, r.first_token_s, r.finish_s, r.preemptions) for r in plain.records]

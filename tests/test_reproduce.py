@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from png_util import skip_rendering
+from png_util import skip_rendering, skip_run_rendering
 
 from fleetserve.cli.main import main
 from fleetserve.experiments.mell import (
@@ -200,8 +200,11 @@ def test_table_shows_the_figures_and_dashes_for_missing_stacks(smoke: Path) -> N
         assert f"({f})" in table
 
 
-def test_a_run_is_deterministic_in_process(smoke: Path, data_dir: Path, tmp_path: Path) -> None:
+def test_a_run_is_deterministic_in_process(
+    smoke: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run repeated in this process equals the one made in a worker process."""
+    skip_run_rendering(monkeypatch)  # the same run's plots: the smoke run rendered them
     specs = grid_specs(tmp_path, select_stacks(["wf"]), Mode(scale=float(SCALE)), data_dir)
     spec = next(s for s in specs if s.key.endswith("/poisson-1.1/wf"))
     outcome = execute_run(spec)
@@ -211,7 +214,10 @@ def test_a_run_is_deterministic_in_process(smoke: Path, data_dir: Path, tmp_path
         assert a[k] == b[k], k
 
 
-def test_a_failing_run_does_not_stop_the_grid(data_dir: Path, tmp_path: Path) -> None:
+def test_a_failing_run_does_not_stop_the_grid(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skip_run_rendering(monkeypatch)  # the good run's plots: nothing here looks at them
     specs = grid_specs(tmp_path, select_stacks(["bf"]), Mode(scale=0.005), data_dir)
     good = next(s for s in specs if s.key.endswith("/poisson-0.5/bf"))
     bad = RunSpec("bad/run", tmp_path / "bad", {**good.config, "nosuch": 1})

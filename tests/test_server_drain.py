@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +19,26 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_util import free_port, listening_sockets, metric_value
+from serve_util import listening_sockets, metric_value
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "drain-key"
 HDR = {"Authorization": f"Bearer {KEY}"}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different free ports (each held until all are found: a port just
+    released may be the next one handed out)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @contextmanager
@@ -41,8 +55,7 @@ def serve_processes(
     procs: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     logs = []
     try:
-        for name, overrides in sets.items():
-            port = free_port()
+        for (name, overrides), port in zip(sets.items(), free_ports(len(sets)), strict=True):
             cmd = [str(exe), "serve", str(ROOT / "configs/serve-tiny.yaml"), "--port", str(port)]
             cmd += ["--api-key", KEY]
             for s in overrides:

@@ -595,36 +595,35 @@ def test_an_unhandled_exception_is_an_openai_500_and_counted() -> None:
     assert counted == [("/v1/completions", 500)]
 
 
-def test_a_dead_worker_makes_its_model_unready_until_it_is_respawned() -> None:
+def test_a_dead_worker_makes_its_model_unready_until_it_is_respawned(
+    srv: Running, http: httpx.Client
+) -> None:
+    """On this module's server (two workers, one per model, WF; no other test
+    kills a worker of it), last in the file: it kills one of its workers."""
     import ray
 
-    cfg = {
-        "serve": {"workers": 2, "gpu_memory_mb": 48, "models": [A, B]},
-        "policy": {"stack": "wf"},
-    }
-    with running_server(cfg) as r:
-        ctl = r.controller
-        wid = next(w for w, x in ctl.workers.items() if A in x.spec.served)
-        assert B not in ctl.workers[wid].spec.served
-        ray.kill(ctl.workers[wid].handle)
-        deadline = time.monotonic() + 30
-        while True:
-            ready = httpx.get(r.url + "/ready")
-            if ready.status_code == 503:
-                break
-            assert time.monotonic() < deadline, "the dead worker's model stayed ready"
-            time.sleep(0.02)
-        assert ready.json()["models"] == {A: False, B: True}
-        assert any(A in reason for reason in ready.json()["reasons"])
-        assert httpx.get(r.url + "/health").status_code == 200  # alive, not ready
-        cards = {m["id"]: m["ready"] for m in httpx.get(r.url + "/v1/models").json()["data"]}
-        assert cards[B] is True  # A is False, or already back
-        deadline = time.monotonic() + 120
-        while httpx.get(r.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline, "the worker was not respawned"
-            time.sleep(0.1)
-        text = httpx.get(r.url + "/metrics").text
-        assert metric_value(text, "fleetserve_worker_failures_total") == 1
-        assert metric_value(text, "fleetserve_worker_restarts_total", outcome="done") == 1
-        body = {"model": A, "prompt": "back", "max_tokens": 3}
-        assert httpx.post(r.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    ctl = srv.controller
+    wid = next(w for w, x in ctl.workers.items() if A in x.spec.served)
+    assert B not in ctl.workers[wid].spec.served
+    ray.kill(ctl.workers[wid].handle)
+    deadline = time.monotonic() + 30
+    while True:
+        ready = http.get("/ready")
+        if ready.status_code == 503:
+            break
+        assert time.monotonic() < deadline, "the dead worker's model stayed ready"
+        time.sleep(0.02)
+    assert ready.json()["models"] == {A: False, B: True}
+    assert any(A in reason for reason in ready.json()["reasons"])
+    assert http.get("/health").status_code == 200  # alive, not ready
+    cards = {m["id"]: m["ready"] for m in http.get("/v1/models").json()["data"]}
+    assert cards[B] is True  # A is False, or already back
+    deadline = time.monotonic() + 120
+    while http.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the worker was not respawned"
+        time.sleep(0.1)
+    text = http.get("/metrics").text
+    assert metric_value(text, "fleetserve_worker_failures_total") == 1
+    assert metric_value(text, "fleetserve_worker_restarts_total", outcome="done") == 1
+    body = {"model": A, "prompt": "back", "max_tokens": 3}
+    assert http.post("/v1/completions", json=body, timeout=60).status_code == 200
