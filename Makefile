@@ -59,6 +59,11 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session19.json.gz: a request alone past its service's ADBS quota may run
+# (GroupScheduler.kv_allows, a liveness rule the runtime engine needed: quotas
+# move only from services without queues, so two services whose queued heads
+# exceed their quotas waited for ever); one run differs from session16.json.gz,
+# muxserve/runs/alpha-2.1/muxserve (36 fields, per-service latencies by <= 6%);
 # session16.json.gz: the cost model fitted to measured kernels is every catalog
 # GPU's default (issue 22; docs/calibration.md): every run changed; the legacy
 # form (matmul_knee unset) reproduces session15.json.gz (one KunServe mean that
@@ -81,7 +86,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session16.json.gz
+	  --check benchmarks/fingerprints/session19.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint

@@ -192,6 +192,37 @@ def test_example_configs_plan() -> None:
     assert plan_workers(mell, [A]) == [(A,)] * 3
 
 
+def test_a_sharing_worker_runs_the_stacks_group_scheduler_with_the_placers_stats() -> None:
+    """Each worker of a sharing stack gets the stack's scheduler and the
+    statistics the placer computed for its services (the simulator's
+    ``service_stats`` over the history); its engine then runs job by job. A
+    scheduler that reads statistics where none are computed is refused."""
+    from fleetserve.policy.sharing import DoublingBudget
+    from fleetserve.runtime import cluster
+    from fleetserve.runtime.worker import WorkerCore
+
+    cfg = _cfg("seallm", 1)
+    specs = cluster.worker_specs(cfg, cluster.served_models(cfg), placer=history_placement)
+    (spec,) = specs
+    assert spec.batching == "db" and set(spec.served) == {A, B}
+    stats = dict(spec.services)
+    assert set(stats) == {A, B}
+    assert all(st.exec_mean_s > 0 and st.rate > 0 for st in stats.values())
+    eng = WorkerCore(spec).engine
+    assert isinstance(eng.group, DoublingBudget)
+    assert eng.group.services == stats
+    one = config_from_dict(
+        serve_config_dict(
+            {
+                "serve": {"workers": 1, "gpu_memory_mb": 48, "models": [A]},
+                "policy": {"stack": "wf", "batching": "db"},
+            }
+        )
+    )
+    with pytest.raises(ConfigError, match="statistics"):
+        cluster.worker_specs(one, cluster.served_models(one))
+
+
 # ------------------------------------------------------------------ end to end
 
 
@@ -231,6 +262,7 @@ def test_multi_model_workers_serve_both_models_exactly() -> None:
         info = httpx.get(srv.url + "/v1/cluster").json()
         assert info["policies"]["stack"] == "seallm"
         assert info["policies"]["placement"] == "seallm"
+        assert info["policies"]["batching"] == "db"  # SeaLLM's scheduler, in each engine
         assert all(set(w["models"]) == {A, B} for w in info["workers"])
         seen: list[set[tuple[int, str]]] = []
         stop = threading.Event()
@@ -297,11 +329,13 @@ def test_mell_activates_workers_under_load_and_releases_them() -> None:
 
 
 def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:
-    """The runtime places a multi-LLM stack once and runs FCFS: each family it
-    does not run is listed (and logged when served), none silently."""
+    """The runtime places a multi-LLM stack once and runs its group scheduler
+    one job at a time: each part it does not run is listed (and logged when
+    served), none silently."""
     assert runtime_gaps(get_stack("alpaserve")) == []
+    assert [g.split(":")[0] for g in runtime_gaps(get_stack("seallm"))] == ["adaptive re-placement"]
     gaps = runtime_gaps(get_stack("fleet"))
-    assert len(gaps) == 5
-    for words in ("re-placement", "'db'", "elastic", "'adaptive'", "'kunserve'"):
+    assert len(gaps) == 4
+    for words in ("re-placement", "elastic", "'adaptive'", "'kunserve'"):
         assert any(words in g for g in gaps), words
-    assert any("'adbs'" in g for g in runtime_gaps(get_stack("muxserve")))
+    assert any("spatial sharing ('adbs')" in g for g in runtime_gaps(get_stack("muxserve")))

@@ -72,3 +72,28 @@ def instance_batching(name: str, **params: Any) -> OneModel:
             f"world computes; a one-model instance runs: {', '.join(one_model_batching())}"
         )
     return OneModel(cls(**params))
+
+
+def engine_batching(name: str, n_models: int, **params: Any) -> BatchingPolicy | GroupScheduler:
+    """The catalog's batching policy ``name`` as a runtime engine hosting
+    ``n_models`` models runs it.
+
+    A one-model engine runs FCFS and RR through :class:`OneModel` (continuous
+    batching: each step admits in queue order and decodes every running
+    request, their one-model case). A sharing group (several models), or a
+    scheduler without a one-model case (MLFQ, DB, ADBS), runs the group
+    scheduler itself, job by job, as the simulated sharing group does
+    (:mod:`fleetserve.runtime.engine.group`).
+
+    Raises:
+        UnknownNameError: not a batching policy (with suggestions).
+    """
+    cls = BATCHING.get(name)
+    if n_models == 1 and cls.one_model:
+        return OneModel(cls(**params))
+    return cls(**params)
+
+
+def needs_stats(name: str) -> bool:
+    """Whether batching ``name`` reads per-service statistics (no one-model case)."""
+    return not BATCHING.get(name).one_model

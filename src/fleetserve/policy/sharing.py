@@ -208,6 +208,22 @@ class GroupScheduler(Policy):
         """Most KV bytes ``model`` may hold (quota); unlimited by default."""
         return math.inf
 
+    def kv_allows(self, model: str, used: float, extra: float, others: int) -> bool:
+        """Whether a request of ``model`` may take ``extra`` more KV bytes while
+        its service holds ``used`` bytes, ``others`` of its other requests
+        holding KV (the rule every group enforces its quota with).
+
+        Within the quota (:meth:`kv_limit`), always. Beyond it, only a request
+        that is its service's only holder of KV (our choice; MuxServe is
+        silent): quotas move only from services without queued requests
+        (:meth:`Adbs.adapt`), so without it a request longer than its
+        service's quota would wait for ever once every service has one
+        queued, with memory free (the engine's tests found that deadlock on
+        small arenas). One such request per service may exceed the quota by
+        at most its own size.
+        """
+        return used + extra <= self.kv_limit(model) or others == 0
+
     def stable_iterations(
         self,
         state: GroupState,

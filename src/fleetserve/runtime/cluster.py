@@ -26,10 +26,11 @@ from typing import Any
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
+from fleetserve.policy.batching import needs_stats
 from fleetserve.runtime.controller import Controller, ModelInfo
 from fleetserve.runtime.plan import (
     SharingPlacer,
-    plan_workers,
+    placed_workers,
     runtime_policy_config,
     runtime_policy_names,
 )
@@ -219,11 +220,24 @@ def worker_specs(
 ) -> list[WorkerSpec]:
     """One spec per worker: its models (placement policy; a multi-LLM stack's
     sharing groups put several on one worker, placed by ``placer``, see
-    :func:`~fleetserve.runtime.plan.plan_workers`), memory budget, limits, and
-    its engine's cores when ``cores`` pins them."""
+    :func:`~fleetserve.runtime.plan.placed_workers`), the statistics its
+    group scheduler reads, memory budget, limits, and its engine's cores when
+    ``cores`` pins them.
+
+    Raises:
+        ConfigError: a batching policy that reads per-service statistics
+            (MLFQ, DB, ADBS) where none are computed (a single-model stack).
+    """
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
     batching = runtime_policy_names(config)["batching"]
+    placed, stats = placed_workers(config, list(source_of), source_of, placer=placer)
+    if needs_stats(batching) and not stats:
+        raise ConfigError(
+            f"batching {batching!r} reads each service's statistics, which the runtime "
+            "computes for a multi-LLM stack's placement (services placed from a history); "
+            "this config has none: use fcfs or rr, or a multi-LLM stack"
+        )
     return [
         WorkerSpec(
             worker_id=wid,
@@ -236,13 +250,12 @@ def worker_specs(
             max_running=sv.max_running,
             max_batch_tokens=sv.max_batch_tokens,
             batching=batching,
+            services=tuple((m, stats[m]) for m in hosted if m in stats),
             block_size=config.cluster.block_size,
             step_log=sv.step_log is not None,
             cpus=cores.engines[wid] if cores is not None else None,
         )
-        for wid, hosted in enumerate(
-            plan_workers(config, list(source_of), source_of, placer=placer)
-        )
+        for wid, hosted in enumerate(placed)
     ]
 
 

@@ -51,11 +51,19 @@ leave the runtime's side open (:func:`sharing_placement`):
   passes it in as a :data:`SharingPlacer`.
 * **Placed once.** SeaLLM's adaptive replacement (re-placing every interval)
   is not run at runtime: the plan is made when the server starts.
-* **Scheduling.** The group scheduler of a multi-LLM stack (DB, ADBS, MLFQ
-  with its token-block quotas) belongs to the simulator's job model; at
-  runtime each worker's engine runs the ``batching`` policy (FCFS) over all
-  its models, in one arena whose pages are one KV head wide (a head-wise
-  unified cache). The controller's families for a multi-LLM stack are those
+* **Scheduling.** A worker hosting several models runs the stack's group
+  scheduler (``batching``: FCFS, RR, MLFQ, DB, or ADBS with its token-block
+  quotas) in its engine, job by job as the simulated group does
+  (:func:`fleetserve.policy.batching.engine_batching`,
+  :mod:`fleetserve.runtime.engine.group`), over one arena whose pages are
+  one KV head wide (a head-wise unified cache). The schedulers that read
+  per-service statistics get the placer's: L̂_s, σ_s and seconds per prompt
+  token from the cost model on the placement GPU over the history, and the
+  history's rates (:func:`fleetserve.sim.multi.service_stats`, what a
+  simulation of the same services computes). Jobs then run for measured
+  times, so on an uncalibrated emulated GPU the statistics and the
+  durations differ by the cost model's error on this CPU (the fidelity
+  experiment measures it). The controller's families for a multi-LLM stack are those
   of stack ``ll`` (:func:`runtime_policy_config`): dispatch ``least_loaded``
   — among the workers hosting a request's model, the one with the fewest of
   that model's requests, the multi-LLM simulator's own rule — no migration,
@@ -82,6 +90,7 @@ from fleetserve.policy.catalog import (
     stack_for,
 )
 from fleetserve.policy.groups import PlacementPlan
+from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.spec.emulated import emulated_gpu
 from fleetserve.spec.types import GpuSpec
 from fleetserve.workload.service import Service
@@ -89,6 +98,7 @@ from fleetserve.workload.service import Service
 __all__ = [
     "SharingPlacement",
     "SharingPlacer",
+    "placed_workers",
     "plan_workers",
     "runtime_policy_config",
     "runtime_policy_names",
@@ -99,10 +109,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SharingPlacer = Callable[
-    [Stack, SimConfig, GpuSpec], tuple[Mapping[str, Service], PlacementPlan, float | None]
+    [Stack, SimConfig, GpuSpec],
+    tuple[Mapping[str, Service], PlacementPlan, float | None, Mapping[str, ServiceStats]],
 ]
-"""``placer(stack, config, gpu) -> (services, plan, estimate)``: the stack's
-placement of a multi-LLM ``config``'s services on its history, on ``gpu``
+"""``placer(stack, config, gpu) -> (services, plan, estimate, statistics)``: the
+stack's placement of a multi-LLM ``config``'s services on its history, on
+``gpu``, and the statistics its group scheduler reads
 (:func:`fleetserve.sim.multi_build.history_placement`; see the module docstring)."""
 
 RUNTIME_SHARING_BASE_STACK = "ll"
@@ -150,8 +162,8 @@ def runtime_gaps(stack: Stack) -> list[str]:
     out = []
     if stack.replacement:
         out.append("adaptive re-placement: the plan is made once, at start")
-    if stack.batching != "fcfs":
-        out.append(f"group scheduler {stack.batching!r}: each worker's engine runs FCFS")
+    if BATCHING.get(stack.batching).spatial:
+        out.append(f"spatial sharing ({stack.batching!r}): a worker's jobs run one at a time")
     if stack.memory == "elastic":
         out.append("elastic groups: every worker keeps its weights loaded")
     if stack.mechanism != "kv":
@@ -186,8 +198,9 @@ def runtime_policy_config(config: SimConfig) -> SimConfig:
 def runtime_policy_names(config: SimConfig) -> dict[str, str]:
     """The policy of every family the runtime runs (``/v1/cluster``):
     :func:`~fleetserve.policy.catalog.resolve_policies` of
-    :func:`runtime_policy_config`, with ``stack`` and ``placement`` the
-    multi-LLM stack's own for a sharing config. A KunServe stack: the
+    :func:`runtime_policy_config`, with ``stack``, ``placement`` and
+    ``batching`` (unless overridden) the multi-LLM stack's own for a sharing
+    config. A KunServe stack: the
     ``vllm`` stack's families (per-family overrides kept), ``stack`` its
     own name and ``pressure: kunserve`` (its memory decisions come from
     :class:`~fleetserve.policy.kunserve.KunServePolicy`, see
@@ -200,6 +213,7 @@ def runtime_policy_names(config: SimConfig) -> dict[str, str]:
     if stack is not None:
         names["stack"] = stack.name
         names["placement"] = stack.placement
+        names["batching"] = config.policy.batching or stack.batching  # the group scheduler
     return names
 
 
@@ -215,6 +229,7 @@ class SharingPlacement:
         estimate: SeaLLM's estimated SLO attainment of the plan (None otherwise).
         workers: the services each started worker hosts, by ascending GPU id
             (GPUs the plan leaves unused are left out).
+        stats: what the group scheduler reads of each service.
     """
 
     stack: Stack
@@ -223,6 +238,7 @@ class SharingPlacement:
     gpu: GpuSpec
     estimate: float | None
     workers: tuple[tuple[str, ...], ...]
+    stats: Mapping[str, ServiceStats]
 
 
 def placement_gpu(config: SimConfig) -> GpuSpec:
@@ -302,7 +318,7 @@ def sharing_placement(
         logger.warning("stack %s at runtime: not run: %s", stack.name, gap)
     pcfg = _placement_config(config, models, dict(sources or {}))
     gpu = placement_gpu(config)
-    services, plan, est = placer(stack, pcfg, gpu)
+    services, plan, est, stats = placer(stack, pcfg, gpu)
     slots: dict[int, tuple[str, ...]] = {}
     for g in plan.groups:
         if g.tp != 1:
@@ -320,7 +336,7 @@ def sharing_placement(
             len(workers),
             config.serve.workers,
         )
-    return SharingPlacement(stack, plan, services, gpu, est, workers)
+    return SharingPlacement(stack, plan, services, gpu, est, workers, dict(stats))
 
 
 def plan_workers(
@@ -330,7 +346,20 @@ def plan_workers(
     *,
     placer: SharingPlacer | None = None,
 ) -> list[tuple[str, ...]]:
-    """The models each worker hosts, from the placement policy.
+    """The models each worker hosts (:func:`placed_workers` without the statistics)."""
+    return placed_workers(config, models, sources, placer=placer)[0]
+
+
+def placed_workers(
+    config: SimConfig,
+    models: Sequence[str],
+    sources: Mapping[str, str] | None = None,
+    *,
+    placer: SharingPlacer | None = None,
+) -> tuple[list[tuple[str, ...]], Mapping[str, ServiceStats]]:
+    """The models each worker hosts, from the placement policy, and the
+    statistics of each service a group scheduler reads (a sharing placement's;
+    none otherwise).
 
     A sharing config (a multi-LLM stack, :func:`sharing_stack`): the stack's
     group placement (:func:`sharing_placement`); a worker may host several
@@ -366,16 +395,17 @@ def plan_workers(
                 f"policy.stack {config.policy.stack!r} serves one replicated model; "
                 f"serve.models has {len(models)}"
             )
-        return [tuple(models)] * n
+        return [tuple(models)] * n, {}
     if sharing_stack(config) is not None:
-        return list(sharing_placement(config, models, sources, placer=placer).workers)
+        sharing = sharing_placement(config, models, sources, placer=placer)
+        return list(sharing.workers), sharing.stats
     if config.cluster.elastic:
         if len(models) != 1:
             raise ConfigError(
                 "an elastic runtime pool (cluster.elastic: true) serves one model; "
                 f"serve.models has {len(models)}"
             )
-        return [tuple(models)] * n
+        return [tuple(models)] * n, {}
     wl = config.workload
     rates = dict.fromkeys(models, 1.0)
     if wl.models is not None and wl.model_weights is not None:
@@ -390,4 +420,4 @@ def plan_workers(
     )
     if len(placed) > n:
         raise ConfigError(f"placement gave {len(placed)} instances for {n} workers")
-    return [(m,) for m in placed]
+    return [(m,) for m in placed], {}

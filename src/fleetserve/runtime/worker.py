@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 import torch
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.batching import instance_batching
+from fleetserve.policy.batching import engine_batching
+from fleetserve.policy.sharing import ServiceStats
 from fleetserve.runtime.buddy import (
     GroupRunner,
     StageResult,
@@ -80,6 +81,7 @@ class WorkerSpec:
     max_running: int = 64
     max_batch_tokens: int = 4096
     batching: str = "fcfs"
+    services: tuple[tuple[str, ServiceStats], ...] = ()  # what a group scheduler reads
     block_size: int = 16
     step_log: bool = False  # report every local engine step (Report.steps_done)
     cpus: tuple[int, ...] | None = None  # the engine thread's cores (serve.pin_cores)
@@ -174,7 +176,8 @@ class WorkerCore:
             block_size=spec.block_size,
             device=spec.device,
             dtype=DTYPES[spec.dtype],
-            batching=instance_batching(spec.batching),
+            batching=engine_batching(spec.batching, len(spec.models)),
+            services=dict(spec.services),
             max_running=spec.max_running,
             max_batch_tokens=spec.max_batch_tokens,
             engine_id=spec.worker_id,

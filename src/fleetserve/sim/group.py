@@ -252,11 +252,13 @@ class SharingGroup:
         lay = self.layout
         if not lay.can_grow(seq.id, seq.model, tokens):
             return False
-        limit = self.scheduler.kv_limit(seq.model)
-        if limit == math.inf:
+        m = seq.model
+        if self.scheduler.kv_limit(m) == math.inf:
             return True
-        extra = lay.grow_bytes(seq.id, seq.model, tokens)
-        return lay.used_bytes(seq.model) + extra <= limit
+        extra = lay.grow_bytes(seq.id, m, tokens)
+        used = lay.used_bytes(m)
+        others = lay.holders(m) - lay.holds(seq.id)  # the service's other requests with KV
+        return self.scheduler.kv_allows(m, used, extra, others)
 
     # -------------------------------------------------------------- actions
     def enqueue(self, seq: GSeq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
@@ -601,8 +603,10 @@ class SharingGroup:
         if self._bw is not None:
             assert self._bw.tokens() == set(self.jobs), (self._bw.tokens(), set(self.jobs))
         for m in self._models:
+            # within the quota, or one request alone past it (GroupScheduler.kv_allows)
             limit = self.scheduler.kv_limit(m)
-            assert lay.used_bytes(m) <= limit + 1e-6, (m, lay.used_bytes(m), limit)
+            over = lay.used_bytes(m) > limit + 1e-6
+            assert not over or lay.holders(m) == 1, (m, lay.used_bytes(m), limit)
 
 
 class _StateView:

@@ -214,6 +214,7 @@ class KVLayout(ABC):
         # per model
         self._mtokens: dict[str, int] = dict.fromkeys(self._models, 0)
         self._mblocks: dict[str, int] = dict.fromkeys(self._models, 0)
+        self._mreqs: dict[str, int] = dict.fromkeys(self._models, 0)  # requests held
 
     # --- construction helpers -------------------------------------------------
     def _validate_fit(self) -> None:
@@ -271,6 +272,10 @@ class KVLayout(ABC):
     def num_requests(self) -> int:
         """Requests held."""
         return len(self._rmodel)
+
+    def holders(self, model: str) -> int:
+        """Requests of ``model`` held."""
+        return self._mreqs[model]
 
     # --- check/commit ---------------------------------------------------------
     def can_grow(self, rid: int, model: str, tokens: int) -> bool:
@@ -335,6 +340,7 @@ class KVLayout(ABC):
         if held is None:
             self._rmodel[rid] = model
             self._rblocks.setdefault(rid, 0)
+            self._mreqs[model] += 1
             held = 0
         self._rtokens[rid] = tokens
         self._mtokens[model] += tokens - held
@@ -358,6 +364,7 @@ class KVLayout(ABC):
             raise KeyError(f"request {rid} holds no KV in this {self.name} layout")
         tokens = self._rtokens.pop(rid)
         blocks = self._rblocks.pop(rid)
+        self._mreqs[model] -= 1
         self._mtokens[model] -= tokens
         self._mblocks[model] -= blocks
         return self._release(rid, model, blocks)
@@ -468,6 +475,8 @@ class KVLayout(ABC):
         for m in self._models:
             _require(tokens[m] == self._mtokens[m], f"service {m!r}: token sum mismatch")
             _require(blocks[m] == self._mblocks[m], f"service {m!r}: token-block sum mismatch")
+        held = Counter(self._rmodel.values())
+        _require(all(held[m] == self._mreqs[m] for m in self._models), "request count mismatch")
         used, free, unusable = self.used_bytes(), self.free_bytes(), self.unusable_bytes()
         _require(0 <= used <= self._capacity, f"used {used} outside [0, {self._capacity}]")
         _require(free >= 0 and unusable >= 0, "negative free or unusable bytes")

@@ -23,10 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from fleetserve.config import SimConfig
+from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError
 from fleetserve.policy.catalog import MULTI, Stack, stack_for
 from fleetserve.policy.groups import PlacementPlan
-from fleetserve.sim.multi import ReplacementConfig
+from fleetserve.policy.sharing import ServiceStats
+from fleetserve.sim.multi import ReplacementConfig, service_stats
 from fleetserve.sim.multi_run import MultiRunSettings, place_for_stack, services_from_window
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.spec.memory import min_tp
@@ -274,14 +276,18 @@ def build_multi(
 
 def history_placement(
     stack: Stack, cfg: SimConfig, gpu: GpuSpec
-) -> tuple[dict[str, Service], PlacementPlan, float | None]:
+) -> tuple[dict[str, Service], PlacementPlan, float | None, dict[str, ServiceStats]]:
     """The stack's placement of a multi-LLM config's services on its history.
 
     :func:`build_multi` (the run may be empty) then :func:`place_for_stack` on
-    ``gpu``; ``(services, plan, estimated SLO attainment)``. This is the
+    ``gpu``; ``(services, plan, estimated SLO attainment, statistics)``, the
+    statistics being what the stack's group scheduler reads
+    (:func:`~fleetserve.sim.multi.service_stats` over the history on ``gpu``,
+    as a simulation of the same services computes them). This is the
     :data:`~fleetserve.runtime.plan.SharingPlacer` the CLI hands the runtime
     (SeaLLM's search evaluates its candidates with this simulator).
     """
     inp = build_multi(cfg, require_run=False)
     plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(cfg), None, gpu)
-    return inp.services, plan, est
+    stats, _ = service_stats(inp.services, inp.history, gpu, CostModel())
+    return inp.services, plan, est, stats

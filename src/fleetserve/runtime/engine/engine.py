@@ -25,12 +25,22 @@ takes them back.
 
 The engine makes no policy decision of its own: whom to admit and whom to
 preempt come from the ``batching`` policy (``fleetserve.policy``).
+
+Given a catalog *group scheduler* instead (``batching`` a
+:class:`~fleetserve.policy.sharing.GroupScheduler`: FCFS, RR, MLFQ, DB or
+ADBS, as a sharing group of several models runs it), a step is one
+scheduling point of that scheduler: it names jobs (a prefill of one model's
+admitted requests, or a decode iteration of one model's running ones), the
+engine runs each and reports its measured duration
+(:mod:`~fleetserve.runtime.engine.group`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +53,9 @@ import torch.nn.functional as F
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
 from fleetserve.policy.batching import instance_batching
+from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, Job, ServiceStats
 from fleetserve.runtime.engine.config import EngineModelConfig
+from fleetserve.runtime.engine.group import JobBudget, StateView
 from fleetserve.runtime.engine.kvpool import KVPool
 from fleetserve.runtime.engine.migration import (
     ImportHandle,
@@ -393,7 +405,13 @@ class Engine:
         block_size: tokens per KV block.
         device: ``cpu`` or ``cuda`` (``cuda:N``).
         dtype: weights and KV element type.
-        batching: the batching policy (default vLLM FCFS).
+        batching: the batching policy (default vLLM FCFS: each step admits
+            in queue order and runs every hosted model's prefills and decodes),
+            or a catalog group scheduler (each step runs the jobs it names,
+            one after another; see the module docstring).
+        services: the hosted models' statistics a group scheduler reads
+            (required by those that read them: MLFQ, DB, ADBS).
+        clock: the group scheduler's clock (seconds; default ``time.monotonic``).
         max_running: most requests in one batch.
         max_batch_tokens: most tokens (prefill + decode) in one step.
         engine_id: this engine's id in views and logs.
@@ -414,7 +432,9 @@ class Engine:
         block_size: int = 16,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-        batching: BatchingPolicy | None = None,
+        batching: BatchingPolicy | GroupScheduler | None = None,
+        services: Mapping[str, ServiceStats] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         max_running: int = 256,
         max_batch_tokens: int = 8192,
         engine_id: int = 0,
@@ -431,7 +451,14 @@ class Engine:
             raise ConfigError("device 'cuda' requested but torch sees no CUDA device")
         self.dtype = dtype
         self.engine_id = engine_id
-        self.batching = batching if batching is not None else instance_batching("fcfs")
+        self.group: GroupScheduler | None = None
+        if isinstance(batching, GroupScheduler):
+            self.group = batching
+            self.batching: BatchingPolicy = instance_batching("fcfs")  # unused in group mode
+        else:
+            self.batching = batching if batching is not None else instance_batching("fcfs")
+        self.clock = clock
+        self._known: set[int] = set()  # requests the group scheduler was told of
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         srcs: list[tuple[WeightSource, list[int] | None]] = []
@@ -455,6 +482,8 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.steps = 0
         self._ids = itertools.count()
+        if self.group is not None:
+            self._setup_group(self.group, services or {})
 
     # ------------------------------------------------------------- models
     def _choose_attention(self, name: str, head_dim: int) -> None:
@@ -612,6 +641,9 @@ class Engine:
         )
         self.requests[rid] = req
         self.waiting.append(req)
+        if self.group is not None:
+            self._known.add(rid)
+            self.group.on_arrival(req, self.clock())
         return rid
 
     def abort(self, rid: int) -> None:
@@ -645,6 +677,8 @@ class Engine:
         """One iteration (see the module docstring)."""
         out = StepOutput()
         self.steps += 1
+        if self.group is not None:
+            return self._group_step(out)
         view = _View(self)
         pool = self.pool
         # 1. room for every running request's next token, preempting if needed
@@ -682,46 +716,191 @@ class Engine:
         for r in [*prefills, *decodes]:
             by_model.setdefault(r.model, []).append(r)
         for model, reqs in by_model.items():
-            starts = [r.n_cached for r in reqs]
-            lens = [len(r.tokens) - r.n_cached for r in reqs]
-            ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
             n_pre = sum(1 for r in reqs if r in pre)  # prefills come first in reqs
-            out.forwards.append(
-                Forward(
-                    model,
-                    tuple(zip(lens[:n_pre], starts[:n_pre], strict=True)),
-                    len(reqs) - n_pre,
-                    sum(starts[n_pre:]) + len(reqs) - n_pre,
-                )
-            )
-            logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
-            eos = self.models[model].cfg.eos_token_ids
-            # requests whose logits are processed (logit_bias, min_tokens,
-            # repetition_penalty) sample from their processed row
-            raw = [not needs_logits_processing(r.params, r.generated) for r in reqs]
-            # the other greedy ones: one argmax and one device->host copy for the batch
-            greedy = (
-                logits.argmax(-1).tolist()
-                if any(ok and r.params.temperature == 0 for ok, r in zip(raw, reqs, strict=True))
-                else []
-            )
-            for i, r in enumerate(reqs):
-                p = r.params
-                if not raw[i]:
-                    tok = sample_token(logits[i], p, r.generator, r.tokens, r.generated, eos)
-                elif p.temperature == 0:
-                    tok = greedy[i]
-                else:
-                    tok = sample_one(logits[i], p, r.generator)
-                r.n_cached = len(r.tokens)
-                out.tokens[r.id] = tok
-                self._append(r, tok)
-                if r.status == FINISHED:
-                    out.finished.append(r.id)
+            self._run_forward(model, reqs, n_pre, out)
         out.prefilled = [r.id for r in prefills]
         out.decoded = [r.id for r in decodes]
         self.running = [r for r in self.running if r.status == RUNNING]
         return out
+
+    def _run_forward(
+        self, model: str, reqs: list[EngineRequest], n_pre: int, out: StepOutput
+    ) -> None:
+        """One forward of ``model`` over ``reqs`` (its first ``n_pre`` prefills,
+        the rest decodes; their pages already hold the new tokens), then each
+        request samples, streams and checks its stop conditions."""
+        starts = [r.n_cached for r in reqs]
+        lens = [len(r.tokens) - r.n_cached for r in reqs]
+        ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
+        out.forwards.append(
+            Forward(
+                model,
+                tuple(zip(lens[:n_pre], starts[:n_pre], strict=True)),
+                len(reqs) - n_pre,
+                sum(starts[n_pre:]) + len(reqs) - n_pre,
+            )
+        )
+        logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+        eos = self.models[model].cfg.eos_token_ids
+        # requests whose logits are processed (logit_bias, min_tokens,
+        # repetition_penalty) sample from their processed row
+        raw = [not needs_logits_processing(r.params, r.generated) for r in reqs]
+        # the other greedy ones: one argmax and one device->host copy for the batch
+        greedy = (
+            logits.argmax(-1).tolist()
+            if any(ok and r.params.temperature == 0 for ok, r in zip(raw, reqs, strict=True))
+            else []
+        )
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not raw[i]:
+                tok = sample_token(logits[i], p, r.generator, r.tokens, r.generated, eos)
+            elif p.temperature == 0:
+                tok = greedy[i]
+            else:
+                tok = sample_one(logits[i], p, r.generator)
+            r.n_cached = len(r.tokens)
+            out.tokens[r.id] = tok
+            self._append(r, tok)
+            if r.status == FINISHED:
+                out.finished.append(r.id)
+
+    # --------------------------------------------------------- group mode
+    def _setup_group(self, sched: GroupScheduler, services: Mapping[str, ServiceStats]) -> None:
+        """Give a group scheduler its services and the arena's KV capacity."""
+        hosted = list(self.models)
+        missing = [m for m in hosted if m not in services]
+        if missing and not sched.one_model:
+            raise ConfigError(
+                f"batching {type(sched).__name__} reads each service's statistics; none "
+                f"given for {', '.join(missing)}"
+            )
+        kv_bytes = self.pool.bytes_of(self.pool.num_pages - self.pool.weight_pages())
+        sched.setup({m: services[m] for m in hosted if m in services}, kv_bytes)
+
+    def kv_bytes(self, model: str) -> int:
+        """KV bytes the requests of ``model`` hold now."""
+        return self.kv_use(model)[0]
+
+    def kv_use(self, model: str, but: int | None = None) -> tuple[int, int]:
+        """KV bytes the requests of ``model`` hold now, and how many of them
+        hold any (request ``but`` left out of the count)."""
+        pool = self.pool
+        pages = holders = 0
+        for r in self.requests.values():
+            if r.model == model and r.status != FINISHED and pool.has(r.id):
+                pages += pool.pages_of(r.id)
+                holders += r.id != but
+        return pool.bytes_of(pages), holders
+
+    def _kv_allows(self, sched: GroupScheduler, req: EngineRequest, pages: int) -> bool:
+        """Whether ``req`` may take ``pages`` more KV pages under its model's
+        quota (:meth:`~fleetserve.policy.sharing.GroupScheduler.kv_allows`)."""
+        if math.isinf(sched.kv_limit(req.model)):
+            return True
+        used, others = self.kv_use(req.model, but=req.id)
+        return sched.kv_allows(req.model, used, self.pool.bytes_of(pages), others)
+
+    def _arrivals(self) -> None:
+        """Tell the group scheduler of queued requests it has not seen (new,
+        imported, resumed), at the engine's clock."""
+        sched = self.group
+        if sched is None:
+            return
+        now: float | None = None
+        for r in [*self.waiting, *self.running]:
+            if r.id not in self._known:
+                now = self.clock() if now is None else now
+                self._known.add(r.id)
+                sched.on_arrival(r, now)
+
+    def _forget(self, req: EngineRequest) -> None:
+        """The request left this engine (finished, aborted or moved away)."""
+        if self.group is not None and req.id in self._known:
+            self._known.discard(req.id)
+            self.group.on_finish(req)
+
+    def _group_step(self, out: StepOutput) -> StepOutput:
+        """One scheduling point of the group scheduler (module docstring)."""
+        sched = self.group
+        assert sched is not None
+        self.running = [r for r in self.running if r.status == RUNNING]
+        self._arrivals()
+        state = StateView(self)
+        budget = JobBudget(self, sched)
+        jobs = sched.schedule(state, budget, self.clock())
+        taken = budget.taken
+        prefills: list[EngineRequest] = []
+        decodes: list[EngineRequest] = []
+        for job in jobs:
+            if job.phase == PREFILL:
+                reqs = self._start_prefill(job, taken)
+                prefills += reqs
+            elif job.phase == DECODE:
+                reqs = self._grow_decode(job, state, out)
+                decodes += reqs
+            else:
+                raise ValueError(f"job of unknown phase {job.phase!r}")
+            if not reqs:
+                continue
+            t0 = self.clock()
+            self._run_forward(job.model, reqs, len(reqs) if job.phase == PREFILL else 0, out)
+            t1 = self.clock()
+            sched.on_job_end(job, [r for r in reqs if r.status == RUNNING], t1 - t0, t1)
+        if taken:  # admitted through the budget but in no job: a scheduler defect
+            raise RuntimeError(f"engine {self.engine_id}: {sorted(taken)} admitted, not run")
+        self.running = [r for r in self.running if r.status == RUNNING]
+        out.prefilled = [r.id for r in prefills]
+        out.decoded = [r.id for r in decodes]
+        if not jobs:
+            self._fail_unfittable(out)
+        return out
+
+    def _start_prefill(self, job: Job, taken: dict[int, EngineRequest]) -> list[EngineRequest]:
+        """The requests of a prefill job, taken through the budget (KV allocated),
+        from the waiting queue into the running batch."""
+        reqs = []
+        for rid in job.seqs:
+            req = taken.pop(rid, None)
+            if req is None or req.model != job.model:
+                raise RuntimeError(f"engine {self.engine_id}: prefill of {rid} not admitted")
+            req.status = RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            reqs.append(req)
+        return reqs
+
+    def _grow_decode(self, job: Job, state: StateView, out: StepOutput) -> list[EngineRequest]:
+        """Room for the next token of each request of a decode job, preempting
+        the scheduler's victims of the job's model while it does not fit (free
+        pages, the model's KV quota); the requests left in the job."""
+        sched = self.group
+        assert sched is not None
+        pool = self.pool
+        reqs = [self.requests[rid] for rid in job.seqs]
+        for r in reqs:
+            if r.model != job.model or r.status != RUNNING:
+                raise RuntimeError(f"engine {self.engine_id}: decode of {r.id} ({r.status})")
+        i = 0
+        while i < len(reqs):
+            r = reqs[i]
+            need = pool.pages_to_grow(r.id, r.n_cached + 1)
+            if need <= pool.num_free and self._kv_allows(sched, r, need):
+                pool.grow(r.id, r.n_cached + 1)
+                i += 1
+                continue
+            cands = state.running_of(job.model)
+            victim = self.requests[sched.victim(state, job.model, cands).id]
+            if victim not in cands:
+                raise RuntimeError(f"engine {self.engine_id}: victim {victim.id} not running")
+            self._preempt(victim)
+            out.preempted.append(victim.id)
+            if victim in reqs:
+                k = reqs.index(victim)
+                reqs.pop(k)
+                if k < i:
+                    i -= 1
+        return reqs
 
     def _fail_unfittable(self, out: StepOutput) -> None:
         """Finish (reason ``capacity``) a head-of-queue request that cannot fit
@@ -772,6 +951,7 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         req.status = FINISHED
+        self._forget(req)
         if req.on_finish is not None:
             req.on_finish(req)
 
@@ -1237,9 +1417,10 @@ class Engine:
 
     def abort_paused(self, rid: int) -> None:
         """Undo a pre-commit: free the request's pages and forget it."""
-        self._paused(rid)
+        req = self._paused(rid)
         self.pool.free(rid)
         del self.requests[rid]
+        self._forget(req)
 
     def commit_import(
         self, handle: ImportHandle, state: RequestState, *, request_id: int | None = None
@@ -1339,6 +1520,7 @@ class Engine:
             self.running.remove(req)
         req.status = FINISHED
         req.finish_reason = "migrated"
+        self._forget(req)
 
     def import_tokens(self, state: RequestState, *, request_id: int | None = None) -> int:
         """Token migration: queue ``state`` here to be re-prefilled from its token ids.

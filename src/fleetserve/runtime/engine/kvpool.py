@@ -170,6 +170,11 @@ class KVPool:
         t = self._tables[rid]
         return t.pages[: t.ntb]
 
+    def pages_of(self, rid: int) -> int:
+        """KV pages the table of ``rid`` holds."""
+        t = self._tables[rid]
+        return t.ntb * len(t.layers) * self._models[t.model].kv_heads
+
     def pages_to_grow(self, rid: int, n_tokens: int) -> int:
         """Pages needed for the table to hold ``n_tokens`` tokens."""
         t = self._tables[rid]

@@ -1,0 +1,141 @@
+"""The engine as a sharing group: what a group scheduler reads and admits through.
+
+An :class:`~fleetserve.runtime.engine.engine.Engine` given a catalog group
+scheduler (:data:`fleetserve.policy.sharing.BATCHING`: FCFS, RR, MLFQ, DB,
+ADBS) runs each step as the simulator's sharing group
+(:class:`fleetserve.sim.group.SharingGroup`) runs a scheduling point: it asks
+the scheduler for jobs (:meth:`~fleetserve.policy.sharing.GroupScheduler.schedule`),
+runs each one (a prefill of the requests the scheduler admitted, or one
+decode iteration of one model's running requests), and reports each job's
+measured duration (:meth:`~fleetserve.policy.sharing.GroupScheduler.on_job_end`).
+This module holds the two views the scheduler reads; the engine holds the
+loop (``Engine._group_step``). None of it decides anything: whom to serve,
+whom to admit and whom to preempt are the scheduler's.
+
+Where the engine differs from the simulated group, by construction:
+
+* **Jobs run one after another.** Every job returned at one scheduling point
+  runs to its end before the next scheduling point, on all of the engine's
+  threads: the view reports no job in flight and the whole compute share
+  free. A spatial scheduler (ADBS) gets what it asks for — a prefill of one
+  service and decode steps of the others at the same point — but the shares
+  are not emulated (the CPU engine has no SMs to partition; the runtime-parity
+  table of issue 24 lists spatial sharing as its own item).
+* **Time is measured.** ``now`` is the engine's clock (``time.monotonic``
+  unless a test passes another) and a job's duration is the wall time of
+  its forward and sampling, so MLFQ's quanta and DB's budgets count real
+  seconds. The services' statistics (L̂_s, σ_s, seconds per prompt token)
+  are inputs: the runtime passes those its placement computed (the
+  simulator's, on the worker's emulated GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from fleetserve.policy.sharing import GroupScheduler, GroupSeq
+
+if TYPE_CHECKING:
+    from fleetserve.runtime.engine.engine import Engine, EngineRequest
+
+__all__ = ["JobBudget", "StateView"]
+
+_RUNNING = "running"
+
+
+class StateView:
+    """The engine between jobs, as a :class:`~fleetserve.policy.sharing.GroupState`.
+
+    Per-model queues are built once per scheduling point (requests admitted
+    through :class:`JobBudget` stay in ``waiting`` until their job starts,
+    as in the simulated group); ``kv_used`` reads the pool live.
+    """
+
+    __slots__ = ("_e", "_ready", "_waiting", "models")
+
+    def __init__(self, engine: Engine) -> None:
+        self._e = engine
+        self.models: tuple[str, ...] = tuple(engine.models)
+        self._waiting: dict[str, list[EngineRequest]] = {m: [] for m in self.models}
+        self._ready: dict[str, list[EngineRequest]] = {m: [] for m in self.models}
+        for r in engine.waiting:
+            self._waiting[r.model].append(r)
+        for r in engine.running:
+            if r.status == _RUNNING:
+                self._ready[r.model].append(r)
+
+    @property
+    def free_share(self) -> float:
+        return 1.0
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return 0
+
+    def waiting(self, model: str) -> Sequence[GroupSeq]:
+        return self._waiting.get(model, [])
+
+    def ready(self, model: str) -> Sequence[GroupSeq]:
+        return self._ready.get(model, [])
+
+    def running_of(self, model: str) -> list[EngineRequest]:
+        """The model's running requests now (preemptible, live)."""
+        return [r for r in self._e.running if r.model == model and r.status == _RUNNING]
+
+    def busy(self, model: str, phase: str) -> bool:
+        return False
+
+    def kv_used(self, model: str) -> int:
+        return self._e.kv_bytes(model)
+
+    def prefill_in_flight(self) -> bool:
+        return False
+
+
+class JobBudget:
+    """Admission into one prefill job (a :class:`~fleetserve.policy.sharing.GroupBudget`):
+    one model per job, the engine's batch limits (``max_running`` requests,
+    ``max_batch_tokens`` tokens; a lone prompt may exceed the token limit, as
+    in the simulated group), free pages for the prompt plus its next token,
+    and the model's KV quota (:meth:`~fleetserve.policy.sharing.GroupScheduler.kv_allows`).
+    ``take`` allocates the request's KV at once."""
+
+    __slots__ = ("_e", "_sched", "model", "seqs_left", "taken", "tokens_left")
+
+    def __init__(self, engine: Engine, scheduler: GroupScheduler) -> None:
+        self._e = engine
+        self._sched = scheduler
+        self.model: str | None = None
+        self.seqs_left = engine.max_running - len(engine.running)
+        self.tokens_left = engine.max_batch_tokens
+        self.taken: dict[int, EngineRequest] = {}
+
+    def _pages(self, req: EngineRequest) -> int:
+        pool = self._e.pool
+        return -(-(len(req.tokens) + 1) // pool.block_size) * pool.pages_per_token_block(req.model)
+
+    def fits(self, seq: GroupSeq) -> bool:
+        e = self._e
+        req = e.requests.get(seq.id)
+        if req is None or req.status != "waiting" or req.id in self.taken:
+            return False
+        if self.model is not None and req.model != self.model:
+            return False  # one service per job
+        n = len(req.tokens)
+        if self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
+            return False
+        pages = self._pages(req)
+        return pages <= e.pool.num_free and e._kv_allows(self._sched, req, pages)
+
+    def take(self, seq: GroupSeq) -> None:
+        e = self._e
+        req = e.requests[seq.id]
+        if self.model is None:
+            self.model = req.model
+        if not e.pool.has(req.id):
+            e.pool.open(req.id, req.model)
+        e.pool.grow(req.id, len(req.tokens))
+        self.taken[req.id] = req
+        self.seqs_left -= 1
+        self.tokens_left -= len(req.tokens)
