@@ -273,3 +273,76 @@ def test_any_mix_ends_every_request_once_within_memory_and_quotas(
     assert sorted(sched.arrived) == sorted(done) == sorted(sched.left)
     assert eng.pool.kv_pages == 0 and not eng.has_work()
     assert all(j.phase in (PREFILL, DECODE) for j in sched.jobs)
+
+
+# ------------------------------------------------------------ chunked prefill
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=st.integers(4, 40),
+    work=st.lists(
+        st.tuples(st.sampled_from([A, B]), st.integers(1, 90), st.integers(1, 8)),
+        min_size=1,
+        max_size=6,
+    ),
+    kv_mib=st.sampled_from([0.3, 4.0]),
+)
+def test_chunked_prefill_gives_the_same_tokens_within_the_token_budget(
+    budget: int, work: list[tuple[str, int, int]], kv_mib: float
+) -> None:
+    """Chunked prefill (one model or two, prompts longer than the step's token
+    budget, a small arena that preempts): every step stays within
+    ``max_batch_tokens``, partly prefilled prompts sample nothing, and every
+    request's tokens equal the unchunked engine's."""
+    eng = Engine(
+        [A, B],
+        weights_bytes(A, B) + int(kv_mib * MiB),
+        max_batch_tokens=budget,
+        chunked_prefill=True,
+    )
+    kv_pages = eng.pool.num_pages - eng.pool.weight_pages()
+    items = [
+        (m, "".join(chr(97 + (i * 7 + n) % 26) for i in range(n)), k)
+        for m, n, k in work
+        if eng.pool.pages_per_token_block(m) * -(-(n + 1) // eng.pool.block_size) <= kv_pages
+    ]
+    ref = run(Engine([A, B], weights_bytes(A, B) + 8 * MiB), items)
+    seen_chunks: list[tuple[int, int]] = []
+    orig = eng.step
+
+    def step() -> Any:
+        out = orig()
+        for f in out.forwards:
+            assert sum(n for n, _ in f.chunks) + f.decode_batch <= budget
+            seen_chunks.extend(f.chunks)
+        for rid in out.tokens:  # a request sampled: its prompt is cached in full
+            r = eng.requests[rid]
+            assert r.n_cached == len(r.tokens) - 1
+        return out
+
+    eng.step = step  # type: ignore[method-assign]
+    got = run(eng, items)
+    finished = [r for r in ref.values() if r.finish_reason == "length"]
+    assert len(finished) == len(ref)  # the reference had room for every request
+    for rid, r in got.items():  # a request the small arena could not hold ends "capacity"
+        assert r.finish_reason in ("length", "capacity")
+        n = len(r.output_ids)
+        assert r.output_ids == ref[rid].output_ids[:n] and (n == len(ref[rid].output_ids)) == (
+            r.finish_reason == "length"
+        )
+    if any(len(p) > budget for _, p, _ in items):
+        assert any(c > 0 for _, c in seen_chunks)  # a long prompt ran in chunks
+
+
+def test_a_prompt_longer_than_the_token_budget_needs_chunked_prefill() -> None:
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        Engine([A], 64 * MiB, max_batch_tokens=8).add_request(A, [1] * 9)
+    eng = Engine([A], 64 * MiB, max_batch_tokens=8, chunked_prefill=True)
+    rid = eng.add_request(A, [1] * 30, SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = []
+    while eng.has_work():
+        steps.append(eng.step().forwards[0].chunks)
+        eng.check_integrity()
+    assert steps[:4] == [((8, 0),), ((8, 8),), ((8, 16),), ((6, 24),)]
+    assert len(eng.pop_finished(rid).output_ids) == 3

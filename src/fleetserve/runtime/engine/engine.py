@@ -357,7 +357,7 @@ class _View:
 
     @property
     def num_running(self) -> int:
-        return len(self.e.running)
+        return len(self.e.running) + len(self.e.prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -368,17 +368,20 @@ class _View:
         return not self.e.has_work()
 
     def seqs(self) -> list[Any]:
-        return [*self.e.running, *self.e.waiting]
+        return [*self.e.running, *self.e.prefilling, *self.e.waiting]
 
 
 class _Budget(AdmissionBudget):
-    """Free pages, batch size and batch tokens left for this step's prefills."""
+    """Free pages, batch size and batch tokens left for this step's prefills.
+    With chunked prefill a prompt needs one token of the budget to start (its
+    pages in full), as the simulated instance admits."""
 
-    def __init__(self, engine: Engine, running: int) -> None:
+    def __init__(self, engine: Engine, running: int, tokens: int) -> None:
         self.e = engine
         self.pages = engine.pool.num_free
         self.seqs = engine.max_running - running
-        self.tokens = engine.max_batch_tokens - running
+        self.tokens = tokens
+        self.chunked = engine.chunked_prefill
 
     def _pages(self, seq: Any) -> int:
         req = self.e.requests[seq.id]
@@ -387,7 +390,8 @@ class _Budget(AdmissionBudget):
 
     def fits(self, seq: Any) -> bool:
         n = len(self.e.requests[seq.id].tokens)
-        return self.seqs >= 1 and n <= self.tokens and self._pages(seq) <= self.pages
+        room = self.tokens > 0 if self.chunked else n <= self.tokens
+        return self.seqs >= 1 and room and self._pages(seq) <= self.pages
 
     def take(self, seq: Any) -> None:
         self.seqs -= 1
@@ -414,6 +418,14 @@ class Engine:
         clock: the group scheduler's clock (seconds; default ``time.monotonic``).
         max_running: most requests in one batch.
         max_batch_tokens: most tokens (prefill + decode) in one step.
+        chunked_prefill: split prompts into chunks that fill each step's
+            token budget beside the running requests' decodes (Sarathi-Serve,
+            vLLM's option; the simulated instance's ``chunked_prefill``):
+            while a prompt is being prefilled every step is mixed, partly
+            prefilled prompts first, then newly admitted ones; a prompt's
+            pages are taken in full when it is admitted, and a prompt may be
+            longer than ``max_batch_tokens``. Group schedulers run whole
+            prefill jobs (the simulated group has no chunked prefill).
         engine_id: this engine's id in views and logs.
         attention: how requests with cached context attend: ``gather``
             (default: copy their pages into a padded tensor, then dense
@@ -437,6 +449,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         max_running: int = 256,
         max_batch_tokens: int = 8192,
+        chunked_prefill: bool = False,
         engine_id: int = 0,
         attention: str = "gather",
     ) -> None:
@@ -461,6 +474,7 @@ class Engine:
         self._known: set[int] = set()  # requests the group scheduler was told of
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        self.chunked_prefill = chunked_prefill and self.group is None
         srcs: list[tuple[WeightSource, list[int] | None]] = []
         for m in models:
             if isinstance(m, tuple):
@@ -480,6 +494,8 @@ class Engine:
         self.requests: dict[int, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        # admitted, KV allocated in full, prompt partly prefilled (chunked prefill)
+        self.prefilling: list[EngineRequest] = []
         self.steps = 0
         self._ids = itertools.count()
         if self.group is not None:
@@ -607,7 +623,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds the "
                 f"context window of {model} ({limit})"
             )
-        if len(ids) > self.max_batch_tokens:
+        if len(ids) > self.max_batch_tokens and not self.chunked_prefill:
             raise ConfigError(
                 f"prompt ({len(ids)} tokens) is longer than the engine's max_batch_tokens "
                 f"({self.max_batch_tokens})"
@@ -654,7 +670,7 @@ class Engine:
         self._finish(req, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def pop_finished(self, rid: int) -> EngineRequest:
         """Forget a finished request (the caller has read its output)."""
@@ -693,10 +709,20 @@ class Engine:
         for r in self.running:
             pool.grow(r.id, r.n_cached + 1)
         decodes = list(self.running)
-        # 2. admission (only when nothing was preempted this step)
+        # 2. prompt chunks of partly prefilled requests (chunked prefill), then
+        # admission (only when nothing was preempted this step)
+        left = self.max_batch_tokens - len(decodes)
+        chunks: dict[int, int] = {}  # request id -> tokens of its prompt this step
         prefills: list[EngineRequest] = []
+        for r in self.prefilling:
+            if left <= 0:
+                break
+            chunks[r.id] = n = min(len(r.tokens) - r.n_cached, left)
+            prefills.append(r)
+            left -= n
         if not out.preempted and self.waiting:
-            budget = _Budget(self, len(self.running))
+            n_run = len(self.running) + len(self.prefilling)
+            budget = _Budget(self, n_run, left)
             chosen = self.batching.admit(view, list(self.waiting), budget)
             for seq in chosen:
                 req = self.requests[seq.id]
@@ -705,7 +731,12 @@ class Engine:
                 pool.grow(req.id, len(req.tokens))
                 req.status = RUNNING
                 self.waiting.remove(req)
-                self.running.append(req)
+                if self.chunked_prefill:
+                    self.prefilling.append(req)
+                    chunks[req.id] = n = min(len(req.tokens), left)
+                    left -= n
+                else:
+                    self.running.append(req)
                 prefills.append(req)
         if not decodes and not prefills:
             self._fail_unfittable(out)
@@ -717,21 +748,34 @@ class Engine:
             by_model.setdefault(r.model, []).append(r)
         for model, reqs in by_model.items():
             n_pre = sum(1 for r in reqs if r in pre)  # prefills come first in reqs
-            self._run_forward(model, reqs, n_pre, out)
+            self._run_forward(model, reqs, n_pre, out, chunks)
         out.prefilled = [r.id for r in prefills]
         out.decoded = [r.id for r in decodes]
+        if self.prefilling:  # prompts prefilled in full this step now decode
+            done = [r for r in self.prefilling if r.n_cached == len(r.tokens) - 1]
+            self.prefilling = [r for r in self.prefilling if r.n_cached != len(r.tokens) - 1]
+            self.running += [r for r in done if r.status == RUNNING]
         self.running = [r for r in self.running if r.status == RUNNING]
         return out
 
     def _run_forward(
-        self, model: str, reqs: list[EngineRequest], n_pre: int, out: StepOutput
+        self,
+        model: str,
+        reqs: list[EngineRequest],
+        n_pre: int,
+        out: StepOutput,
+        chunks: Mapping[int, int] | None = None,
     ) -> None:
         """One forward of ``model`` over ``reqs`` (its first ``n_pre`` prefills,
         the rest decodes; their pages already hold the new tokens), then each
-        request samples, streams and checks its stop conditions."""
+        request samples, streams and checks its stop conditions. A request in
+        ``chunks`` runs that many of its uncached tokens; one that leaves some
+        uncached only caches them (a prompt chunk: nothing is sampled)."""
         starts = [r.n_cached for r in reqs]
         lens = [len(r.tokens) - r.n_cached for r in reqs]
-        ids = [t for r in reqs for t in r.tokens[r.n_cached :]]
+        if chunks:
+            lens = [chunks.get(r.id, n) for r, n in zip(reqs, lens, strict=True)]
+        ids = [t for r, n in zip(reqs, lens, strict=True) for t in r.tokens[r.n_cached :][:n]]
         out.forwards.append(
             Forward(
                 model,
@@ -752,6 +796,9 @@ class Engine:
             else []
         )
         for i, r in enumerate(reqs):
+            if starts[i] + lens[i] < len(r.tokens):  # a prompt chunk
+                r.n_cached += lens[i]
+                continue
             p = r.params
             if not raw[i]:
                 tok = sample_token(logits[i], p, r.generator, r.tokens, r.generated, eos)
@@ -907,7 +954,13 @@ class Engine:
         even in an otherwise empty arena: its KV outgrew what the arena has for
         KV, so waiting would never end (vLLM aborts such a sequence too)."""
         pool = self.pool
-        if self.running or not self.waiting or pool.kv_pages or pool.usage()["reserved"]:
+        if (
+            self.running
+            or self.prefilling
+            or not self.waiting
+            or pool.kv_pages
+            or pool.usage()["reserved"]
+        ):
             return
         head = self.waiting[0]
         need = pool.pages_per_token_block(head.model) * -(
@@ -950,6 +1003,8 @@ class Engine:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         req.status = FINISHED
         self._forget(req)
         if req.on_finish is not None:
@@ -1493,6 +1548,8 @@ class Engine:
         if req is None or req.status != RUNNING:
             status = "unknown" if req is None else req.status
             raise ValueError(f"request {rid} is {status}; only a running request can pause")
+        if req in self.prefilling:
+            raise ValueError(f"request {rid} is still prefilling its prompt; it cannot pause")
         req.status = PAUSED
         self.running.remove(req)
 
@@ -1555,6 +1612,11 @@ class Engine:
             assert r.status == RUNNING and r.id not in seen, f"request {r.id}: running twice"
             seen.add(r.id)
             assert self.pool.capacity_tokens(r.id) >= r.n_cached, f"request {r.id}: KV lost"
+        for r in self.prefilling:
+            assert r.status == RUNNING and r.id not in seen, f"request {r.id}: prefilling twice"
+            seen.add(r.id)
+            assert r.n_cached < len(r.tokens) - 1 or r.n_cached == 0, f"request {r.id}: prefilled"
+            assert self.pool.capacity_tokens(r.id) >= len(r.tokens), f"request {r.id}: KV short"
         for r in self.requests.values():
             if r.status == FINISHED:
                 assert not self.pool.has(r.id), f"request {r.id}: finished but holds pages"
