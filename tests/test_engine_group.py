@@ -346,3 +346,32 @@ def test_a_prompt_longer_than_the_token_budget_needs_chunked_prefill() -> None:
         eng.check_integrity()
     assert steps[:4] == [((8, 0),), ((8, 8),), ((8, 16),), ((6, 24),)]
     assert len(eng.pop_finished(rid).output_ids) == 3
+
+
+# ---------------------------------------------------------------- sleep / wake
+
+
+def test_an_idle_engine_sleeps_without_weights_or_arena_and_wakes_exact() -> None:
+    """An inactive worker of an elastic pool holds no memory: sleep gives back
+    the arena and every weight; wake loads them again (timed) and the engine
+    serves the same tokens as before."""
+    eng = Engine([A, B], weights_bytes(A, B) + 2 * MiB)
+    before = run(eng, WORK[:3])
+    with pytest.raises(ValueError, match="allocated"):
+        eng.pool.acquire_arena()
+    arena = eng.pool.arena.numel() * eng.pool.arena.element_size()
+    freed = eng.sleep()
+    assert eng.asleep and freed > arena and eng.pool.released
+    assert eng.pool.arena.numel() == 0 and eng.pool.weight_pages() == 0
+    assert all(m.embed.numel() == 0 and not m.layers for m in eng.models.values())
+    with pytest.raises(ConfigError, match="asleep"):
+        eng.add_request(A, "x")
+    assert eng.sleep() == 0  # already asleep
+    took = eng.wake()
+    assert took > 0 and not eng.asleep and eng.wake() == 0.0
+    eng.check_integrity()
+    after = run(eng, WORK[:3])
+    assert [r.output_ids for r in after.values()] == [r.output_ids for r in before.values()]
+    eng.add_request(A, "busy")
+    with pytest.raises(ValueError, match="idle"):
+        eng.sleep()

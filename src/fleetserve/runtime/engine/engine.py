@@ -498,6 +498,7 @@ class Engine:
         self.prefilling: list[EngineRequest] = []
         self.steps = 0
         self._ids = itertools.count()
+        self._asleep: dict[str, list[int]] | None = None  # layers to load on wake
         if self.group is not None:
             self._setup_group(self.group, services or {})
 
@@ -586,6 +587,60 @@ class Engine:
         fuse_views(views)  # qkv and gate_up: views of the same pages
         m.layers[layer] = views
 
+    # -------------------------------------------------------------- sleep
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine holds no weights and no arena (:meth:`sleep`)."""
+        return self._asleep is not None
+
+    def sleep(self) -> int:
+        """Give back every weight and the arena, as an inactive GPU of an
+        elastic pool holds none; returns the bytes released. Only an engine
+        with no request may sleep. The models' host copies (their weight
+        sources) and tokenizers stay; :meth:`wake` loads the weights again.
+        """
+        if self.asleep:
+            return 0
+        if self.requests or self.has_work():
+            raise ValueError(f"engine {self.engine_id} has requests; only an idle engine sleeps")
+        if self._flex is not None:
+            raise ConfigError("attention 'flex' keeps the arena compiled in; it cannot sleep")
+        pool = self.pool
+        held = {name: self.held_layers(name) for name in self.models}
+        freed = pool.num_pages * pool.page_bytes  # the arena, weights and KV
+        for name, layers in held.items():
+            m = self.models[name]
+            for li in layers:
+                self.drop_layer(name, li)
+            for t in (m.embed, m.norm, m.lm_head):
+                freed += t.numel() * t.element_size()
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            m.embed = m.norm = m.lm_head = empty
+        pool.release_arena()
+        self._asleep = held
+        return freed
+
+    def wake(self) -> float:
+        """Allocate the arena and load the weights :meth:`sleep` gave back (from
+        the host copies); returns the seconds it took (an activation's cost)."""
+        held = self._asleep
+        if held is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.pool.acquire_arena()
+        dev, dt = self.device, self.dtype
+        for name, layers in held.items():
+            m = self.models[name]
+            m.embed = m.source.tensor("embed").to(dev, dt)
+            m.norm = m.source.tensor("norm").to(dev, dt)
+            m.lm_head = m.source.tensor("lm_head").to(dev, dt)
+            for li in layers:
+                self.restore_layer(name, li)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._asleep = None
+        return time.perf_counter() - t0
+
     # ----------------------------------------------------------- requests
     def tokenizer(self, model: str) -> Tokenizer:
         return self._model(model).tokenizer
@@ -609,6 +664,8 @@ class Engine:
     ) -> int:
         """Queue a request; returns its id. Tokens stream through ``on_token``."""
         m = self._model(model)
+        if self.asleep:
+            raise ConfigError(f"engine {self.engine_id} is asleep (inactive); wake it first")
         p = params if params is not None else SamplingParams()
         ids = m.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:

@@ -464,6 +464,27 @@ class KVPool:
         in_heap = set(self._heap)
         assert all(p in in_heap for p in np.flatnonzero(free).tolist()), "free page not in heap"
 
+    # ------------------------------------------------------------------ sleep
+    @property
+    def released(self) -> bool:
+        """Whether the arena's memory is given back (:meth:`release_arena`)."""
+        return self.arena.numel() == 0
+
+    def release_arena(self) -> None:
+        """Give the arena's memory back (an inactive GPU holds none). Only an
+        empty pool may: no KV, no weights, no reservation."""
+        if self._tables or self._regions or self._reservations:
+            raise ValueError("only an empty pool can release its arena")
+        self.arena = torch.empty(0, self.page_elems, dtype=self.dtype, device=self.device)
+
+    def acquire_arena(self) -> None:
+        """Allocate the arena again after :meth:`release_arena` (zeroed, all pages free)."""
+        if not self.released:
+            raise ValueError("the arena is allocated")
+        self.arena = torch.zeros(
+            self.num_pages, self.page_elems, dtype=self.dtype, device=self.device
+        )
+
     # ------------------------------------------------------------------ stats
     @property
     def kv_pages(self) -> int:
