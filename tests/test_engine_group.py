@@ -375,3 +375,88 @@ def test_an_idle_engine_sleeps_without_weights_or_arena_and_wakes_exact() -> Non
     eng.add_request(A, "busy")
     with pytest.raises(ValueError, match="idle"):
         eng.sleep()
+
+
+# ------------------------------------------------------------- prefix caching
+
+DOC = "The paged arena holds the weights and KV of every hosted model. " * 3
+
+
+def test_a_shared_prefix_is_read_from_cached_blocks_with_the_same_tokens() -> None:
+    """A prompt that starts with another's blocks reuses their KV (not
+    recomputed: the forward starts past them) and its tokens equal an
+    engine's without caching; blocks outlive their requests, shared while
+    both run, and are counted by reference (integrity after every step)."""
+    work = [(A, DOC + "first question", 6), (A, DOC + "second one", 6), (B, DOC + "x", 4)]
+    ref = run(Engine([A, B], weights_bytes(A, B) + 4 * MiB), work, stagger=False)
+    eng = Engine([A, B], weights_bytes(A, B) + 4 * MiB, prefix_caching=True)
+    first = run(eng, work[:1])
+    cached = eng.pool.cached_blocks
+    n_tok = len(eng.tokenizer(A).encode(DOC + "first question"))  # BOS included
+    assert cached == n_tok // 16 and eng.prefix_hits == 0
+    assert eng.pool.evictable_pages == eng.pool.num_pages - eng.pool.num_free - (
+        eng.pool.weight_pages()
+    )  # nothing references them now: all evictable
+    forwards: list[Any] = []
+    orig = eng.step
+
+    def step() -> Any:
+        out = orig()
+        forwards.extend(out.forwards)
+        return out
+
+    eng.step = step  # type: ignore[method-assign]
+    rest = run(eng, work[1:], stagger=False)
+    got = [first[0].output_ids] + [rest[r].output_ids for r in sorted(rest)]
+    assert got == [ref[r].output_ids for r in sorted(ref)]
+    enc = eng.tokenizer(A).encode
+    shared = len(enc(DOC)) // 16  # full blocks of the common text
+    assert eng.prefix_hits == shared * 16  # model B's blocks are its own: no hit
+    a_pre = next(f for f in forwards if f.model == A and f.chunks)
+    assert a_pre.chunks == ((len(enc(DOC + "second one")) - shared * 16, shared * 16),)
+
+
+def test_prefix_caching_keeps_the_invariants_and_tokens_under_eviction() -> None:
+    """A small arena: cached blocks are evicted when pages are needed,
+    requests are preempted and re-admitted through the cache, and every
+    request still gets the tokens of an engine without caching."""
+    texts = [DOC, DOC[::-1], DOC.upper()]
+    work = [(A, texts[i % 3][: 40 + 11 * i] + str(i), 8) for i in range(9)]
+    ref = run(Engine([A], weights_bytes(A) + 4 * MiB), work)
+    eng = Engine([A], weights_bytes(A) + int(0.7 * MiB), prefix_caching=True, max_running=4)
+    got = run(eng, work)
+    assert [got[r].output_ids for r in sorted(got)] == [ref[r].output_ids for r in sorted(ref)]
+    assert eng.prefix_hits > 0 and eng.pool.evictions > 0
+    eng.check_integrity()
+    assert eng.pool.num_available == eng.pool.num_pages - eng.pool.weight_pages()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    work=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 70), st.integers(1, 6)),
+        min_size=1,
+        max_size=7,
+    ),
+    kv_mib=st.sampled_from([0.35, 4.0]),
+    chunked=st.booleans(),
+)
+def test_prefix_caching_gives_the_same_tokens_on_any_mix(
+    work: list[tuple[int, int, int]], kv_mib: float, chunked: bool
+) -> None:
+    """Prompts cut from four shared texts at random lengths, a roomy or a
+    small arena, chunked prefill or not: the pool's invariants hold after
+    every step and each request's tokens equal the uncached engine's."""
+    texts = [DOC, DOC[::-1], DOC.upper(), "zz" + DOC]
+    eng = Engine(
+        [A], weights_bytes(A) + int(kv_mib * MiB), prefix_caching=True, chunked_prefill=chunked
+    )
+    kv_pages = eng.pool.num_pages - eng.pool.weight_pages()
+    per = eng.pool.pages_per_token_block(A)
+    items = [
+        (A, texts[t][:n], k) for t, n, k in work if per * -(-(n + k + 1) // 16) <= kv_pages
+    ]
+    ref = run(Engine([A], weights_bytes(A) + 4 * MiB), items)
+    got = run(eng, items)
+    for rid, r in got.items():
+        assert r.finish_reason == "length" and r.output_ids == ref[rid].output_ids

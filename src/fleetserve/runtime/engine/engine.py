@@ -37,6 +37,7 @@ engine runs each and reports its measured duration
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -128,6 +129,8 @@ class EngineRequest:
     held: str = ""  # text held back while it may be the start of a stop string
     # the stop strings' automata, rebuilt from ``held`` when that is set elsewhere
     stop_matcher: StopMatcher | None = field(default=None, repr=False)
+    # chain hashes of its full token-blocks so far (prefix caching)
+    block_hashes: list[int] = field(default_factory=list, repr=False)
 
     # --- SeqView --------------------------------------------------------
     @property
@@ -347,13 +350,13 @@ class _View:
 
     @property
     def free_blocks(self) -> int:
-        return self.e.pool.num_free
+        return self.e.pool.num_available
 
     reserved_blocks = 0
 
     @property
     def available_blocks(self) -> int:
-        return self.e.pool.num_free
+        return self.e.pool.num_available
 
     @property
     def num_running(self) -> int:
@@ -378,25 +381,20 @@ class _Budget(AdmissionBudget):
 
     def __init__(self, engine: Engine, running: int, tokens: int) -> None:
         self.e = engine
-        self.pages = engine.pool.num_free
+        self.pages = engine.pool.num_available
         self.seqs = engine.max_running - running
         self.tokens = tokens
         self.chunked = engine.chunked_prefill
 
-    def _pages(self, seq: Any) -> int:
-        req = self.e.requests[seq.id]
-        lay = self.e.pool.pages_per_token_block(req.model)
-        return -(-(len(req.tokens) + 1) // self.e.pool.block_size) * lay
-
     def fits(self, seq: Any) -> bool:
         n = len(self.e.requests[seq.id].tokens)
         room = self.tokens > 0 if self.chunked else n <= self.tokens
-        return self.seqs >= 1 and room and self._pages(seq) <= self.pages
+        return self.seqs >= 1 and room and self.e.prompt_pages(seq.id) <= self.pages
 
     def take(self, seq: Any) -> None:
         self.seqs -= 1
         self.tokens -= len(self.e.requests[seq.id].tokens)
-        self.pages -= self._pages(seq)
+        self.pages -= self.e.prompt_pages(seq.id)
 
 
 class Engine:
@@ -418,6 +416,13 @@ class Engine:
         clock: the group scheduler's clock (seconds; default ``time.monotonic``).
         max_running: most requests in one batch.
         max_batch_tokens: most tokens (prefill + decode) in one step.
+        prefix_caching: keep the KV of full token-blocks after their requests
+            end, keyed by a chain hash of the model and the tokens up to each
+            block's end, and start a request whose prompt begins with cached
+            blocks from them (vLLM's automatic prefix caching; the blocks are
+            shared, counted by reference, evicted least recently used when
+            pages are needed; :mod:`~fleetserve.runtime.engine.kvpool`). Not
+            with ``attention="flex"``.
         chunked_prefill: split prompts into chunks that fill each step's
             token budget beside the running requests' decodes (Sarathi-Serve,
             vLLM's option; the simulated instance's ``chunked_prefill``):
@@ -450,6 +455,7 @@ class Engine:
         max_running: int = 256,
         max_batch_tokens: int = 8192,
         chunked_prefill: bool = False,
+        prefix_caching: bool = False,
         engine_id: int = 0,
         attention: str = "gather",
     ) -> None:
@@ -475,6 +481,11 @@ class Engine:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill = chunked_prefill and self.group is None
+        if prefix_caching and attention != "gather":
+            raise ConfigError("prefix caching needs attention 'gather' (flex: one owner a page)")
+        self.prefix_caching = prefix_caching
+        self.prefix_queries = 0  # prompt tokens admitted (prefix caching)
+        self.prefix_hits = 0  # of which were read from cached blocks
         srcs: list[tuple[WeightSource, list[int] | None]] = []
         for m in models:
             if isinstance(m, tuple):
@@ -758,7 +769,7 @@ class Engine:
         self.running = [r for r in self.running if r.status == RUNNING]
         while self.running:
             need = sum(pool.pages_to_grow(r.id, r.n_cached + 1) for r in self.running)
-            if need <= pool.num_free:
+            if need <= pool.num_available:
                 break
             victim = self.batching.victim(view, list(self.running))
             self._preempt(self.requests[victim.id])
@@ -783,14 +794,12 @@ class Engine:
             chosen = self.batching.admit(view, list(self.waiting), budget)
             for seq in chosen:
                 req = self.requests[seq.id]
-                if not pool.has(req.id):
-                    pool.open(req.id, req.model)
-                pool.grow(req.id, len(req.tokens))
+                self.alloc_prompt(req)
                 req.status = RUNNING
                 self.waiting.remove(req)
                 if self.chunked_prefill:
                     self.prefilling.append(req)
-                    chunks[req.id] = n = min(len(req.tokens), left)
+                    chunks[req.id] = n = min(len(req.tokens) - req.n_cached, left)
                     left -= n
                 else:
                     self.running.append(req)
@@ -864,10 +873,72 @@ class Engine:
             else:
                 tok = sample_one(logits[i], p, r.generator)
             r.n_cached = len(r.tokens)
+            if i < n_pre and self.prefix_caching:
+                self._publish(r)
             out.tokens[r.id] = tok
             self._append(r, tok)
             if r.status == FINISHED:
                 out.finished.append(r.id)
+
+    # ------------------------------------------------------ prefix caching
+    def _hashes(self, req: EngineRequest, n_blocks: int) -> list[int]:
+        """Chain hashes of the first ``n_blocks`` full token-blocks of ``req``:
+        block i's hash covers every token up to its end (the pool keys it with
+        the model). BLAKE2b, 128 bits: a prompt crafted to collide with
+        another request's cached prefix (and read its KV) is out of reach,
+        which Python's ``hash`` would not guarantee."""
+        hs = req.block_hashes
+        bs = self.pool.block_size
+        prev = hs[-1].to_bytes(16, "little") if hs else b""
+        for i in range(len(hs), n_blocks):
+            block = np.asarray(req.tokens[i * bs : (i + 1) * bs], dtype=np.int64).tobytes()
+            prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+            hs.append(int.from_bytes(prev, "little"))
+        return hs[:n_blocks]
+
+    def _hits(self, req: EngineRequest) -> list[tuple[str, int]]:
+        """The cached blocks ``req``'s tokens start with, leaving at least one
+        token to compute (its logits give the next token)."""
+        if not self.prefix_caching:
+            return []
+        full = (len(req.tokens) - 1) // self.pool.block_size
+        return self.pool.match(req.model, self._hashes(req, full)) if full else []
+
+    def prompt_pages(self, rid: int) -> int:
+        """Pages an admission budget counts for ``rid``: its prompt plus the
+        next token, in full. With prefix caching it takes at most that many of
+        the available pages (its cached blocks are not allocated again, and
+        attaching an evictable one takes at most its pages back), even when an
+        allocation before it evicts blocks it would have hit; counting the
+        hits as savings could over-commit then."""
+        req = self.requests[rid]
+        pool = self.pool
+        if pool.has(rid):
+            return pool.pages_to_grow(rid, len(req.tokens) + 1)
+        per = pool.pages_per_token_block(req.model)
+        return -(-(len(req.tokens) + 1) // pool.block_size) * per
+
+    def alloc_prompt(self, req: EngineRequest) -> None:
+        """KV for an admitted request's prompt: its cached blocks (prefix
+        caching), then pages for the rest."""
+        pool = self.pool
+        if not pool.has(req.id):
+            pool.open(req.id, req.model)
+            hits = self._hits(req)
+            if hits:
+                pool.attach(req.id, hits)
+                req.n_cached = len(hits) * pool.block_size
+            if self.prefix_caching:
+                self.prefix_queries += len(req.tokens)
+                self.prefix_hits += req.n_cached
+        pool.grow(req.id, len(req.tokens))
+
+    def _publish(self, req: EngineRequest) -> None:
+        """Publish the full token-blocks ``req`` has cached (after a prefill)."""
+        full = req.n_cached // self.pool.block_size
+        done = self.pool.cached_prefix(req.id)
+        if full > done:
+            self.pool.publish(req.id, self._hashes(req, full)[done:])
 
     # --------------------------------------------------------- group mode
     def _setup_group(self, sched: GroupScheduler, services: Mapping[str, ServiceStats]) -> None:
@@ -989,7 +1060,7 @@ class Engine:
         while i < len(reqs):
             r = reqs[i]
             need = pool.pages_to_grow(r.id, r.n_cached + 1)
-            if need <= pool.num_free and self._kv_allows(sched, r, need):
+            if need <= pool.num_available and self._kv_allows(sched, r, need):
                 pool.grow(r.id, r.n_cached + 1)
                 i += 1
                 continue
@@ -1023,13 +1094,13 @@ class Engine:
         need = pool.pages_per_token_block(head.model) * -(
             -(len(head.tokens) + 1) // pool.block_size
         )
-        if need > pool.num_free:
+        if need > pool.num_available:
             logger.warning(
                 "engine %d: request %d needs %d KV pages, only %d exist: finished (capacity)",
                 self.engine_id,
                 head.id,
                 need,
-                pool.num_free,
+                pool.num_available,
             )
             self._finish(head, "capacity")
             out.finished.append(head.id)

@@ -111,10 +111,6 @@ class JobBudget:
         self.tokens_left = engine.max_batch_tokens
         self.taken: dict[int, EngineRequest] = {}
 
-    def _pages(self, req: EngineRequest) -> int:
-        pool = self._e.pool
-        return -(-(len(req.tokens) + 1) // pool.block_size) * pool.pages_per_token_block(req.model)
-
     def fits(self, seq: GroupSeq) -> bool:
         e = self._e
         req = e.requests.get(seq.id)
@@ -125,17 +121,15 @@ class JobBudget:
         n = len(req.tokens)
         if self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
             return False
-        pages = self._pages(req)
-        return pages <= e.pool.num_free and e._kv_allows(self._sched, req, pages)
+        pages = e.prompt_pages(req.id)
+        return pages <= e.pool.num_available and e._kv_allows(self._sched, req, pages)
 
     def take(self, seq: GroupSeq) -> None:
         e = self._e
         req = e.requests[seq.id]
         if self.model is None:
             self.model = req.model
-        if not e.pool.has(req.id):
-            e.pool.open(req.id, req.model)
-        e.pool.grow(req.id, len(req.tokens))
+        e.alloc_prompt(req)
         self.taken[req.id] = req
         self.seqs_left -= 1
         self.tokens_left -= len(req.tokens)

@@ -25,7 +25,17 @@ suffice but no run is free, the KV pages in the cheapest window are moved
 elsewhere (data copied, tables rewritten) first.
 
 Every page is in exactly one state: free, KV of one request, weights of one
-region, or reserved (an import in progress). Mutations come as check/commit
+region, reserved (an import in progress), or a cached prefix block's.
+
+**Prefix caching** (vLLM's automatic prefix caching): a full token-block of a
+request's KV may be *published* under a key (the engine's chain hash of the
+model and every token up to the block's end); its pages then belong to the
+cache, shared by every request whose table starts with the same keys
+(:meth:`KVPool.attach`). A cached block counts its references; one that no
+request references stays cached, evictable, and is given back least recently
+used first when pages are needed (``num_available`` counts it). A table's
+cached blocks are always a prefix of it, and are never written (a request
+writes only at positions past its cached tokens). Mutations come as check/commit
 pairs (``can_grow``/``grow``, ``can_reserve``/``reserve``); a commit that
 would not fit raises :class:`PoolFull` and changes nothing.
 :meth:`KVPool.check_integrity` verifies the whole state.
@@ -36,6 +46,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +60,9 @@ __all__ = ["KVPool", "PoolFull", "Reservation"]
 FREE = -1
 WEIGHT = -2
 RESERVED = -3
+CACHED = -4
+
+CacheKey = tuple[str, int]  # (model, chain hash of the tokens up to the block's end)
 
 
 class PoolFull(FleetserveError):
@@ -76,6 +90,15 @@ class _Table:
     layers: tuple[int, ...]
     pages: torch.Tensor  # [cap_tb, num_layers, kv_heads] int64, -1 = none
     ntb: int = 0
+    cached: list[CacheKey] = field(default_factory=list)  # its first token-blocks' keys
+
+
+@dataclass(slots=True)
+class _Cached:
+    """A published token-block: its pages (all layers and heads) and references."""
+
+    pages: torch.Tensor  # [num_layers, kv_heads] int64
+    refs: int = 0
 
 
 class KVPool:
@@ -119,6 +142,10 @@ class KVPool:
         self._regions: dict[str, tuple[int, int]] = {}  # key -> (first page, pages)
         self._reservations: dict[int, Reservation] = {}
         self._res_ids = itertools.count()
+        self._cache: dict[CacheKey, _Cached] = {}
+        self._evictable: OrderedDict[CacheKey, _Cached] = OrderedDict()  # refs 0, LRU first
+        self.evictable_pages = 0
+        self.evictions = 0  # cached blocks given back
 
     # ----------------------------------------------------------------- models
     def add_model(self, name: str, num_layers: int, kv_heads: int, head_dim: int) -> None:
@@ -182,7 +209,12 @@ class KVPool:
         return max(0, need) * len(t.layers) * self._models[t.model].kv_heads
 
     def can_grow(self, rid: int, n_tokens: int) -> bool:
-        return self.pages_to_grow(rid, n_tokens) <= self.num_free
+        return self.pages_to_grow(rid, n_tokens) <= self.num_available
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation may take: free ones and evictable cached blocks'."""
+        return self.num_free + self.evictable_pages
 
     def grow(self, rid: int, n_tokens: int) -> None:
         """Extend the table to hold ``n_tokens`` tokens (raises PoolFull, unchanged)."""
@@ -190,8 +222,9 @@ class KVPool:
         n = self.pages_to_grow(rid, n_tokens)
         if n == 0:
             return
-        if n > self.num_free:
-            raise PoolFull(f"request {rid}: needs {n} pages, {self.num_free} free")
+        if n > self.num_available:
+            raise PoolFull(f"request {rid}: needs {n} pages, {self.num_available} available")
+        self._evict(n)
         new_tb = -(-n_tokens // self.block_size)
         self._ensure_cap(t, new_tb)
         pages = self._take(n, rid)
@@ -204,11 +237,15 @@ class KVPool:
         t.ntb = new_tb
 
     def free(self, rid: int) -> int:
-        """Return every page of ``rid`` to the pool; returns the number freed."""
+        """Return every page of ``rid`` to the pool (its cached blocks lose a
+        reference); returns the number of its own pages freed."""
         t = self._tables.pop(rid)
-        used = t.pages[: t.ntb]
+        k = len(t.cached)
+        used = t.pages[k : t.ntb]
         pages = used[used >= 0].tolist()
         self._give(pages)
+        for key in t.cached:
+            self._unref(key)
         return len(pages)
 
     def drop_layers(self, rid: int, layers: tuple[int, ...] | range) -> int:
@@ -219,6 +256,8 @@ class KVPool:
             return 0
         if len(gone) == len(t.layers):
             raise ValueError(f"request {rid}: cannot drop all its layers (free it instead)")
+        if t.cached:
+            raise ValueError(f"request {rid}: its prefix-cached blocks are shared; cannot drop")
         idx = torch.tensor(gone, dtype=torch.int64)
         sel = t.pages[: t.ntb, idx]
         pages = sel[sel >= 0].tolist()
@@ -233,21 +272,102 @@ class KVPool:
         keep = -(-n_tokens // self.block_size)
         if keep >= t.ntb:
             return 0
-        sel = t.pages[keep : t.ntb]
+        for key in t.cached[keep:]:
+            self._unref(key)
+        own = max(keep, len(t.cached))
+        del t.cached[keep:]
+        sel = t.pages[own : t.ntb]
         pages = sel[sel >= 0].tolist()
         t.pages[keep : t.ntb] = -1
         t.ntb = keep
         self._give(pages)
         return len(pages)
 
+    # ---------------------------------------------------------- prefix cache
+    def match(self, model: str, hashes: list[int]) -> list[CacheKey]:
+        """The keys of the longest prefix of ``hashes`` cached for ``model``."""
+        out = []
+        for h in hashes:
+            if (model, h) not in self._cache:
+                break
+            out.append((model, h))
+        return out
+
+    def attach(self, rid: int, keys: list[CacheKey]) -> None:
+        """Start the (empty) table of ``rid`` with the cached blocks ``keys``."""
+        t = self._tables[rid]
+        if t.ntb or t.cached:
+            raise ValueError(f"request {rid}: cached blocks attach to an empty table only")
+        lay = self._models[t.model]
+        if len(t.layers) != lay.num_layers:
+            raise ValueError(f"request {rid}: a partial-layer table cannot share cached blocks")
+        self._ensure_cap(t, len(keys))
+        for tb, key in enumerate(keys):
+            b = self._cache[key]
+            if b.refs == 0:
+                del self._evictable[key]
+                self.evictable_pages -= int(b.pages.numel())
+            b.refs += 1
+            t.pages[tb] = b.pages
+        t.cached = list(keys)
+        t.ntb = len(keys)
+
+    def publish(self, rid: int, hashes: list[int]) -> int:
+        """Publish the full token-blocks of ``rid`` after its cached ones, keyed
+        ``hashes[i]`` for token-block ``len(cached) + i``: they become cached
+        blocks this request references. Stops at a key already cached (that
+        block stays the request's own). Returns the blocks published."""
+        t = self._tables[rid]
+        lay = self._models[t.model]
+        if len(t.layers) != lay.num_layers:
+            return 0
+        n = 0
+        for h in hashes:
+            tb = len(t.cached)
+            key = (t.model, h)
+            if tb >= t.ntb or key in self._cache:
+                break
+            pages = t.pages[tb].clone()
+            self.owner[pages.view(-1).numpy()] = CACHED
+            self._cache[key] = _Cached(pages, 1)
+            t.cached.append(key)
+            n += 1
+        return n
+
+    def _unref(self, key: CacheKey) -> None:
+        b = self._cache[key]
+        b.refs -= 1
+        if b.refs == 0:
+            self._evictable[key] = b
+            self.evictable_pages += int(b.pages.numel())
+
+    def _evict(self, n: int) -> None:
+        """Give back least recently used evictable blocks until ``n`` pages are free."""
+        while self.num_free < n and self._evictable:
+            key, b = self._evictable.popitem(last=False)
+            del self._cache[key]
+            pages = b.pages.view(-1).tolist()
+            self.evictable_pages -= len(pages)
+            self.evictions += 1
+            self._give(pages)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cache)
+
+    def cached_prefix(self, rid: int) -> int:
+        """How many of ``rid``'s first token-blocks are cached blocks."""
+        return len(self._tables[rid].cached)
+
     # ----------------------------------------------------------- reservations
     def can_reserve(self, n_pages: int) -> bool:
-        return n_pages <= self.num_free
+        return n_pages <= self.num_available
 
     def reserve(self, n_pages: int, res: Reservation | None = None) -> Reservation:
         """Set ``n_pages`` pages aside (a new reservation, or more for ``res``)."""
-        if n_pages > self.num_free:
-            raise PoolFull(f"reservation needs {n_pages} pages, {self.num_free} free")
+        if n_pages > self.num_available:
+            raise PoolFull(f"reservation needs {n_pages} pages, {self.num_available} available")
+        self._evict(n_pages)
         if res is None:
             res = Reservation(next(self._res_ids))
             self._reservations[res.id] = res
@@ -312,7 +432,7 @@ class KVPool:
         return -(-numel // self.page_elems)
 
     def can_alloc_weights(self, numel: int) -> bool:
-        return self.region_pages(numel) <= self.num_free
+        return self.region_pages(numel) <= self.num_available
 
     def alloc_weights(self, key: str, numel: int) -> torch.Tensor:
         """A contiguous flat view of ``numel`` elements for weights ``key``.
@@ -324,8 +444,9 @@ class KVPool:
         if key in self._regions:
             raise ValueError(f"weights {key!r} already allocated")
         n = self.region_pages(numel)
-        if n > self.num_free:
-            raise PoolFull(f"weights {key!r}: need {n} pages, {self.num_free} free")
+        if n > self.num_available:
+            raise PoolFull(f"weights {key!r}: need {n} pages, {self.num_available} available")
+        self._evict(self.num_pages)  # cached blocks do not move: give back the unused ones
         start = self._find_window(n)
         self._claim(start, n)
         self._regions[key] = (start, n)
@@ -342,7 +463,7 @@ class KVPool:
 
     def _find_window(self, n: int) -> int:
         """Start of the best window of ``n`` pages: free, else fewest KV pages."""
-        blocked = (self.owner == WEIGHT) | (self.owner == RESERVED)
+        blocked = (self.owner == WEIGHT) | (self.owner == RESERVED) | (self.owner == CACHED)
         kv = self.owner >= 0
         # windows containing no weight/reserved page, cost = KV pages inside
         b = np.concatenate(([0], np.cumsum(blocked)))
@@ -432,6 +553,7 @@ class KVPool:
         """
         own = self.owner
         seen = np.zeros(self.num_pages, dtype=bool)
+        refs: dict[CacheKey, int] = dict.fromkeys(self._cache, 0)
         for rid, t in self._tables.items():
             lay = self._models[t.model]
             used = t.pages[: t.ntb]
@@ -442,19 +564,34 @@ class KVPool:
                 if others:
                     assert bool((used[:, others] == -1).all()), f"request {rid}: stray pages"
             assert bool((t.pages[t.ntb :] == -1).all()), f"request {rid}: pages past its end"
+            assert len(t.cached) <= t.ntb, f"request {rid}: more cached blocks than blocks"
+            for tb, key in enumerate(t.cached):
+                assert key in self._cache and key[0] == t.model, f"request {rid}: stale {key}"
+                assert bool((used[tb] == self._cache[key].pages).all()), f"request {rid}: {key}"
+                refs[key] += 1
+            used = used[len(t.cached) :]
             pages = used[used >= 0].numpy()
             assert not seen[pages].any(), f"request {rid}: page shared with another owner"
             assert len(np.unique(pages)) == len(pages), f"request {rid}: page listed twice"
             seen[pages] = True
             assert bool((own[pages] == rid).all()), f"request {rid}: owner array disagrees"
+        for ck, b in self._cache.items():
+            assert b.refs == refs[ck], f"cached block {ck}: {b.refs} references, {refs[ck]}"
+            assert (b.refs == 0) == (ck in self._evictable), f"cached block {ck}: eviction list"
+            pages = b.pages.view(-1).numpy()
+            assert not seen[pages].any(), f"cached block {ck}: page shared"
+            seen[pages] = True
+            assert bool((own[pages] == CACHED).all()), f"cached block {ck}: owner"
+        assert len(self._evictable) == sum(1 for b in self._cache.values() if b.refs == 0)
+        assert self.evictable_pages == sum(int(b.pages.numel()) for b in self._evictable.values())
         for res in self._reservations.values():
             assert not seen[res.pages].any(), f"reservation {res.id}: page shared"
             seen[res.pages] = True
             assert bool((own[res.pages] == RESERVED).all()), f"reservation {res.id}: owner"
-        for key, (s, n) in self._regions.items():
-            assert not seen[s : s + n].any(), f"weights {key}: page shared"
+        for wkey, (s, n) in self._regions.items():
+            assert not seen[s : s + n].any(), f"weights {wkey}: page shared"
             seen[s : s + n] = True
-            assert bool((own[s : s + n] == WEIGHT).all()), f"weights {key}: owner"
+            assert bool((own[s : s + n] == WEIGHT).all()), f"weights {wkey}: owner"
         free = own == FREE
         assert not (seen & free).any(), "a used page is marked free"
         assert bool((seen | free).all()), "a page is neither free nor owned"
@@ -473,7 +610,8 @@ class KVPool:
     def release_arena(self) -> None:
         """Give the arena's memory back (an inactive GPU holds none). Only an
         empty pool may: no KV, no weights, no reservation."""
-        if self._tables or self._regions or self._reservations:
+        self._evict(self.num_pages)
+        if self._tables or self._regions or self._reservations or self._cache:
             raise ValueError("only an empty pool can release its arena")
         self.arena = torch.empty(0, self.page_elems, dtype=self.dtype, device=self.device)
 
