@@ -453,9 +453,7 @@ def test_prefix_caching_gives_the_same_tokens_on_any_mix(
     )
     kv_pages = eng.pool.num_pages - eng.pool.weight_pages()
     per = eng.pool.pages_per_token_block(A)
-    items = [
-        (A, texts[t][:n], k) for t, n, k in work if per * -(-(n + k + 1) // 16) <= kv_pages
-    ]
+    items = [(A, texts[t][:n], k) for t, n, k in work if per * -(-(n + k + 1) // 16) <= kv_pages]
     ref = run(Engine([A], weights_bytes(A) + 4 * MiB), items)
     got = run(eng, items)
     for rid, r in got.items():

@@ -199,6 +199,13 @@ class EngineConfig:
             reason. None: the model's own ``max_context``. A larger value
             stands for a long-context variant of the same weights (RoPE
             scaling), as the papers' long-request workloads assume.
+        prefix_caching: automatic prefix caching (vLLM's): KV blocks of full
+            prompt prefix blocks are cached per instance, keyed by the
+            trace's block ids (Mooncake ``hash_ids``), shared by the requests
+            that hit them (reference-counted) and evicted LRU when the memory
+            is needed; a hit is not recomputed. Requests without block ids
+            never hit. Single-model simulator only (other worlds refuse it);
+            see ``docs/prefix-caching.md``.
     """
 
     max_num_seqs: int = 256
@@ -206,6 +213,7 @@ class EngineConfig:
     watermark: float = 0.01
     chunked_prefill: bool = False
     max_model_len: int | None = None
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_batched_tokens")

@@ -36,6 +36,9 @@ class RequestRecord:
             and re-prefill at the destination included).
         aborted_migrations: moves of it that were planned or started but
             aborted (see ``fleetserve.sim.migration``).
+        cached_tokens: prompt tokens its first prefill found in the prefix
+            cache and did not compute (vLLM's ``num_cached_tokens``; 0 without
+            prefix caching).
     """
 
     id: int
@@ -54,6 +57,7 @@ class RequestRecord:
     migrations: int = 0
     migration_stall_s: float = 0.0
     aborted_migrations: int = 0
+    cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:

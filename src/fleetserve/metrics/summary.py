@@ -31,6 +31,13 @@ between the simulator and the runtime):
   intervals. ``lower_bound`` is the maximum over samples of
   ``ceil(kv_demand_bytes / kv_bytes_per_gpu)``, or None when the run has no
   single KV capacity per GPU (``result.kv_bytes_per_gpu`` unset: several models).
+* **Prefix cache** (``prefix_cache``, only in runs with prefix caching on,
+  :func:`prefix_cache_stats`) — over the requests whose first prefill ran
+  (they have a first token): ``requests``, ``requests_hit`` (a first prefill
+  found at least one block cached), ``prompt_tokens``, ``hit_tokens`` (their
+  ``cached_tokens``, not computed), ``hit_rate = hit_tokens / prompt_tokens``
+  and ``request_hit_rate = requests_hit / requests``; a backend may add its own
+  counters (the simulator: re-prefill hits, blocks published and evicted).
 * **KV utilization** — mean over time-series samples (taken every
   ``interval_s``, so the mean is a time-average) of ``kv_used / kv_capacity``
   of active GPUs; samples with zero capacity are excluded.
@@ -317,6 +324,26 @@ def _service_summary(records: Sequence[RequestRecord], scales: Sequence[float]) 
 
 
 # --------------------------------------------------------------------------- summarize
+
+
+def prefix_cache_stats(records: Iterable[RequestRecord]) -> dict[str, Any]:
+    """The ``prefix_cache`` section's per-request part (see the module docstring)."""
+    n = hit_n = prompt = hit = 0
+    for r in records:
+        if r.first_token_s is None:
+            continue
+        n += 1
+        prompt += r.prompt_tokens
+        hit += r.cached_tokens
+        hit_n += r.cached_tokens > 0
+    return {
+        "requests": n,
+        "requests_hit": hit_n,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_rate": hit / prompt if prompt else None,
+        "request_hit_rate": hit_n / n if n else None,
+    }
 
 
 def summarize(result: RunResult, slo_scales: Sequence[float] = DEFAULT_SLO_SCALES) -> dict:

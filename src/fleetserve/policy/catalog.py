@@ -530,6 +530,8 @@ def check_world(config: SimConfig) -> str:
 
     Raises:
         ConfigError: a KunServe run without a fixed pool (``cluster.gpus``),
+            prefix caching (``engine.prefix_caching``) outside the
+            single-model world,
             or a per-family override (``policy.<family>``) of a family the
             world's simulator does not read (it would be ignored).
     """
@@ -538,6 +540,11 @@ def check_world(config: SimConfig) -> str:
         raise ConfigError(
             "cluster.intra_node_bw / cluster.network_bw: only the single-model simulator "
             f"reads them (KV migrations); the {WORLDS[world].label} simulator would ignore them"
+        )
+    if world != SINGLE and config.engine.prefix_caching:
+        raise ConfigError(
+            "engine.prefix_caching: only the single-model simulator models prefix caching; "
+            f"the {WORLDS[world].label} simulator would ignore it"
         )
     if world == KUNSERVE and config.cluster.gpus is None:
         raise ConfigError(

@@ -6,7 +6,10 @@ lengths are scaled (``length_scale != 1``) and ``cap_lengths`` is on: a
 scaled request whose KV would not fit one instance is shrunk proportionally
 to fit (Mell's model assumes every request fits on one GPU). With several
 models the cap is the smallest instance capacity among them. Every cap and
-every skipped trace row is reported in the run's notes.
+every skipped trace row is reported in the run's notes. A trace's prefix
+blocks (Mooncake ``hash_ids``, for ``engine.prefix_caching``) follow the
+lengths: scaled with them, cut with a capped prompt
+(:func:`~fleetserve.workload.request.with_lengths`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,24 @@ Blocks of migrations are part of ``used``::
          + mig_in    (blocks reserved on a destination for KV being copied in)
          + mig_out   (blocks a source still holds for a detached request whose
                       final copy is in flight)
+
+Prefix caching (``prefix_caching=True``; :mod:`fleetserve.sim.prefix_cache`).
+A request's blocks are then its private ones (``blocks_for(kv) -
+seq.shared``) plus the cache entries it references (``seq.refs``), and each
+referenced entry counts once in ``used``; entries nobody references are
+evictable and count as free. A (re)prefill looks up its prompt's leading
+blocks when admitted: the hits join its references and only the rest of the
+prompt is computed (the cost model sees a chunk of ``n - hit`` new tokens over
+``hit`` cached ones); its full prompt blocks are published when the prefill
+computed them (at its end; after each chunk with chunked prefill). Requests
+admitted in one iteration do not share blocks with each other (none is
+computed yet). A request detached for a KV migration keeps its references
+until its final copy is done (the copy reads them; ``mig_out`` holds its
+private blocks only); the destination holds the copied KV as private blocks,
+not cached ones. The waiting queue's reservation (``reserved_blocks``) still
+counts whole prompts (an upper bound). With prefix caching off, every request
+has ``refs = None`` and ``shared = 0``: the accounting above is the plain one,
+operation for operation.
 """
 
 from __future__ import annotations
@@ -92,12 +110,14 @@ from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
 from fleetserve.sim.contention import beside_copies
 from fleetserve.sim.finish import FinishQueue
+from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
 
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
     from fleetserve.costmodel import InstanceCost
     from fleetserve.metrics.records import RequestRecord
     from fleetserve.sim.migration import MigrationTask
+    from fleetserve.sim.prefix_cache import Entry
     from fleetserve.workload.request import Request
 
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
@@ -120,6 +140,8 @@ class Seq:
         "base",
         "finish_step",
         "gen_saved",
+        "hash_tokens",
+        "hashes",
         "id",
         "in_prefill",
         "inst",
@@ -128,8 +150,11 @@ class Seq:
         "output_tokens",
         "prefilled",
         "prompt_tokens",
+        "pub",
         "record",
+        "refs",
         "running",
+        "shared",
         "stall_from",
     )
 
@@ -149,6 +174,14 @@ class Seq:
         self.in_prefill = False  # admitted, (re)prefill not completed
         self.mig: MigrationTask | None = None  # the migration in flight, if any
         self.stall_from: float | None = None  # token move: detach time, until next token
+        # prefix caching (see the module docstring): the prompt's block ids, the
+        # cache entries referenced (None: none, the plain accounting), the KV
+        # blocks they hold, the next prompt block to publish
+        self.hashes = req.prefix_blocks
+        self.hash_tokens = req.prefix_block_tokens or 0
+        self.refs: list[Entry] | None = None
+        self.shared = 0
+        self.pub = 0
 
     @property
     def generated(self) -> int:
@@ -231,6 +264,52 @@ class _Budget(AdmissionBudget):
         self.taken += 1
 
 
+class _CachedBudget(_Budget):
+    """:class:`_Budget` with prefix caching: a request needs the blocks of its
+    prompt minus the cached blocks it hits that are referenced already (by a
+    running request, or by one taken before it in this round; the hits of
+    evictable entries come out of the free blocks), and only its uncached
+    tokens count against the token budget. Lookups are kept for the admission."""
+
+    __slots__ = ("cache", "hits", "revived")
+
+    def __init__(
+        self, free: int, seqs: int, tokens: int, bs: int, chunked: bool, cache: PrefixCache
+    ) -> None:
+        super().__init__(free, seqs, tokens, bs, chunked)
+        self.cache = cache
+        self.hits: dict[int, tuple[list[Entry], int]] = {}
+        self.revived: set[tuple[int, int, int]] = set()  # evictable entries taken this round
+
+    def _need(self, seq: Seq) -> tuple[int, int, int]:
+        """``(tokens to prefill, tokens hit, blocks needed)``."""
+        n = seq.prompt_tokens + seq.gen_saved
+        got = self.hits.get(seq.id)
+        if got is None:
+            got = self.hits[seq.id] = self.cache.lookup(seq, n)
+        hits, hit = got
+        held = sum(e.blocks for e in hits if e.refs or e.key in self.revived)
+        return n, hit, -(-n // self.bs) - held
+
+    def fits(self, seq: Seq) -> bool:  # type: ignore[override]
+        n, hit, need = self._need(seq)
+        if self.seqs <= 0 or need > self.free:
+            return False
+        if self.chunked:
+            return self.tokens_left > 0
+        return self.taken == 0 or n - hit <= self.tokens_left
+
+    def take(self, seq: Seq) -> None:  # type: ignore[override]
+        n, hit, need = self._need(seq)
+        self.free -= need
+        self.seqs -= 1
+        self.tokens_left -= n - hit
+        self.taken += 1
+        for e in self.hits[seq.id][0]:
+            if not e.refs:
+                self.revived.add(e.key)
+
+
 class Instance:
     """One model on one GPU (group): queue, running batch, KV blocks, timing.
 
@@ -249,6 +328,9 @@ class Instance:
         watermark: fraction of blocks kept free at admission (vLLM's 1%).
         macro_steps: advance fixed decode batches several iterations at once.
         chunked_prefill: split prompts into chunks run together with decodes.
+        prefix_caching: share the KV of cached prompt prefixes (module docstring).
+        prefix_stats: the run's prefix-cache counters (with ``prefix_caching``;
+            None: the instance keeps its own).
     """
 
     def __init__(
@@ -268,6 +350,8 @@ class Instance:
         watermark: float,
         macro_steps: bool,
         chunked_prefill: bool = False,
+        prefix_caching: bool = False,
+        prefix_stats: PrefixStats | None = None,
     ) -> None:
         self.id = iid
         self.model = model
@@ -308,6 +392,11 @@ class Instance:
         self.copy_load = 0.0
         self.preempted_migrating: list[Seq] = []  # preempted while migrating out
         self._logs: list[dict[int, Any]] = []  # change logs it reports to (see track)
+        self.pcache: PrefixCache | None = None
+        if prefix_caching:
+            self.pcache = PrefixCache(block_size, prefix_stats or PrefixStats())
+        # detached for a KV move's final copy while referencing cache entries
+        self._holding: dict[int, Seq] = {}
 
     # ------------------------------------------------------------------ view
     @property
@@ -458,6 +547,8 @@ class Instance:
         """
         self.used += blocks
         self.mig_in += blocks
+        if self.pcache is not None:
+            self.pcache.fit(self.total_blocks - self.used_blocks)
         if self._logs:
             self._changed()
         return self.truncate(now)
@@ -470,10 +561,13 @@ class Instance:
             self._changed()
         return self.truncate(now)
 
-    def release_held(self, blocks: int, now: float) -> float | None:
-        """Free the blocks of a detached request once its final copy is done."""
+    def release_held(self, blocks: int, now: float, seq: Seq | None = None) -> float | None:
+        """Free the blocks of a detached request ``seq`` once its final copy is
+        done (``blocks``: its private ones), and its cache references."""
         self.used -= blocks
         self.mig_out -= blocks
+        if self._holding and seq is not None and self._holding.pop(seq.id, None) is seq:
+            self._free_shared(seq)
         if self._logs:
             self._changed()
         return self.truncate(now)
@@ -492,7 +586,9 @@ class Instance:
 
         Its generated count is saved (as a preemption does). With
         ``keep_blocks`` its blocks stay allocated as ``mig_out`` (a KV copy is
-        still reading them), else they are freed.
+        still reading them; its cache references stay until
+        :meth:`release_held`, ``mig_out`` counts its private blocks), else
+        they are freed.
 
         Returns:
             The KV tokens it held.
@@ -506,9 +602,15 @@ class Instance:
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
         if keep_blocks:
-            self.mig_out += blocks_for(kv, bs)
-        else:
+            self.mig_out += blocks_for(kv, bs) - seq.shared
+            if seq.refs:
+                self._holding[seq.id] = seq
+            else:
+                seq.refs = None
+        elif seq.refs is None:
             self.used -= blocks_for(kv, bs)
+        else:
+            self._free(seq, kv)
         if self._logs:
             self._changed()
         return kv
@@ -518,6 +620,7 @@ class Instance:
         blocks to the running batch, at an iteration boundary. It decodes from
         the next iteration on, like a request whose prefill just completed."""
         assert self.phase == IDLE and blocks == blocks_for(kv, self.block_size) <= self.mig_in
+        assert seq.refs is None and seq.shared == 0  # migrated KV is private here
         self.mig_in -= blocks
         seq.inst = self
         self._run(seq, kv)
@@ -544,6 +647,18 @@ class Instance:
                 end = self._start_mixed(now)
                 if end is not None:
                     return end
+            elif self.waiting and self.pcache is not None:
+                cached = _CachedBudget(
+                    self.total_blocks - self.used - self.watermark_blocks,
+                    self.max_num_seqs - len(self.running),
+                    self.max_batched_tokens,
+                    self.block_size,
+                    False,
+                    self.pcache,
+                )
+                admitted = self.policy.admit(self, self.waiting, cached)
+                if admitted:
+                    return self._start_prefill_cached(admitted, now, cached.hits)  # type: ignore[arg-type]
             elif self.waiting:
                 budget = _Budget(
                     self.total_blocks - self.used - self.watermark_blocks,
@@ -578,6 +693,77 @@ class Instance:
             t = float(beside_copies(t, self.cost.prefill_memory_s(lens), self.copy_load))
         return now + t
 
+    def _start_prefill_cached(
+        self, admitted: Sequence[Seq], now: float, hits: dict[int, tuple[list[Entry], int]]
+    ) -> float:
+        """:meth:`_start_prefill` with prefix caching: each prompt computes only
+        its uncached tokens, on top of the cached ones."""
+        assert self.pcache is not None
+        self._remove_waiting(admitted)
+        lens = []
+        work = []
+        any_hit = False
+        for s in admitted:
+            n = s.prompt_tokens + s.gen_saved
+            hit = self._admit_cached(s, n, hits)
+            s.in_prefill = True
+            lens.append(n)
+            work.append((n - hit, hit))
+            any_hit = any_hit or hit > 0
+        self.pcache.fit(self.total_blocks - self.used)
+        self._prefill = list(admitted)
+        self.phase = PREFILL
+        self.version += 1
+        if not any_hit:  # the very computation of the plain path
+            t = self.cost.prefill_time(lens)
+            if self.copy_load:
+                t = float(beside_copies(t, self.cost.prefill_memory_s(lens), self.copy_load))
+            return now + t
+        t = self.cost.mixed_time(work, 0, 0)
+        if self.copy_load:
+            t = float(beside_copies(t, self.cost.mixed_memory_s(work, 0, 0), self.copy_load))
+        return now + t
+
+    def _admit_cached(
+        self, s: Seq, n: int, hits: dict[int, tuple[list[Entry], int]] | None = None
+    ) -> int:
+        """Allocate ``s``'s (re)prefill of ``n`` tokens with prefix caching: its
+        hits (looked up by the admission budget, or now) become references,
+        the rest private blocks. Returns the tokens hit."""
+        cache = self.pcache
+        assert cache is not None and s.refs is None and s.shared == 0
+        bs = self.block_size
+        if s.hashes is None:
+            self.used += blocks_for(n, bs)
+            return 0
+        got = hits.get(s.id) if hits is not None else None
+        entries, hit = got if got is not None else cache.lookup(s, n)
+        revived = cache.acquire(entries)
+        s.refs = list(entries)
+        s.shared = hit // bs
+        s.pub = len(entries)
+        self.used += blocks_for(n, bs) - s.shared + revived
+        if s.gen_saved == 0:  # its first prefill
+            s.record.cached_tokens = hit
+        else:
+            cache.stats.recompute_hit_tokens += hit
+        return hit
+
+    def _free(self, s: Seq, kv: int) -> None:
+        """Free the blocks of ``s`` holding ``kv`` tokens with cache references:
+        its private blocks, then its references (:meth:`_free_shared`)."""
+        self.used -= blocks_for(kv, self.block_size) - s.shared
+        self._free_shared(s)
+
+    def _free_shared(self, s: Seq) -> None:
+        """Drop the cache references of ``s``; entries nobody references any
+        more leave ``used`` (they are evictable: free)."""
+        refs = s.refs
+        assert refs is not None and self.pcache is not None
+        self.used -= self.pcache.release(refs)
+        s.refs = None
+        s.shared = 0
+
     def _growth(self) -> tuple[list[int], int]:
         """``C`` (new blocks by residue, see the module docstring) and the first
         decode iteration that would run out of blocks."""
@@ -611,6 +797,9 @@ class Instance:
         if not self.running:
             C = [0] * bs
         B = len(self.running)
+        cache = self.pcache
+        if cache is not None:  # the decodes' blocks first, as vLLM allocates them
+            cache.fit(self.total_blocks - self.used - C[0])
         left = self.max_batched_tokens - B
         chunks: list[tuple[Seq, int]] = []
         for s in self._prefilling:
@@ -619,7 +808,27 @@ class Instance:
             n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
             chunks.append((s, n))
             left -= n
-        if self.waiting and left > 0:
+        if self.waiting and left > 0 and cache is not None:
+            cached = _CachedBudget(
+                self.total_blocks - self.used - C[0] - self.watermark_blocks,
+                self.max_num_seqs - B - len(self._prefilling),
+                left,
+                bs,
+                True,
+                cache,
+            )
+            admitted_c: list[Seq] = self.policy.admit(self, self.waiting, cached)  # type: ignore[assignment]
+            self._remove_waiting(admitted_c)
+            for s in admitted_c:
+                total = s.prompt_tokens + s.gen_saved
+                s.prefilled = self._admit_cached(s, total, cached.hits)
+                s.in_prefill = True
+                self._prefilling.append(s)
+                n = min(total - s.prefilled, left)
+                chunks.append((s, n))
+                left -= n
+            cache.fit(self.total_blocks - self.used - C[0])
+        elif self.waiting and left > 0:
             budget = _Budget(
                 self.total_blocks - self.used - C[0] - self.watermark_blocks,
                 self.max_num_seqs - B - len(self._prefilling),
@@ -699,7 +908,10 @@ class Instance:
         seq.running = False
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
-        self.used -= blocks_for(kv, bs)
+        if seq.refs is None:
+            self.used -= blocks_for(kv, bs)
+        else:
+            self._free(seq, kv)
         self.waiting.appendleft(seq)
         self.reserved_blocks += blocks_for(seq.prefill_tokens, bs)
         seq.record.preemptions += 1
@@ -722,6 +934,8 @@ class Instance:
         elif self.phase >= DECODE:
             n = self._n
             self.used += self._grown(n - 1)
+            if self.pcache is not None:  # the segment's growth evicted these
+                self.pcache.fit(self.total_blocks - self.used)
             self.steps += n
             steps = self.steps
             running = self.running
@@ -732,11 +946,16 @@ class Instance:
                 s.gen_saved = s.output_tokens
                 self._hist[s.base % bs] -= 1
                 self._sum_base -= s.base
-                self.used -= blocks_for(kv, bs)
+                if s.refs is None:
+                    self.used -= blocks_for(kv, bs)
+                else:
+                    self._free(s, kv)
                 done.append(s)
             if self.phase == MIXED:
                 for s, n in self._chunks:
                     s.prefilled += n
+                    if s.refs is not None:
+                        self.pcache.publish(s, s.prefilled)  # type: ignore[union-attr]
                     if s.prefilled == s.prompt_tokens + s.gen_saved:
                         self._prefilling.remove(s)
                         self._prefilled(s, now, done)
@@ -759,8 +978,13 @@ class Instance:
         if s.stall_from is not None:  # a token migration's stall ends with this token
             rec.migration_stall_s += now - s.stall_from
             s.stall_from = None
+        if s.refs is not None:
+            self.pcache.publish(s, kv)  # type: ignore[union-attr]
         if gen >= s.output_tokens:
-            self.used -= blocks_for(kv, self.block_size)
+            if s.refs is None:
+                self.used -= blocks_for(kv, self.block_size)
+            else:
+                self._free(s, kv)
             s.gen_saved = gen
             done.append(s)
             return
@@ -770,11 +994,22 @@ class Instance:
     def check_integrity(self) -> None:
         """Raise AssertionError if the block accounting or request sets are inconsistent."""
         bs = self.block_size
-        kv_blocks = sum(blocks_for(s.base + self.steps, bs) for s in self.running.values())
-        pre_blocks = sum(blocks_for(s.prefill_tokens, bs) for s in self._prefill)
+        kv_blocks = sum(
+            blocks_for(s.base + self.steps, bs) - s.shared for s in self.running.values()
+        )
+        pre_blocks = sum(blocks_for(s.prefill_tokens, bs) - s.shared for s in self._prefill)
         if self.phase == PREFILL:
             kv_blocks += pre_blocks
-        kv_blocks += sum(blocks_for(s.prefill_tokens, bs) for s in self._prefilling)
+        kv_blocks += sum(blocks_for(s.prefill_tokens, bs) - s.shared for s in self._prefilling)
+        if self.pcache is not None:  # references, entries, eviction (prefix_cache.check)
+            holders = [*self.running.values(), *self.prefilling(), *self._holding.values()]
+            kv_blocks += self.pcache.check(holders, self.total_blocks - self.used)
+            for s in self._holding.values():
+                assert s.refs and not s.running and s.mig is not None, s.id
+        else:
+            assert not self._holding
+            for s in (*self.running.values(), *self.prefilling()):
+                assert s.refs is None and s.shared == 0, s.id
         assert self.mig_in >= 0 and self.mig_out >= 0 and self.mig_refs >= 0
         assert self.used == kv_blocks + self.mig_in + self.mig_out, (self.id, self.used, kv_blocks)
         assert 0 <= self.used_blocks <= self.total_blocks, (self.id, self.used_blocks)
@@ -798,5 +1033,6 @@ class Instance:
             assert s.in_prefill and s.inst is self and not s.running
         for s in self.waiting:
             assert s.inst is self and not s.running and not s.in_prefill and s.mig is None
+            assert s.refs is None and s.shared == 0, s.id
         if self.phase == IDLE:
             assert not self.preempted_migrating

@@ -71,6 +71,12 @@ Modelling choices:
   :class:`~fleetserve.metrics.records.MigrationRecord` (time of completion,
   all bytes sent). Aborted moves are counted (``aborted_migrations``), not
   recorded.
+* Prefix caching (``engine.prefix_caching``): a request detached for its
+  final copy keeps its source's cache references until the copy is done (the
+  copy reads those blocks; ``held`` counts its private blocks only); the
+  destination receives all its KV as private blocks (not cache entries) — a
+  request re-prefilled there (token move, later preemption) looks the cache up
+  again.
 * A move whose destination was released before it started is dropped and
   counted as aborted; a move of a request already on its destination is
   dropped silently; moves of finished requests are forgotten.
@@ -121,7 +127,8 @@ class MigrationTask:
         phase: see the phase constants.
         sent: KV tokens copied so far (kv).
         reserved: blocks reserved on ``dst`` (kv).
-        held: blocks the source still holds after the detach (kv, final copy).
+        held: blocks the source still holds after the detach (kv, final copy;
+            its private blocks, without the cache entries it references).
         held_tokens: KV tokens of a detached request (kv, after the detach).
         final_kv: KV tokens the request will hold when detached (kv).
         bytes: bytes sent so far, all stages.
@@ -370,7 +377,7 @@ class Migrations:
             self._next_stage(t, now, ev)
         elif phase == FINAL_COPY:
             src, dst = t.src, t.dst
-            _iter_end(src, src.release_held(t.held, now), ev)
+            _iter_end(src, src.release_held(t.held, now, t.seq), ev)
             t.held = 0
             self._unref(t, src=True)
             self.touched.append(src)
@@ -423,7 +430,7 @@ class Migrations:
             return
         kv = src.detach(seq, keep_blocks=True)
         assert kv == t.final_kv, (kv, t.final_kv)
-        t.held = blocks_for(kv, self.block_size)
+        t.held = blocks_for(kv, self.block_size) - seq.shared  # its private blocks
         t.held_tokens = kv
         tokens = kv - t.sent
         cost = src.cost

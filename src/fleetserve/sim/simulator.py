@@ -41,6 +41,7 @@ from fleetserve.config import SimConfig
 from fleetserve.costmodel import CostModel, InstanceCost
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RequestRecord, RunResult, TimeSeries
+from fleetserve.metrics.summary import prefix_cache_stats
 from fleetserve.policy import (
     DISPATCH,
     MECHANISM,
@@ -64,6 +65,7 @@ from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
+from fleetserve.sim.prefix_cache import PrefixStats
 from fleetserve.sim.usage import UsageTotals
 from fleetserve.spec import ModelSpec, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
@@ -194,6 +196,8 @@ class Simulator:
         )
         self.mig.on_abort = self.migration.on_move_aborted
         self._compute_tokens: dict[str, int] = {}
+        # the prefix caches' counters (engine.prefix_caching), all instances together
+        self.prefix_stats = PrefixStats() if config.engine.prefix_caching else None
         self._epoch = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
@@ -252,6 +256,8 @@ class Simulator:
             watermark=eng.watermark,
             macro_steps=self.cfg.macro_steps,
             chunked_prefill=eng.chunked_prefill,
+            prefix_caching=eng.prefix_caching,
+            prefix_stats=self.prefix_stats,
         )
         self._next_iid += 1
         self.instances[inst.id] = inst
@@ -577,6 +583,11 @@ class Simulator:
             extra[self.policy_names["migration"]] = report
         if self.mig.abort_reasons:
             extra["migration_aborts"] = dict(sorted(self.mig.abort_reasons.items()))
+        if self.prefix_stats is not None:
+            extra["prefix_cache"] = {
+                **prefix_cache_stats(self.records),
+                **self.prefix_stats.as_dict(),
+            }
         return RunResult(
             records=self.records,
             timeseries=self.timeseries,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ from fleetserve.errors import ConfigError, InputError
 from fleetserve.workload.fleet import DEFAULT_MODELS, _root_seed, fit_to_context
 from fleetserve.workload.loaders import FORMATS, load_trace
 from fleetserve.workload.multi import _model_specs
-from fleetserve.workload.request import Request
+from fleetserve.workload.request import Request, with_lengths
 from fleetserve.workload.synthetic import default_workload, power_law_rates
 from fleetserve.workload.transforms import assign_models, scale_lengths, time_window
 
@@ -243,7 +243,7 @@ def trace_fleet_workload(
         for r, p, o, c in zip(reqs, new_p.tolist(), new_o.tolist(), cut.tolist(), strict=True):
             if c:
                 capped[r.model] += 1
-                r = replace(r, prompt_tokens=p, output_tokens=o, length_capped=True)
+                r = with_lengths(r, p, o, length_capped=True)
             out.append(r)
         reqs = out
     counts = dict.fromkeys(names, 0)

@@ -12,8 +12,11 @@ Formats (``fmt``)::
               TIMESTAMP is a wall-clock time "2023-11-16 18:15:46.6805900" (any number of
               fractional digits, optional "T" separator, optional "Z"/"+hh:mm" offset).
     mooncake  Mooncake (Kimi) JSONL, one object per line.
-              Keys: timestamp (milliseconds), input_length, output_length; other keys
-              (hash_ids, ...) are ignored.
+              Keys: timestamp (milliseconds), input_length, output_length; optional
+              hash_ids: the chained ids of the prompt's 512-token prefix blocks (the
+              last one may be partial), kept as the request's ``prefix_blocks`` with
+              ``prefix_block_tokens`` 512 (at most ceil(input_length / 512) ids,
+              each an integer; an empty list means none). Other keys are ignored.
     burstgpt  BurstGPT CSV.
               Columns: Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type
               Timestamp is in seconds. Failed requests have "Response tokens" 0: they are
@@ -64,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 FORMATS: tuple[str, ...] = ("azure", "mooncake", "burstgpt", "lengths", "jsonl")
 """Trace formats :func:`load_trace` understands."""
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per prefix block of a Mooncake trace's ``hash_ids``."""
 
 JSONL_REQUIRED: tuple[str, ...] = ("arrival_s", "prompt_tokens", "output_tokens")
 JSONL_OPTIONAL: tuple[str, ...] = ("model", "slo_ttft_s", "slo_tpot_s")
@@ -124,6 +130,7 @@ class _Row:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     stamp: str | None = None  # the timestamp as written, for error messages
+    prefix: tuple[int, ...] | None = None  # prefix block ids (mooncake hash_ids)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -304,6 +311,8 @@ def _build(
             output_tokens=r.output,
             slo_ttft_s=r.slo_ttft_s,
             slo_tpot_s=r.slo_tpot_s,
+            prefix_blocks=r.prefix,
+            prefix_block_tokens=None if r.prefix is None else MOONCAKE_BLOCK_TOKENS,
         )
         for i, (r, t) in enumerate(zip(kept, times, strict=True))
     )
@@ -609,16 +618,43 @@ def _parse_mooncake(p: Path, src: str) -> list[_Row]:
     for line, obj in _json_objects(p, src):
         _require(obj, ("timestamp", "input_length", "output_length"), src, line)
         ms = _json_number(obj["timestamp"], src, line, "timestamp", "a timestamp in ms")
+        prompt = _json_tokens(obj["input_length"], src, line, "input_length")
         rows.append(
             _Row(
                 line,
                 ms / 1000.0,
-                _json_tokens(obj["input_length"], src, line, "input_length"),
+                prompt,
                 _json_tokens(obj["output_length"], src, line, "output_length"),
                 stamp=json.dumps(obj["timestamp"]),
+                prefix=_hash_ids(obj.get("hash_ids"), prompt, src, line),
             )
         )
     return rows
+
+
+def _hash_ids(v: Any, prompt: int, src: str, line: int) -> tuple[int, ...] | None:
+    """A Mooncake row's ``hash_ids`` (absent, null or [] -> None)."""
+    if v is None:
+        return None
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise InputError(
+            f"expected a list of integer prefix-block ids, got {json.dumps(v)[:80]}",
+            file=src,
+            line=line,
+            field="hash_ids",
+        )
+    if not v:
+        return None
+    span = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+    if prompt and len(v) > span:
+        raise InputError(
+            f"{len(v)} prefix-block ids of {MOONCAKE_BLOCK_TOKENS} tokens, more than the "
+            f"{prompt}-token input spans ({span})",
+            file=src,
+            line=line,
+            field="hash_ids",
+        )
+    return tuple(v) if prompt else None
 
 
 def _parse_native(p: Path, src: str) -> list[_Row]:

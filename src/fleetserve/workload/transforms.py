@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from fleetserve.errors import ConfigError
-from fleetserve.workload.request import Request
+from fleetserve.workload.request import Request, with_lengths
 
 
 def _renumber(reqs: Iterable[Request]) -> list[Request]:
@@ -138,6 +138,11 @@ def scale_lengths(
 
     and is marked ``length_capped=True``.
 
+    Prefix blocks (:attr:`Request.prefix_blocks`) follow
+    (:func:`~fleetserve.workload.request.with_lengths`): their block size is
+    scaled by ``factor`` too, and a capped prompt keeps only the blocks of its
+    head.
+
     Args:
         reqs: requests.
         factor: length multiplier (finite, > 0).
@@ -165,7 +170,5 @@ def scale_lengths(
             p, o = p_new, total - p_new
             was_capped = True
             capped += 1
-        out.append(
-            dataclasses.replace(r, prompt_tokens=p, output_tokens=o, length_capped=was_capped)
-        )
+        out.append(with_lengths(r, p, o, scale=f, length_capped=was_capped))
     return out, capped

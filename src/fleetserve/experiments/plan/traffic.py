@@ -37,7 +37,7 @@ from fleetserve.workload.curve import CurveBurst, curve_arrivals
 from fleetserve.workload.fleet import fit_to_context
 from fleetserve.workload.loaders import load_trace
 from fleetserve.workload.multi import sharegpt_sampler
-from fleetserve.workload.request import Request
+from fleetserve.workload.request import Request, with_lengths
 from fleetserve.workload.service import Service
 from fleetserve.workload.synthetic import AZURE_CONV_LENGTHS, LengthSampler, fixed_lengths
 from fleetserve.workload.transforms import scale_lengths, select_and_scale
@@ -134,7 +134,7 @@ def _fit(svc: PlanService, reqs: list[Request], notes: list[str]) -> list[Reques
             f"window of {context} tokens"
         )
         reqs = [
-            replace(r, prompt_tokens=int(a), output_tokens=int(b))
+            with_lengths(r, int(a), int(b))
             for r, a, b in zip(reqs, p2.tolist(), o2.tolist(), strict=True)
         ]
     return reqs
