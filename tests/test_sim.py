@@ -202,6 +202,35 @@ def test_elastic_pool_activates_and_releases() -> None:
     assert s["gpus"]["peak"] >= s["gpus"]["lower_bound"] >= 1
 
 
+@pytest.mark.parametrize("stack", ["bf", "mell"])
+def test_an_activated_gpu_serves_after_its_activation_time(stack: str) -> None:
+    """``cluster.activation_s``: an instance the elastic pool activates during
+    the run starts its first iteration that long after (its requests wait;
+    invariants checked after every event); 0 is the run without it."""
+    reqs = workload(120, 4.0, seed=5, pmax=1000, omax=200)
+    base = cfg(policy={"stack": stack}, **SMALL, check_integrity=True)
+    plain = run(base, reqs)
+    same = run(cfg(policy={"stack": stack}, cluster={"mem_util": 0.33, "activation_s": 0.0}), reqs)
+    assert outcome(same) == outcome(plain)
+    slow = run(
+        cfg(
+            policy={"stack": stack},
+            cluster={"mem_util": 0.33, "activation_s": 7.5},
+            check_integrity=True,
+        ),
+        reqs,
+    )
+    assert [r.status for r in slow.records] == [r.status for r in plain.records]
+    assert "unfinished" not in {r.status for r in slow.records}
+    first = min(slow.records, key=lambda r: r.arrival_s)
+    assert first.first_token_s >= first.arrival_s + 7.5  # the pool starts empty
+    waits = [r.first_token_s - r.arrival_s for r in slow.records]
+    base_waits = [r.first_token_s - r.arrival_s for r in plain.records]
+    assert sum(waits) > sum(base_waits)
+    with pytest.raises(ConfigError, match="activation_s"):
+        cfg(cluster={"activation_s": -1.0})
+
+
 def test_fixed_pool_keeps_all_gpus() -> None:
     reqs = workload(100, 5.0, seed=6)
     res = run(cfg(cluster={"elastic": False, "gpus": 3}), reqs)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -141,6 +142,14 @@ class ClusterConfig:
         network_bw: inter-node bandwidth per GPU, bytes/s per direction, instead
             of the catalog's (Mell's testbed: 10 Gbps, ``1.25e9``); None: the
             catalog's.
+        activation_s: seconds a GPU an elastic pool activates takes to load
+            its instance's weights: its first iteration starts that long after
+            the activation (requests dispatched to it wait). 0 (default): at
+            once, as Mell's model has it. The runtime measures it (an inactive
+            worker holds no weights: ``fleetserve_worker_activation_seconds``)
+            and ``fleetserve fidelity`` sets it from that. Read by the
+            single-model simulator; other worlds refuse it (the multi-LLM
+            world loads a group's weights over the host link).
     """
 
     gpu: str = "a100-40gb"
@@ -152,6 +161,7 @@ class ClusterConfig:
     block_size: int = 16
     intra_node_bw: float | None = None
     network_bw: float | None = None
+    activation_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(
@@ -161,6 +171,8 @@ class ClusterConfig:
             raise ConfigError("cluster.gpus is required for a fixed pool (cluster.elastic: false)")
         if self.mem_util > 1:
             raise ConfigError(f"cluster.mem_util must be in (0, 1], got {self.mem_util}")
+        if not (math.isfinite(self.activation_s) and self.activation_s >= 0):
+            raise ConfigError(f"cluster.activation_s must be >= 0 seconds, got {self.activation_s}")
 
     @property
     def links_overridden(self) -> bool:

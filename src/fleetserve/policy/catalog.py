@@ -541,6 +541,11 @@ def check_world(config: SimConfig) -> str:
             "cluster.intra_node_bw / cluster.network_bw: only the single-model simulator "
             f"reads them (KV migrations); the {WORLDS[world].label} simulator would ignore them"
         )
+    if world != SINGLE and config.cluster.activation_s:
+        raise ConfigError(
+            "cluster.activation_s: only the single-model simulator reads it; the "
+            f"{WORLDS[world].label} simulator loads weights over the host link"
+        )
     if world != SINGLE and config.engine.prefix_caching:
         raise ConfigError(
             "engine.prefix_caching: only the single-model simulator models prefix caching; "

@@ -7,7 +7,8 @@ priority values run first, and events of equal priority in the order they
 were caused:
 
 0. ``ITER_END``, ``GROUP_READY``, ``KV_ARRIVED``: an instance's iteration (or
-   a sharing group's job) ends, a group finishes loading its weights, a moved
+   a sharing group's job) ends, a group (or an instance an elastic pool
+   activated, ``cluster.activation_s``) finishes loading its weights, a moved
    request's KV lands on its new group. An instance's state at an instant is
    the one after every iteration ending then; the lazy "as of now" views count
    such an iteration as complete, so both agree.

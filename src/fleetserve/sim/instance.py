@@ -378,6 +378,7 @@ class Instance:
         self._sum_base = 0
         self.used = 0  # allocated blocks at the last boundary (excl. in-segment growth)
         self.phase = IDLE
+        self.ready_s = 0.0  # loading its weights until then (cluster.activation_s)
         self.version = 0
         self._ends: np.ndarray = np.empty(0)
         self._n = 0
@@ -639,7 +640,10 @@ class Instance:
         self._finishing.add(s.finish_step, s.id)
 
     def schedule(self, now: float) -> float | None:
-        """Start the next iteration at ``now``; its end time, or None when idle."""
+        """Start the next iteration at ``now``; its end time, or None when idle
+        (or still loading its weights: the simulator schedules it when ready)."""
+        if now < self.ready_s:
+            return None
         if self._logs:
             self._changed()
         while True:

@@ -60,7 +60,7 @@ from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.admission import context_note, context_reason
-from fleetserve.sim.events import EPOCH, ITER_END, SAMPLE, TRANSFER, Event
+from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
@@ -200,11 +200,13 @@ class Simulator:
         self.prefix_stats = PrefixStats() if config.engine.prefix_caching else None
         self._epoch = 0
         self.n_done = 0
+        self._loading: list[Event] = []  # ready events of instances activated
         self.timeseries = TimeSeries(config.sample_interval_s)
         self.kernel = Kernel(
             self.requests,
             {
                 ITER_END: self._ev_iter_end,
+                GROUP_READY: self._ev_ready,
                 TRANSFER: self._ev_transfer,
                 EPOCH: self._ev_epoch,
                 SAMPLE: self._ev_sample,
@@ -237,7 +239,10 @@ class Simulator:
         for m in placement.place(rates, n_gpus, dict(self.state.model_tp)):
             self._start_instance(m, 0.0)
 
-    def _start_instance(self, model: str, now: float) -> Instance:
+    def _start_instance(self, model: str, now: float, *, load: bool = False) -> Instance:
+        """A new instance of ``model`` on GPUs from the pool; ``load``: an
+        activation during the run, which loads its weights first
+        (``cluster.activation_s``; the instances a run starts with are loaded)."""
         cl = self.cfg.cluster
         eng = self.cfg.engine
         gpus = self.pool.allocate(cl.tp, now)
@@ -260,6 +265,9 @@ class Simulator:
             prefix_stats=self.prefix_stats,
         )
         self._next_iid += 1
+        if load and cl.activation_s > 0:
+            inst.ready_s = now + cl.activation_s
+            self._loading.append((inst.ready_s, GROUP_READY, inst))
         self.instances[inst.id] = inst
         self.state.add(inst)
         usage: UsageTotals | None = getattr(self, "_usage", None)
@@ -293,6 +301,22 @@ class Simulator:
         if inst.version != version or inst.id not in self.instances:
             return None  # superseded by a truncation
         return self._on_iteration_end(inst, now)
+
+    def _ev_ready(self, inst: Instance, now: float) -> list[Event]:
+        """An activated instance's weights are in: its first iteration starts."""
+        if self.instances.get(inst.id) is not inst:
+            return []
+        # as at an iteration boundary: moves waiting for one detach or attach
+        caused = self.mig.at_boundary(inst, now) if inst.mig_refs else []
+        caused += self._schedule(inst, now)
+        if self.mig.touched:
+            caused += self._settle(now, inst)
+        return caused
+
+    def _loaded(self) -> list[Event]:
+        """The ready events of the instances activated since the last call."""
+        out, self._loading = self._loading, []
+        return out
 
     def _ev_transfer(self, payload: Any, now: float) -> list[Event]:
         caused = self.mig.on_event(payload, now)
@@ -341,11 +365,13 @@ class Simulator:
         if isinstance(action, ActivateGpu):
             if action.model != req.model:
                 raise RuntimeError(f"dispatch returned {action} for request {req.id}")
-            inst = self._start_instance(req.model, now)
+            inst = self._start_instance(req.model, now, load=True)
         elif isinstance(action, Dispatch):
             inst = self.instances[action.instance_id]
         else:  # pragma: no cover - the type admits nothing else
             raise RuntimeError(f"unexpected dispatch action {action!r}")
+        if self._loading:
+            return self._loaded() + self._enqueue(seq, inst, now)
         return self._enqueue(seq, inst, now)
 
     def _enqueue(self, seq: Seq, inst: Instance, now: float) -> list[Event]:
@@ -426,6 +452,8 @@ class Simulator:
         refs: dict[int, int] = {}
         for action in self.migration.plan(self.state, now, self.rng):
             caused += self._apply_plan_action(action, refs, now)
+        if self._loading:
+            caused += self._loaded()
         if self.mig.pending:
             ctx = self._mech_context()
             caused += self.mig.start_pending(self.seqs, self.instances, ctx, now)
@@ -454,7 +482,7 @@ class Simulator:
         if isinstance(action, ActivateGpu):
             if action.tp != self.cfg.cluster.tp or action.model not in self.specs:
                 raise RuntimeError(f"plan activates an instance this run cannot hold: {action}")
-            inst = self._start_instance(action.model, now)
+            inst = self._start_instance(action.model, now, load=True)
             if action.ref is not None:
                 if action.ref in refs:
                     raise RuntimeError(f"plan reuses ref {action.ref}")
