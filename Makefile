@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 OUT ?= results/run
 
-.PHONY: run test lint bench bench-kunserve bench-plan bench-engine gpu-check bench-vllm serve-overload bench-client fingerprint fingerprint-prerefactor venv clean
+.PHONY: run test lint bench bench-kunserve bench-plan bench-engine gpu-check bench-vllm serve-overload bench-hops bench-client fingerprint fingerprint-prerefactor venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -96,6 +96,12 @@ fingerprint-prerefactor: $(STAMP)
 # The server at 2x its measured capacity for 60 s (issue 7 acceptance).
 serve-overload: $(STAMP)
 	$(BIN)/python benchmarks/serve_overload.py
+
+# Issue 25 item 3: each hop of a streamed token's path (HTTP -> controller -> Ray
+# worker -> engine step -> report -> controller -> SSE chunk), P50/P90 at low load
+# (one request at a time, then 4 streams); report in results/serve-hops/. About a minute.
+bench-hops: $(STAMP)
+	$(BIN)/python benchmarks/serve_hops.py --out results/serve-hops $(BENCH_HOPS_ARGS)
 
 # A third-party load generator (NVIDIA AIPerf, pinned, in its own venv without torch)
 # against `fleetserve serve configs/serve-tiny.yaml` with an API key: a request-rate

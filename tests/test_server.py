@@ -29,7 +29,12 @@ def step_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def srv(step_log: Path) -> Iterator[Running]:
+def hop_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hops") / "hops.jsonl"
+
+
+@pytest.fixture(scope="module")
+def srv(step_log: Path, hop_log: Path) -> Iterator[Running]:
     cfg = {
         "serve": {
             "workers": 3,
@@ -37,6 +42,7 @@ def srv(step_log: Path) -> Iterator[Running]:
             "models": [A, B],
             "max_queue": 64,
             "step_log": str(step_log),
+            "hop_log": str(hop_log),  # every token's hops measured (runtime.hops)
         },
         "policy": {"stack": "wf"},
     }
@@ -222,6 +228,39 @@ def test_step_log_records_every_engine_step(client: openai.OpenAI, step_log: Pat
             assert f["chunks"] or f["decode_batch"]
     mine = [f for st in lines[before:] for f in st["forwards"] if f["model"] == A]
     assert any(f["chunks"] for f in mine) and any(f["decode_batch"] for f in mine)
+
+
+def test_hops_of_every_streamed_token_in_metrics_and_log(srv: Running, hop_log: Path) -> None:
+    """``serve.hop_log``: each token of a stream has its hops in
+    ``fleetserve_hop_seconds`` and a line in the log, the first token's hops
+    from the HTTP server to the SSE chunk; the stamps come in path order."""
+    from fleetserve.runtime.hops import FIRST_HOPS, NEXT_HOPS
+
+    def counts() -> dict[tuple[str, str], float]:
+        text = httpx.get(srv.url + "/metrics", headers=_auth()).text
+        names = [(h, "first") for h in FIRST_HOPS] + [(h, "next") for h in NEXT_HOPS]
+        return {
+            (h, k): metric_value(text, "fleetserve_hop_seconds_count", hop=h, token=k)
+            for h, k in names
+        }
+
+    before, start = counts(), hop_log.stat().st_size
+    body = {"model": B, "prompt": [9, 8, 7], "max_tokens": 6, "stream": True, "ignore_eos": True}
+    url = srv.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=_auth(), timeout=60) as r:
+        assert r.status_code == 200
+        assert [ln for ln in r.iter_lines() if ln][-1] == "data: [DONE]"
+    after = counts()
+    for (h, k), n in after.items():
+        assert n - before[(h, k)] == (1 if k == "first" else 5), (h, k)
+    with hop_log.open() as f:
+        f.seek(start)
+        recs = [json.loads(x) for x in f.read().splitlines()]
+    assert [r["index"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["first"] for r in recs] == [True] + [False] * 5
+    assert set(recs[0]["hops"]) == set(FIRST_HOPS)
+    assert all(set(r["hops"]) == set(NEXT_HOPS) for r in recs[1:])
+    assert all(v >= 0 for r in recs for v in r["hops"].values())  # one clock, path order
 
 
 def test_disconnect_mid_stream_frees_the_kv_at_once(srv: Running) -> None:

@@ -709,6 +709,12 @@ class ServeConfigSection:
             chunks, decode batch and context, and whether work was left);
             ``fleetserve fidelity`` compares it with the calibrated cost
             model. None: no log.
+        hop_trace: measure every streamed token's hops of the serving path
+            (``fleetserve_hop_seconds{token="next"}``; a request's first token
+            is always measured; :mod:`fleetserve.runtime.hops`).
+        hop_log: a JSON-lines file to append each measured token's hops to
+            (turns ``hop_trace`` on); ``benchmarks/serve_hops.py`` reads it.
+            None: no log.
         pin_cores: CPU workers of a local ``serve``: each worker's engine
             runs on ``threads_per_worker`` cores of its own, and the server,
             Ray and everything else ``serve`` starts on the remaining ones
@@ -730,6 +736,8 @@ class ServeConfigSection:
     max_body_bytes: int = 1_000_000
     max_tokens_default: int | None = None
     step_log: str | None = None
+    hop_trace: bool = False
+    hop_log: str | None = None
     pin_cores: bool = False
     max_stop_chars: int = 16_384
     max_stop_strings: int = 16

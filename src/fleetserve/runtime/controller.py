@@ -64,8 +64,10 @@ from fleetserve.policy.actions import (
 from fleetserve.policy.base import DISPATCH, MEMORY, MIGRATION
 from fleetserve.policy.catalog import resolve_policies
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
+from fleetserve.runtime.channel import ReportServer
 from fleetserve.runtime.engine.migration import RequestState
 from fleetserve.runtime.engine.sampling import SamplingParams
+from fleetserve.runtime.hops import HopRecorder, TokenStamps, token_stamps
 from fleetserve.runtime.kun_control import KunRuntime, kun_settings
 from fleetserve.runtime.metrics import RuntimeMetrics
 from fleetserve.runtime.plan import runtime_policy_names
@@ -175,8 +177,11 @@ class ModelInfo:
 class Tracked:
     """One request at the controller (its record and its event queue).
 
-    ``events`` carries ``("token", text_piece, token_id)``, then one
-    ``("done", finish_reason)`` or ``("error", status, message)``.
+    ``events`` carries ``("token", text_piece, token_id, stamps)``, then one
+    ``("done", finish_reason)`` or ``("error", status, message)``; ``stamps``
+    is the token's :class:`~fleetserve.runtime.hops.TokenStamps` when its hops
+    are measured (the first token; every token with ``serve.hop_trace``), else
+    None. The ``t_*`` and ``last_*`` fields are hop stamps (``time.monotonic``).
     """
 
     id: int
@@ -190,12 +195,19 @@ class Tracked:
     instance: int | None = None
     deferred: bool = False
     moving: str | None = None  # None, "export" or "import"
+    move_dst: int | None = None  # the worker it is being imported on
+    early_end: str | None = None  # its finish reported by move_dst before the move ended
     done: bool = False
     finish_reason: str | None = None
     t_first: float | None = None
     t_done: float | None = None
     resumes: int = 0
     migrations: int = 0
+    t_http: float | None = None  # the HTTP handler got the request
+    t_sent: float | None = None  # the controller sent it to a worker
+    t_admit: tuple[float, float] | None = None  # the worker actor got it, its engine had it
+    last_step_end: float | None = None  # the step of the last measured token ended
+    last_written: float | None = None  # the last measured token was written
 
     @property
     def remaining(self) -> int:
@@ -210,6 +222,9 @@ class _Worker:
     alive: bool = True
     instances: dict[str, int] = field(default_factory=dict)  # model -> instance id
     pending: dict[int, Pending] = field(default_factory=dict)
+    gen: int = 0  # the actor's generation (a restart makes the next)
+    next_seq: int = 0  # the number of the next report to apply (Report.seq)
+    held: dict[int, tuple[Report, float]] = field(default_factory=dict)  # came early
 
 
 class Controller:
@@ -233,6 +248,7 @@ class Controller:
         self.serve = config.serve
         self.models = models
         self.metrics = RuntimeMetrics()
+        self.hops = HopRecorder(self.metrics, config.serve.hop_trace, config.serve.hop_log)
         self.rng = np.random.default_rng(config.seed)
         self.t0 = time.monotonic()
         kun = kun_settings(config)
@@ -268,6 +284,7 @@ class Controller:
         self._stopping = False
         self._done_times: deque[float] = deque()  # when requests left the system (Retry-After)
         self.respawn: Callable[[WorkerSpec], Awaitable[tuple[Any, WorkerSnap]]] | None = None
+        self.channel: ReportServer | None = None  # workers' step reports (runtime.channel)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.migration_log: list[dict[str, Any]] = []
         for w in self.workers.values():
@@ -290,6 +307,13 @@ class Controller:
     # ----------------------------------------------------------- lifecycle
     async def start(self) -> None:
         loop = self.loop = asyncio.get_running_loop()
+        channel = ReportServer(self._channel_report)
+        try:
+            await channel.start()
+            self.channel = channel
+        except OSError as e:  # no Unix sockets here: reports come with the polls
+            logger.warning("no report channel (%s): workers report through Ray polls", e)
+            await channel.stop()
         for wid in self.workers:
             self._tasks.append(loop.create_task(self._poll_loop(wid)))
         self._tasks.append(loop.create_task(self._tick_loop()))
@@ -307,6 +331,9 @@ class Controller:
         if self._step_log is not None:
             self._step_log.close()
             self._step_log = None
+        self.hops.close()
+        if self.channel is not None:
+            await self.channel.stop()
 
     # --------------------------------------------------------------- state
     def state(self) -> ClusterState:
@@ -392,8 +419,15 @@ class Controller:
             )
         return info
 
-    def submit(self, model: str, prompt_ids: list[int], params: SamplingParams) -> Tracked:
-        """Admit a request and dispatch it (raises :class:`ServeError`)."""
+    def submit(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        received: float | None = None,
+    ) -> Tracked:
+        """Admit a request and dispatch it (raises :class:`ServeError`).
+        ``received``: when the HTTP handler got it (``time.monotonic``; a hop stamp)."""
         info = self.model_info(model)
         if not prompt_ids:
             raise ServeError(400, "the prompt is empty", param="prompt")
@@ -428,6 +462,7 @@ class Controller:
             )
         rid = next(self._ids)
         t = Tracked(rid, model, list(prompt_ids), params, self.now(), asyncio.Queue())
+        t.t_http = received
         self.requests[rid] = t
         self.metrics.prompt_tokens.labels(model).inc(len(prompt_ids))
         self._dispatch(t)
@@ -499,6 +534,7 @@ class Controller:
         w.pending[t.id] = Pending(
             t.id, model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
         )
+        t.t_sent = time.monotonic()
         if t.output_ids:
             ref = w.handle.resume.remote(
                 t.id, model, t.prompt_ids, t.output_ids, t.text, t.params, t.arrival
@@ -552,6 +588,10 @@ class Controller:
     # ------------------------------------------------------------ polling
     async def _poll_loop(self, wid: int) -> None:
         w = self.workers[wid]
+        if self.channel is not None and self.channel.path is not None:
+            token = self.channel.token(wid, w.gen)
+            with contextlib.suppress(Exception):  # a dead worker: the poll below says so
+                await w.handle.connect.remote(self.channel.path, token)
         while not self._stopping and w.alive:
             try:
                 rep: Report = await w.handle.poll.remote(0.25)
@@ -563,10 +603,49 @@ class Controller:
                 logger.warning("worker %d is dead: %s", wid, type(e).__name__)
                 self._on_worker_dead(wid)
                 return
-            self._apply_report(w, rep)
+            self._receive(w, rep, time.monotonic())
 
-    def _apply_report(self, w: _Worker, rep: Report) -> None:
+    def _channel_report(self, wid: int, gen: int, rep: Report, received: float) -> None:
+        """A report read from the report channel (``runtime.channel``)."""
+        w = self.workers.get(wid)
+        if w is not None and w.alive and w.gen == gen and not self._stopping:
+            self._receive(w, rep, received)
+
+    MAX_HELD_REPORTS = 256
+
+    def _receive(self, w: _Worker, rep: Report, received: float) -> None:
+        """Apply ``w``'s reports in their order (``Report.seq``): one that came
+        before an earlier one (by the other way) waits for it."""
+        if rep.seq_end <= w.next_seq:
+            return  # already applied (cannot happen; defensive)
+        if rep.seq > w.next_seq:
+            w.held[rep.seq] = (rep, received)
+            if len(w.held) <= self.MAX_HELD_REPORTS:
+                return
+            # never expected: a report went missing; go on without it
+            logger.error(
+                "worker %d: report %d never came; going on from %d",
+                w.spec.worker_id,
+                w.next_seq,
+                min(w.held),
+            )
+            w.next_seq = min(w.held)
+            rep, received = w.held.pop(w.next_seq)
+        w.next_seq = rep.seq_end
+        self._apply_report(w, rep, received)
+        while w.next_seq in w.held:
+            nxt, got = w.held.pop(w.next_seq)
+            w.next_seq = nxt.seq_end
+            self._apply_report(w, nxt, got)
+
+    def _apply_report(self, w: _Worker, rep: Report, received: float | None = None) -> None:
+        """Apply a poll's report; ``received``: when it came (a hop stamp)."""
         now = self.now()
+        got = received if received is not None else time.monotonic()
+        for rid, admit in rep.t_admit.items():
+            t = self.requests.get(rid)
+            if t is not None and t.t_admit is None:
+                t.t_admit = admit
         if self._step_log is not None and rep.steps_done:
             self._write_steps(w.spec.worker_id, rep)
         if rep.snap is not None:
@@ -576,30 +655,41 @@ class Controller:
                 if rid in seen or rid in rep.finished or rid in rep.tokens:
                     del w.pending[rid]
             self._update_worker_gauges(w)
+        wid = w.spec.worker_id
         for rid, toks in rep.tokens.items():
             t = self.requests.get(rid)
-            if (
-                t is None
-                or t.done
-                or t.instance is None
-                or self.inst_of[t.instance][0] != w.spec.worker_id
-            ):
+            if t is None or t.done or not (self._runs_on(t, wid) or self._imports_on(t, wid)):
                 continue
             for idx, tok, piece in toks:
-                self._token(t, idx, tok, piece, now)
+                first = t.t_first is None
+                stamps = None
+                if self.hops.wanted(first):
+                    stamps = token_stamps(rep, rid, idx, first, got)
+                self._token(t, idx, tok, piece, now, stamps)
         for rid, reason in rep.finished.items():
             t = self.requests.get(rid)
-            if t is None or t.done or t.instance is None:
+            if t is None or t.done or reason in ("migrated", "abort"):
                 continue
-            if self.inst_of[t.instance][0] != w.spec.worker_id or reason == "migrated":
-                continue
-            if reason == "capacity":
-                self._fail(t, 503, "the request's KV cache outgrew the worker's memory")
-            elif reason == "abort":
-                continue
-            else:
-                self._finish(t, reason, now)
+            if self._runs_on(t, wid):
+                self._end(t, reason, now)
+            elif self._imports_on(t, wid):
+                t.early_end = reason  # once the move has ended (_move)
         self._update_queue_gauges()
+
+    def _runs_on(self, t: Tracked, wid: int) -> bool:
+        return t.instance is not None and self.inst_of[t.instance][0] == wid
+
+    def _imports_on(self, t: Tracked, wid: int) -> bool:
+        """``t`` is being imported on worker ``wid``: its first steps there can
+        report (by the report channel) before the import call has answered."""
+        return t.moving == "import" and t.move_dst == wid
+
+    def _end(self, t: Tracked, reason: str, now: float) -> None:
+        """The worker running ``t`` finished it (``reason``)."""
+        if reason == "capacity":
+            self._fail(t, 503, "the request's KV cache outgrew the worker's memory")
+        else:
+            self._finish(t, reason, now)
 
     def _write_steps(self, wid: int, rep: Report) -> None:
         """Append the report's engine steps to ``serve.step_log`` (one JSON line each)."""
@@ -627,7 +717,15 @@ class Controller:
         self._step_log.write("\n".join(lines) + "\n")
         self._step_log.flush()
 
-    def _token(self, t: Tracked, idx: int, tok: int, piece: str, now: float) -> None:
+    def _token(
+        self,
+        t: Tracked,
+        idx: int,
+        tok: int,
+        piece: str,
+        now: float,
+        stamps: TokenStamps | None = None,
+    ) -> None:
         have = len(t.output_ids)
         if idx <= have:
             return  # already passed on (a migration's state and a poll both had it)
@@ -637,7 +735,7 @@ class Controller:
         t.text += piece
         if t.t_first is None:
             t.t_first = now
-        t.events.put_nowait(("token", piece, tok))
+        t.events.put_nowait(("token", piece, tok, stamps))
         self.metrics.tokens.labels(t.model).inc()
 
     def _finish(self, t: Tracked, reason: str, now: float) -> None:
@@ -744,6 +842,9 @@ class Controller:
                     ray.kill(handle)
             return
         w.handle, w.snap, w.alive = handle, snap, True
+        w.gen += 1
+        w.next_seq = 0
+        w.held.clear()
         self.metrics.worker_restarts.labels("done").inc()
         self.metrics.workers_alive.set(sum(x.alive for x in self.workers.values()))
         self._update_worker_gauges(w)
@@ -920,6 +1021,7 @@ class Controller:
             return
         state, chunk = got
         t.moving = "import"
+        t.move_dst = dst.spec.worker_id
         self._catch_up(t, state)
         ok = False
         try:
@@ -928,7 +1030,8 @@ class Controller:
             logger.warning(
                 "request %d: import on worker %d failed: %s", t.id, dst.spec.worker_id, e
             )
-        t.moving = None
+        t.moving = t.move_dst = None
+        early, t.early_end = t.early_end, None
         if ok:
             if t.done:  # the client left while it moved
                 await self._call_quietly(dst.handle.abort.remote(t.id))
@@ -951,6 +1054,8 @@ class Controller:
                     "t": self.now(),
                 }
             )
+            if early is not None and not t.done:  # it finished on dst before the answer
+                self._end(t, early, self.now())
             if src.alive:
                 await self._call_quietly(src.handle.release.remote(t.id))
             return

@@ -45,6 +45,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Endpoints that admit work: refused while draining, counted as in flight."""
 
+RECEIVED_KEY = "fleetserve.received"
+"""The ASGI scope key of when the request reached the app (``time.monotonic``)."""
+
 OPEN_PATHS = frozenset({"/health", "/ready"})
 """Probes answered without an API key (they reveal only whether the server is up)."""
 
@@ -288,6 +291,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_KEY] = time.monotonic()  # a hop stamp (fleetserve.runtime.hops)
         path = scope["path"]
         status: list[int] = []
 

@@ -13,6 +13,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # take tens of ms per token and seconds to the first token under load.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Serving-path hops (runtime.hops): from tens of microseconds (a thread
+# hand-off) to seconds (a prefill under load).
+_HOP_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    10,
+)
 
 
 class RuntimeMetrics:
@@ -58,6 +78,14 @@ class RuntimeMetrics:
             "End-to-end latency of finished requests",
             ["model"],
             buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.hops = Histogram(
+            "fleetserve_hop_seconds",
+            "Time of each hop of the serving path (fleetserve.runtime.hops): a request's "
+            "first token (token=first) and, with serve.hop_trace, the others (token=next)",
+            ["hop", "token"],
+            buckets=_HOP_BUCKETS,
             registry=r,
         )
         self.queue = Gauge(

@@ -77,7 +77,13 @@ from fleetserve.config import ServeConfigSection
 from fleetserve.errors import ConfigError
 from fleetserve.runtime.controller import Controller, ServeError, Tracked
 from fleetserve.runtime.engine.sampling import SamplingParams
-from fleetserve.runtime.http import DrainingServer, GuardMiddleware, ServeGate, guarded_protocol
+from fleetserve.runtime.http import (
+    RECEIVED_KEY,
+    DrainingServer,
+    GuardMiddleware,
+    ServeGate,
+    guarded_protocol,
+)
 
 API_KEY_ENV = "FLEETSERVE_API_KEY"
 MAX_JSON_DEPTH = 32
@@ -526,11 +532,12 @@ def create_app(
         max_tokens: int | None,
         chat: bool,
         ignored: list[str],
+        received: float,
     ) -> Response:
         c = ctl()
         check_supported(body)
         params = params_of(c, body, max_tokens, len(prompt_ids))
-        t = c.submit(body.model, prompt_ids, params)
+        t = c.submit(body.model, prompt_ids, params, received)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         headers = {"x-fleetserve-ignored-fields": ",".join(ignored)} if ignored else None
@@ -547,18 +554,20 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        received = _received(request)
         body, ignored = await read_body(request, CompletionBody)
         c = ctl()
         ids = tokens_of(c, body.model, body.prompt)
-        return await run(request, body, ids, body.max_tokens, False, ignored)
+        return await run(request, body, ids, body.max_tokens, False, ignored, received)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = _received(request)
         body, ignored = await read_body(request, ChatBody)
         c = ctl()
         ids = tokens_of(c, body.model, chat_prompt(body.messages))
         mt = body.max_completion_tokens or body.max_tokens
-        return await run(request, body, ids, mt, True, ignored)
+        return await run(request, body, ids, mt, True, ignored, received)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -602,6 +611,12 @@ ENDPOINTS = frozenset(
         "/detokenize",
     }
 )
+
+
+def _received(request: Request) -> float:
+    """When the request reached the app: the first hop stamp (runtime.hops)."""
+    t = request.scope.get(RECEIVED_KEY)
+    return float(t) if t is not None else time.monotonic()
 
 
 def _usage(t: Tracked) -> dict[str, int]:
@@ -667,7 +682,10 @@ async def _stream(
                 if per_token:
                     obj["usage"] = _usage_of(len(t.prompt_ids), n_out)
                 yield _sse(obj)
+                if ev[3] is not None:  # its hops are measured: the chunk is written now
+                    c.hops.written(t, ev[3], time.monotonic())
             elif ev[0] == "done":
+                c.hops.flush()  # every token's hops are in the log before the last chunk
                 last: dict[str, Any] = {"index": 0, "finish_reason": ev[1], "logprobs": None}
                 if chat:
                     last["delta"] = {}
@@ -719,6 +737,8 @@ async def _complete(
         while True:
             ev = await t.events.get()
             if ev[0] == "token":
+                if ev[3] is not None:  # its hops are measured: the handler has it
+                    c.hops.written(t, ev[3], time.monotonic())
                 continue
             if ev[0] == "error":
                 _kind, status, message = ev
@@ -726,6 +746,7 @@ async def _complete(
                     return Response(status_code=499)
                 return error_response(ServeError(status, message, type=_error_type(status)))
             break
+        c.hops.flush()
         reason = ev[1]
         if chat:
             choice = {

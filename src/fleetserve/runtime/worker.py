@@ -3,7 +3,9 @@
 :class:`WorkerCore` is the plain-Python part (testable without Ray): it owns
 an :class:`~fleetserve.runtime.engine.engine.Engine` whose arena — layer
 weights plus KV cache — is the GPU's memory budget, runs engine steps, and
-buffers what happened (tokens, finishes) until the controller polls.
+reports what happened (tokens, finishes): at the end of each step over the
+controller's report channel (:mod:`.channel`), else when the controller
+polls.
 :class:`Worker` is the Ray actor around it: an asyncio actor that runs
 every engine call, steps included, one at a time on one dedicated thread, so
 its event loop answers Ray calls while a step runs.
@@ -24,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +47,7 @@ from fleetserve.runtime.buddy import (
     stage_forward,
     stage_import,
 )
+from fleetserve.runtime.channel import ReportSink
 from fleetserve.runtime.engine.engine import Engine, EngineRequest, Forward
 from fleetserve.runtime.engine.kvpool import PoolFull
 from fleetserve.runtime.engine.migration import (
@@ -150,6 +154,20 @@ class Report:
     ``tokens`` maps a request id to ``(index, token_id, text_piece)`` tuples;
     ``finished`` maps it to its finish reason (``stop``, ``length``,
     ``abort``, ``capacity``).
+
+    The ``t_*`` fields are the worker's stamps of the serving path's hops
+    (``time.monotonic``; :mod:`fleetserve.runtime.hops`): ``t_steps`` the
+    start and end of each local engine step in this report, ``t_tokens``
+    per request ``(index, step in t_steps, when the engine emitted it)`` of
+    each token a local step made, ``t_admit`` per new request when the actor
+    got its submit and when the engine had it, ``t_sent`` when the poll
+    handed the report back (or the engine thread wrote it to the
+    :mod:`~fleetserve.runtime.channel`).
+
+    ``seq`` and ``seq_end``: the report holds the worker's reports number
+    ``seq`` to ``seq_end - 1`` (every report that leaves a worker has the
+    next number; merged ones, a range): the controller applies them in that
+    order whichever way they came (Ray poll or report channel).
     """
 
     worker_id: int
@@ -159,6 +177,12 @@ class Report:
     step_s: float = 0.0
     steps: int = 0
     steps_done: list[StepRecord] = field(default_factory=list)
+    t_steps: list[tuple[float, float]] = field(default_factory=list)
+    t_tokens: dict[int, list[tuple[int, int, float]]] = field(default_factory=dict)
+    t_admit: dict[int, tuple[float, float]] = field(default_factory=dict)
+    t_sent: float = 0.0
+    seq: int = 0
+    seq_end: int = 0
 
 
 class WorkerCore:
@@ -188,10 +212,21 @@ class WorkerCore:
         self.role: StageRole | None = None  # a stage of a KunServe buddy group
         self.group: GroupRunner | None = None  # ... and its leader
         self.stage_keys: set[int] = set()  # group requests with a table here
+        self._stepping = False  # a local engine step runs (its tokens get hop stamps)
+        # events sealed at a step's end, with a snapshot, for the poll to take
+        # without the engine (see seal); the lock guards only this hand-over
+        self._sealed: Report | None = None
+        self._sealed_lock = threading.Lock()
+        self._seq = 0  # the next report's number (Report.seq)
+        self.sink: ReportSink | None = None  # the report channel (engine thread only)
 
     # ----------------------------------------------------------- callbacks
     def _on_token(self, req: EngineRequest, tok: int, piece: str) -> None:
-        self._report.tokens.setdefault(req.id, []).append((req.generated, tok, piece))
+        rep = self._report
+        rep.tokens.setdefault(req.id, []).append((req.generated, tok, piece))
+        if self._stepping:
+            mark = (req.generated, len(rep.t_steps), time.monotonic())
+            rep.t_tokens.setdefault(req.id, []).append(mark)
 
     def _on_finish(self, req: EngineRequest) -> None:
         self._report.finished[req.id] = req.finish_reason or "stop"
@@ -204,21 +239,26 @@ class WorkerCore:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival_s: float = 0.0,
+        received: float | None = None,
     ) -> None:
         """Queue a new request under the controller's id ``rid`` (in the
-        buddy group this worker leads, if it leads one for ``model``)."""
+        buddy group this worker leads, if it leads one for ``model``).
+        ``received``: when the actor got the call (``time.monotonic``; a hop
+        stamp)."""
         if self.group is not None and model == self.group.model:
             self.group.add(rid, prompt_ids, params, arrival_s)
-            return
-        self.engine.add_request(
-            model,
-            prompt_ids,
-            params,
-            request_id=rid,
-            arrival_s=arrival_s,
-            on_token=self._on_token,
-            on_finish=self._on_finish,
-        )
+        else:
+            self.engine.add_request(
+                model,
+                prompt_ids,
+                params,
+                request_id=rid,
+                arrival_s=arrival_s,
+                on_token=self._on_token,
+                on_finish=self._on_finish,
+            )
+        now = time.monotonic()
+        self._report.t_admit[rid] = (received if received is not None else now, now)
 
     def resume(
         self,
@@ -304,7 +344,14 @@ class WorkerCore:
         if rid in self.engine.requests:
             self.engine.release_migrated(rid)
             self.engine.requests.pop(rid, None)
+        self._drop_tokens(rid)
+
+    def _drop_tokens(self, rid: int) -> None:
+        """Forget the tokens of ``rid`` not yet polled (sealed ones too)."""
         self._report.tokens.pop(rid, None)
+        with self._sealed_lock:
+            if self._sealed is not None:
+                self._sealed.tokens.pop(rid, None)
 
     def unpause(self, rid: int) -> None:
         """The move failed: the paused request runs here again."""
@@ -380,7 +427,7 @@ class WorkerCore:
                 e.release_migrated(rid)
                 del e.requests[rid]
                 out.append((_as_waiting(state), {}, 0))
-            self._report.tokens.pop(rid, None)
+            self._drop_tokens(rid)
         return out
 
     def become_stage(self, role: StageRole) -> int:
@@ -478,8 +525,14 @@ class WorkerCore:
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        out = self.engine.step()
+        m0 = time.monotonic()
+        self._stepping = True
+        try:
+            out = self.engine.step()
+        finally:
+            self._stepping = False
         dt = time.perf_counter() - t0
+        self._report.t_steps.append((m0, time.monotonic()))
         self._report.step_s += dt
         self._report.steps += 1
         if self.spec.step_log and out.forwards:
@@ -491,14 +544,73 @@ class WorkerCore:
             if req is not None and req.status == "finished":
                 self.engine.pop_finished(rid)
 
+    def run_steps(self, more: Callable[[], bool], sealed: Callable[[], None]) -> None:
+        """Engine steps back to back while there is local work and ``more()``
+        says go on (nobody waits for the engine); after each, the step's
+        events are sealed (:meth:`seal`), and ``sealed()`` is called when
+        they wait for the poll. One step at least."""
+        while True:
+            self.step()
+            if self.seal():
+                sealed()
+            if not more() or not self.engine.has_work():
+                return
+
+    def seal(self) -> bool:
+        """Send the events buffered so far, with a snapshot taken now: over the
+        report channel when the worker has one (:meth:`set_sink`), else to
+        where :meth:`take_sealed` finds them for the poll (merged after any not
+        yet taken). True when they wait for the poll. Call with the engine
+        (the engine thread)."""
+        r = self._report
+        if not (r.tokens or r.finished):
+            return False
+        self._report = Report(self.spec.worker_id)
+        r.snap = self.snapshot()
+        self._number(r)
+        if self.sink is not None:
+            r.t_sent = time.monotonic()
+            try:
+                self.sink.send(r)
+                return False
+            except OSError as e:  # the controller stopped reading: the poll takes over
+                logger.warning("worker %d: report channel broken: %s", self.spec.worker_id, e)
+                self.sink.close()
+                self.sink = None
+        with self._sealed_lock:
+            self._sealed = r if self._sealed is None else _merge(self._sealed, r)
+        return True
+
+    def set_sink(self, sink: ReportSink | None) -> None:
+        """Send step reports over ``sink`` from now on (None: through the poll)."""
+        if self.sink is not None:
+            self.sink.close()
+        self.sink = sink
+
+    def _number(self, r: Report) -> None:
+        r.seq = self._seq
+        self._seq += 1
+        r.seq_end = self._seq
+
+    def take_sealed(self) -> Report | None:
+        """The sealed events (:meth:`seal`), or None; needs no engine: safe on
+        the actor's loop while a step runs."""
+        with self._sealed_lock:
+            rep, self._sealed = self._sealed, None
+        return rep
+
     def has_events(self) -> bool:
         r = self._report
-        return bool(r.tokens or r.finished)
+        return self._sealed is not None or bool(r.tokens or r.finished)
 
     def take_report(self) -> Report:
-        """Events since the last call, with a fresh snapshot."""
+        """Events since the last call (sealed ones first), with a fresh snapshot."""
         rep = self._report
         self._report = Report(self.spec.worker_id)
+        self._number(rep)
+        old = self.take_sealed()
+        if old is not None:
+            rep = _merge(old, rep)
         rep.snap = self.snapshot()
         return rep
 
@@ -539,12 +651,13 @@ class WorkerCore:
                     )
                 )
         weight_pages = pool.weight_pages()
+        kv_pages = pool.kv_pages  # a pass over the page table: once
         return WorkerSnap(
             worker_id=self.spec.worker_id,
             models=tuple(e.models),
             block_size=pool.block_size,
             total_blocks=pool.num_pages - weight_pages,
-            used_blocks=pool.kv_pages,
+            used_blocks=kv_pages,
             free_blocks=pool.num_free,
             pages_per_block={m: pool.pages_per_token_block(m) for m in e.models},
             num_running=len(e.running),
@@ -553,7 +666,7 @@ class WorkerCore:
             arena_bytes=pool.num_pages * pool.page_bytes,
             page_bytes=pool.page_bytes,
             weight_bytes=weight_pages * pool.page_bytes,
-            kv_bytes_used=pool.kv_pages * pool.page_bytes,
+            kv_bytes_used=kv_pages * pool.page_bytes,
             seqs=tuple(seqs),
             time_s=time.time(),
             layers_held={m: tuple(e.held_layers(m)) for m in e.models},
@@ -567,6 +680,24 @@ class WorkerCore:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+
+def _merge(a: Report, b: Report) -> Report:
+    """``a`` with the events of ``b`` (which came after) added; ``b``'s snapshot."""
+    off = len(a.t_steps)
+    for rid, toks in b.tokens.items():
+        a.tokens.setdefault(rid, []).extend(toks)
+    for rid, marks in b.t_tokens.items():
+        a.t_tokens.setdefault(rid, []).extend((i, s + off, t) for i, s, t in marks)
+    a.finished.update(b.finished)
+    a.t_steps.extend(b.t_steps)
+    a.t_admit.update(b.t_admit)
+    a.step_s += b.step_s
+    a.steps += b.steps
+    a.steps_done.extend(b.steps_done)
+    a.snap = b.snap
+    a.seq_end = b.seq_end
+    return a
 
 
 def _without_callbacks(s: RequestState) -> RequestState:
@@ -591,15 +722,22 @@ class Worker:
     only ever touched by one call at a time, in arrival order. The event
     loop stays free while a step runs (the forward releases the GIL in its
     kernels), so Ray delivers calls during the step: a submit is queued for
-    the lock at once and enters the very next step, and a long-poll is
-    already waiting when the step ends, returning its tokens right away
-    instead of an engine step or more later. A buddy group's leader runs its
-    group step on the loop (it awaits its stages' actors) holding the same
-    lock.
+    the lock at once and enters the very next step. A buddy group's leader
+    runs its group step on the loop (it awaits its stages' actors) holding
+    the same lock.
 
-    :meth:`run` is a task that steps the engine while it has work and sleeps
-    on an event otherwise. :meth:`poll` long-polls: it returns as soon as
-    there are events, or after ``timeout_s`` with just a snapshot.
+    :meth:`_run` is a task that steps the engine while it has work and
+    sleeps on an event otherwise. Its steps run back to back on the engine
+    thread (:meth:`WorkerCore.run_steps`, one executor call) until a call
+    queues for the lock: no trip through the loop between two steps. At the
+    end of each step the engine thread seals the step's tokens with a
+    snapshot (:meth:`WorkerCore.seal`) and, once :meth:`connect` gave it the
+    controller's report channel (:mod:`.channel`), writes them there itself:
+    no Ray call per step. Without a channel (a worker on another node) it
+    wakes the poll instead. :meth:`poll` long-polls: it returns as soon as
+    there are events — sealed ones without waiting for the engine, so a step
+    in progress delays nothing already made — or after ``timeout_s`` with
+    just a snapshot.
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -615,12 +753,24 @@ class Worker:
         )
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._queued = 0  # calls waiting for the engine (a run of steps yields to them)
         self._stages: list[Any] = []  # a group leader's stage actors (index 0: unused)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the engine thread, after every call queued before it."""
-        async with self._lock:
+        self._queued += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._queued -= 1
+        try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        finally:
+            self._lock.release()
+
+    def _more_steps(self) -> bool:
+        """A run of steps goes on (read on the engine thread between steps)."""
+        return not self._queued and not self._stopped
 
     async def start(self) -> WorkerSnap:
         if self._task is None:
@@ -629,6 +779,12 @@ class Worker:
 
     async def _run(self) -> None:
         core = self.core
+        loop = asyncio.get_running_loop()
+
+        def sealed() -> None:  # on the engine thread: wake a waiting poll
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(self._events.set)
+
         try:
             while not self._stopped:
                 # read on the loop while the engine thread may be busy: a stale
@@ -640,8 +796,9 @@ class Worker:
                     await self._wake.wait()
                     continue
                 try:
-                    if local:
-                        await self._call(core.step)
+                    if local:  # steps back to back until a call waits (one with a group)
+                        more = self._more_steps if not grouped else _once
+                        await self._call(core.run_steps, more, sealed)
                     if grouped:
                         async with self._lock:
                             await self._group_step()
@@ -654,6 +811,8 @@ class Worker:
                 # ahead of the next step (calls that came during the step already are)
                 await asyncio.sleep(0)
         finally:
+            if core.sink is not None:
+                core.sink.close()
             self._thread.shutdown(wait=False)
 
     async def _group_step(self) -> None:
@@ -682,7 +841,8 @@ class Worker:
     async def submit(
         self, rid: int, model: str, prompt_ids: list[int], params: SamplingParams, arrival_s: float
     ) -> None:
-        await self._call(self.core.submit, rid, model, prompt_ids, params, arrival_s)
+        got = time.monotonic()
+        await self._call(self.core.submit, rid, model, prompt_ids, params, arrival_s, got)
         self._wake.set()
 
     async def resume(
@@ -771,7 +931,23 @@ class Worker:
                 async with asyncio.timeout(timeout_s):
                     await self._events.wait()
         self._events.clear()
-        return await self._call(self.core.take_report)
+        # what steps sealed needs no engine: no wait for a step in progress
+        rep = self.core.take_sealed()
+        if rep is None:  # events of calls or group steps, or none: from the engine
+            rep = await self._call(self.core.take_report)
+        rep.t_sent = time.monotonic()
+        return rep
+
+    async def connect(self, path: str, token: bytes) -> bool:
+        """Send step reports over the controller's report channel at ``path``
+        (:mod:`.channel`); False when it cannot be reached (another node):
+        the poll carries them."""
+        try:
+            sink = ReportSink(path, token)
+        except OSError:
+            return False
+        await self._call(self.core.set_sink, sink)
+        return True
 
     async def snapshot(self) -> WorkerSnap:
         return await self._call(self.core.snapshot)
@@ -782,6 +958,10 @@ class Worker:
     async def stop(self) -> None:
         self._stopped = True
         self._wake.set()
+
+
+def _once() -> bool:
+    return False
 
 
 def _engine_thread_init(spec: WorkerSpec) -> None:
