@@ -223,6 +223,44 @@ def test_a_sharing_worker_runs_the_stacks_group_scheduler_with_the_placers_stats
         cluster.worker_specs(one, cluster.served_models(one))
 
 
+def test_serve_engines_read_the_simulators_engine_keys() -> None:
+    """``engine.chunked_prefill`` and ``engine.prefix_caching`` reach every
+    worker's engine (one key for both clocks); the snapshot reports the
+    prefix cache's counters; KunServe refuses prefix caching; an elastic
+    pool's workers start asleep."""
+    from fleetserve.runtime import cluster
+    from fleetserve.runtime.engine.sampling import SamplingParams
+    from fleetserve.runtime.worker import WorkerCore
+
+    def one(**extra: Any) -> SimConfig:
+        data: dict[str, Any] = {"serve": {"workers": 1, "gpu_memory_mb": 48, "models": [A]}}
+        data.update(extra)
+        return config_from_dict(serve_config_dict(data))
+
+    cfg = one(engine={"chunked_prefill": True, "prefix_caching": True})
+    (spec,) = cluster.worker_specs(cfg, cluster.served_models(cfg))
+    assert spec.chunked_prefill and spec.prefix_caching and not spec.asleep
+    core = WorkerCore(spec)
+    assert core.engine.chunked_prefill and core.engine.prefix_caching
+    text = "shared words " * 8
+    for i, p in enumerate([text + "one", text + "two"]):
+        ids = core.engine.tokenizer(A).encode(p)
+        core.submit(i, A, ids, SamplingParams(max_tokens=2, ignore_eos=True))
+        while core.has_work():
+            core.step()
+    prompt, hit = core.snapshot().prefix_tokens
+    assert prompt > 0 and hit >= 16 * (len(text) // 16 - 1)
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        k = one(policy={"stack": "kunserve"}, engine={"prefix_caching": True})
+        cluster.worker_specs(k, cluster.served_models(k))
+    el = one(cluster={"elastic": True})
+    (spec,) = cluster.worker_specs(el, cluster.served_models(el))
+    core = WorkerCore(spec)
+    assert spec.asleep and core.snapshot().asleep and core.snapshot().weight_bytes == 0
+    assert core.activate() > 0 and not core.snapshot().asleep and core.activate() == 0.0
+    assert core.deactivate() and core.snapshot().asleep
+
+
 # ------------------------------------------------------------------ end to end
 
 
@@ -308,6 +346,8 @@ def test_mell_activates_workers_under_load_and_releases_them() -> None:
         info = httpx.get(srv.url + "/v1/cluster").json()
         assert info["elastic"] and info["policies"]["dispatch"] == "mell"
         assert all(w["active"] == [] for w in info["workers"])  # nothing active at start
+        # an inactive worker holds no weights and no arena
+        assert all(w["asleep"] and w["memory"]["weight_bytes"] == 0 for w in info["workers"])
         active: list[int] = []
         stop = threading.Event()
         th = _sampler(lambda: len(ctl.active), active, stop)
@@ -326,6 +366,16 @@ def test_mell_activates_workers_under_load_and_releases_them() -> None:
         info = httpx.get(srv.url + "/v1/cluster").json()
         assert all(w["active"] == [] for w in info["workers"])
         assert info["requests_in_flight"] == 0
+        # each activation loaded its worker's weights (timed); each release gave them back
+        text = httpx.get(srv.url + "/metrics").text
+        woke = metric_value(text, "fleetserve_worker_activation_seconds_count")
+        assert woke >= 2
+        assert metric_value(text, "fleetserve_worker_activation_seconds_sum") > 0
+        deadline = time.monotonic() + 10
+        while metric_value(text, "fleetserve_worker_sleeps_total") < woke:
+            assert time.monotonic() < deadline, "released workers kept their weights"
+            time.sleep(0.05)
+            text = httpx.get(srv.url + "/metrics").text
 
 
 def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:

@@ -146,8 +146,8 @@ class ClusterConfig:
             its instance's weights: its first iteration starts that long after
             the activation (requests dispatched to it wait). 0 (default): at
             once, as Mell's model has it. The runtime measures it (an inactive
-            worker holds no weights: ``fleetserve_worker_activation_seconds``)
-            and ``fleetserve fidelity`` sets it from that. Read by the
+            worker holds no weights: ``fleetserve_worker_activation_seconds``
+            on ``/metrics``); set it from that measurement. Read by the
             single-model simulator; other worlds refuse it (the multi-LLM
             world loads a group's weights over the host link).
     """

@@ -35,13 +35,7 @@ def load_serve_config(path: str | None, overrides: list[str]) -> SimConfig:
     for s in overrides:
         apply_override(data, s)
     data = serve_config_dict(data)
-    cfg = config_from_dict(data, src=path)
-    if cfg.engine.prefix_caching:  # until the engine has it (issue 24 item 5)
-        raise FleetserveError(
-            "engine.prefix_caching: only the simulator models prefix caching so far; "
-            "the runtime engine would ignore it"
-        )
-    return cfg
+    return config_from_dict(data, src=path)
 
 
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.batching import needs_stats
+from fleetserve.policy.catalog import kun_only
 from fleetserve.runtime.controller import Controller, ModelInfo
 from fleetserve.runtime.plan import (
     SharingPlacer,
@@ -224,9 +225,16 @@ def worker_specs(
     group scheduler reads, memory budget, limits, and its engine's cores when
     ``cores`` pins them.
 
+    The engines read ``engine.chunked_prefill`` and ``engine.prefix_caching``
+    (the simulator's keys). The workers of an elastic pool start asleep: an
+    inactive GPU holds no weights and no arena; the controller wakes a
+    worker when it activates it and puts it back to sleep when it releases it.
+
     Raises:
         ConfigError: a batching policy that reads per-service statistics
-            (MLFQ, DB, ADBS) where none are computed (a single-model stack).
+            (MLFQ, DB, ADBS) where none are computed (a single-model stack);
+            prefix caching with a KunServe stack (its layer drops cannot
+            drop shared KV blocks).
     """
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
@@ -237,6 +245,12 @@ def worker_specs(
             f"batching {batching!r} reads each service's statistics, which the runtime "
             "computes for a multi-LLM stack's placement (services placed from a history); "
             "this config has none: use fcfs or rr, or a multi-LLM stack"
+        )
+    eng = config.engine
+    if eng.prefix_caching and kun_only(config.policy.stack):
+        raise ConfigError(
+            f"engine.prefix_caching with stack {config.policy.stack!r}: KunServe's buddy "
+            "groups move and drop KV by layer, which shared cached blocks cannot follow"
         )
     return [
         WorkerSpec(
@@ -251,6 +265,9 @@ def worker_specs(
             max_batch_tokens=sv.max_batch_tokens,
             batching=batching,
             services=tuple((m, stats[m]) for m in hosted if m in stats),
+            chunked_prefill=eng.chunked_prefill,
+            prefix_caching=eng.prefix_caching,
+            asleep=config.cluster.elastic,
             block_size=config.cluster.block_size,
             step_log=sv.step_log is not None,
             cpus=cores.engines[wid] if cores is not None else None,

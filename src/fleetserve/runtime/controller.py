@@ -225,6 +225,7 @@ class _Worker:
     gen: int = 0  # the actor's generation (a restart makes the next)
     next_seq: int = 0  # the number of the next report to apply (Report.seq)
     held: dict[int, tuple[Report, float]] = field(default_factory=dict)  # came early
+    prefix_seen: tuple[int, int] = (0, 0)  # its engine's prefix-cache counters, counted
 
 
 class Controller:
@@ -520,8 +521,24 @@ class Controller:
         for iid, (wid, m) in sorted(self.inst_of.items()):
             if m == model and iid not in self.active and self.workers[wid].alive:
                 self.active.add(iid)
+                if self.elastic:  # an inactive worker holds no weights: load them
+                    self._spawn(self._wake(wid))
                 return iid
         return None
+
+    async def _wake(self, wid: int) -> None:
+        """Load an activated worker's weights and arena (timed by the worker;
+        the request sent right after it queues behind the call there)."""
+        w = self.workers[wid]
+        try:
+            took = float(await w.handle.activate.remote())
+        except Exception as e:
+            if not self._is_actor_death(e):
+                logger.warning("worker %d: activation failed: %s", wid, e)
+            return
+        if took > 0:
+            self.metrics.activations.observe(took)
+            logger.info("worker %d activated: weights and arena loaded in %.3f s", wid, took)
 
     def _send(self, t: Tracked, iid: int) -> None:
         wid, model = self.inst_of[iid]
@@ -914,6 +931,17 @@ class Controller:
         if iid in self.active:
             self.active.discard(iid)
             self.migration.on_release(iid, self.now())
+            w = self.workers[self.inst_of[iid][0]]
+            if self.elastic and w.alive:  # give its weights and arena back
+                self._spawn(self._sleep(w))
+
+    async def _sleep(self, w: Any) -> None:
+        try:
+            if await w.handle.deactivate.remote():
+                self.metrics.sleeps.inc()
+        except Exception as e:
+            if not self._is_actor_death(e):
+                logger.warning("a worker call failed: %s", e)
 
     def _epoch(self, now: float) -> None:
         st = self.state()
@@ -1090,6 +1118,11 @@ class Controller:
         k = str(s.worker_id)
         m = self.metrics
         m.kv_util.labels(k).set(s.used_blocks / s.total_blocks if s.total_blocks else 0.0)
+        if s.prefix_tokens != w.prefix_seen:  # cumulative in the engine; a new actor restarts
+            old = w.prefix_seen if s.prefix_tokens[0] >= w.prefix_seen[0] else (0, 0)
+            m.prefix_tokens.labels("prompt").inc(s.prefix_tokens[0] - old[0])
+            m.prefix_tokens.labels("hit").inc(max(0, s.prefix_tokens[1] - old[1]))
+            w.prefix_seen = s.prefix_tokens
         m.kv_bytes.labels(k).set(s.kv_bytes_used)
         m.arena_bytes.labels(k).set(s.arena_bytes)
         m.weight_bytes.labels(k).set(s.weight_bytes)
@@ -1113,6 +1146,7 @@ class Controller:
                     "models": list(s.models),
                     "instances": {m: i for m, i in w.instances.items()},
                     "active": [m for m, i in w.instances.items() if i in self.active],
+                    "asleep": s.asleep,
                     "memory": {
                         "budget_bytes": s.arena_bytes,
                         "weight_bytes": s.weight_bytes,

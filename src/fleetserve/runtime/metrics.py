@@ -146,6 +146,25 @@ class RuntimeMetrics:
             ["action"],
             registry=r,
         )
+        self.activations = Histogram(
+            "fleetserve_worker_activation_seconds",
+            "Elastic pool: time an activated worker took to load its weights and arena "
+            "(an inactive one holds neither; cluster.activation_s in the simulator)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.sleeps = Counter(
+            "fleetserve_worker_sleeps_total",
+            "Elastic pool: released workers that gave their weights and arena back",
+            registry=r,
+        )
+        self.prefix_tokens = Counter(
+            "fleetserve_prefix_cache_tokens_total",
+            "Prefix caching (engine.prefix_caching): prompt tokens admitted (kind=prompt) "
+            "and of them read from cached blocks (kind=hit)",
+            ["kind"],
+            registry=r,
+        )
         self.worker_failures = Counter(
             "fleetserve_worker_failures_total", "Worker actors found dead", registry=r
         )

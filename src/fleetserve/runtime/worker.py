@@ -86,6 +86,9 @@ class WorkerSpec:
     max_batch_tokens: int = 4096
     batching: str = "fcfs"
     services: tuple[tuple[str, ServiceStats], ...] = ()  # what a group scheduler reads
+    chunked_prefill: bool = False  # engine.chunked_prefill
+    prefix_caching: bool = False  # engine.prefix_caching
+    asleep: bool = False  # start without weights or arena (an elastic pool's inactive GPU)
     block_size: int = 16
     step_log: bool = False  # report every local engine step (Report.steps_done)
     cpus: tuple[int, ...] | None = None  # the engine thread's cores (serve.pin_cores)
@@ -134,6 +137,8 @@ class WorkerSnap:
     stage: int | None = None
     group_steps: int = 0
     group_broken: str | None = None  # why the group it leads stopped stepping
+    asleep: bool = False  # holds no weights and no arena (an inactive GPU)
+    prefix_tokens: tuple[int, int] = (0, 0)  # prompt tokens admitted, of which cache hits
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,8 +209,12 @@ class WorkerCore:
             services=dict(spec.services),
             max_running=spec.max_running,
             max_batch_tokens=spec.max_batch_tokens,
+            chunked_prefill=spec.chunked_prefill,
+            prefix_caching=spec.prefix_caching,
             engine_id=spec.worker_id,
         )
+        if spec.asleep:
+            self.engine.sleep()
         self._report = Report(spec.worker_id)
         self._imports: dict[int, ImportHandle] = {}
         self._handle_ids = itertools.count(1)
@@ -245,6 +254,7 @@ class WorkerCore:
         buddy group this worker leads, if it leads one for ``model``).
         ``received``: when the actor got the call (``time.monotonic``; a hop
         stamp)."""
+        self._awake()
         if self.group is not None and model == self.group.model:
             self.group.add(rid, prompt_ids, params, arrival_s)
         else:
@@ -281,6 +291,7 @@ class WorkerCore:
         is a valid sample but not the one that worker would have drawn;
         greedy requests continue exactly.
         """
+        self._awake()
         tok = self.engine.tokenizer(model)
         detok = IncrementalDetokenizer(tok)
         full = "".join(detok.push(t) for t in output_ids)
@@ -362,6 +373,7 @@ class WorkerCore:
     def import_request(self, state: RequestState, chunk: KVChunk | None) -> bool:
         """Continue a migrated request here: with its KV (live KV transfer) or,
         without a chunk, by re-prefilling its tokens. False when the KV does not fit."""
+        self._awake()
         st = _with_callbacks(state, self)
         if self.group is not None and state.model == self.group.model:
             self.group.adopt(_as_waiting(state), 0, [0] * len(self.group.role.stages))
@@ -618,7 +630,8 @@ class WorkerCore:
         e = self.engine
         pool = e.pool
         seqs = []
-        for r in [*e.running, *e.waiting, *(x for x in e.requests.values() if x.migrating)]:
+        live = [*e.running, *e.prefilling, *e.waiting]
+        for r in [*live, *(x for x in e.requests.values() if x.migrating)]:
             seqs.append(
                 SeqSnap(
                     id=r.id,
@@ -650,22 +663,27 @@ class WorkerCore:
                         running=gr.n_cached > 0,
                     )
                 )
-        weight_pages = pool.weight_pages()
-        kv_pages = pool.kv_pages  # a pass over the page table: once
+        held_pages = pool.weight_pages()
+        # asleep: the KV capacity it will have awake (its weights in the arena)
+        weight_pages = held_pages + e.asleep_weight_pages()
+        # KV in use: requests' own pages (a pass over the page table: once) and
+        # the cached blocks requests reference (prefix caching; the others
+        # count as free, as the engine admits)
+        kv_pages = pool.kv_pages + pool.cached_pages - pool.evictable_pages
         return WorkerSnap(
             worker_id=self.spec.worker_id,
             models=tuple(e.models),
             block_size=pool.block_size,
             total_blocks=pool.num_pages - weight_pages,
             used_blocks=kv_pages,
-            free_blocks=pool.num_free,
+            free_blocks=pool.num_available - (weight_pages - held_pages),
             pages_per_block={m: pool.pages_per_token_block(m) for m in e.models},
-            num_running=len(e.running),
+            num_running=len(e.running) + len(e.prefilling),
             num_waiting=len(e.waiting),
             decode_steps=e.steps,
             arena_bytes=pool.num_pages * pool.page_bytes,
             page_bytes=pool.page_bytes,
-            weight_bytes=weight_pages * pool.page_bytes,
+            weight_bytes=held_pages * pool.page_bytes,
             kv_bytes_used=kv_pages * pool.page_bytes,
             seqs=tuple(seqs),
             time_s=time.time(),
@@ -676,7 +694,30 @@ class WorkerCore:
             stage=self.role.index if self.role is not None else None,
             group_steps=self.group.steps if self.group is not None else 0,
             group_broken=self.group.broken if self.group is not None else None,
+            asleep=e.asleep,
+            prefix_tokens=(e.prefix_queries, e.prefix_hits),
         )
+
+    # --------------------------------------------------------------- sleep
+    def activate(self) -> float:
+        """Wake the engine (load the arena and weights); the seconds it took
+        (0 when it was awake)."""
+        return self.engine.wake()
+
+    def _awake(self) -> None:
+        """Wake an asleep engine that gets work before its activation call
+        (the controller activates first; this only covers a reordered call)."""
+        if self.engine.asleep:
+            took = self.engine.wake()
+            logger.info("worker %d: woken by new work (%.3f s)", self.spec.worker_id, took)
+
+    def deactivate(self) -> bool:
+        """Put an idle engine to sleep (no weights, no arena); False when it
+        has requests (it stays awake)."""
+        if self.engine.requests or self.engine.has_work():
+            return False
+        self.engine.sleep()
+        return True
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
@@ -951,6 +992,14 @@ class Worker:
 
     async def snapshot(self) -> WorkerSnap:
         return await self._call(self.core.snapshot)
+
+    async def activate(self) -> float:
+        """Load the weights and arena of an asleep engine; the seconds it took."""
+        return await self._call(self.core.activate)
+
+    async def deactivate(self) -> bool:
+        """Give an idle engine's weights and arena back (False: it has requests)."""
+        return await self._call(self.core.deactivate)
 
     async def check_integrity(self) -> None:
         await self._call(self.core.check_integrity)

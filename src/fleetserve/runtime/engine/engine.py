@@ -631,6 +631,17 @@ class Engine:
         self._asleep = held
         return freed
 
+    def asleep_weight_pages(self) -> int:
+        """Arena pages the weights :meth:`wake` loads take (0 when awake): an
+        asleep engine's KV capacity is what it will have awake."""
+        if self._asleep is None:
+            return 0
+        pool = self.pool
+        return sum(
+            len(layers) * pool.region_pages(layer_numel(self.models[m].cfg))
+            for m, layers in self._asleep.items()
+        )
+
     def wake(self) -> float:
         """Allocate the arena and load the weights :meth:`sleep` gave back (from
         the host copies); returns the seconds it took (an activation's cost)."""

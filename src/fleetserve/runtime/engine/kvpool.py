@@ -145,6 +145,7 @@ class KVPool:
         self._cache: dict[CacheKey, _Cached] = {}
         self._evictable: OrderedDict[CacheKey, _Cached] = OrderedDict()  # refs 0, LRU first
         self.evictable_pages = 0
+        self.cached_pages = 0  # pages of every cached block
         self.evictions = 0  # cached blocks given back
 
     # ----------------------------------------------------------------- models
@@ -330,6 +331,7 @@ class KVPool:
             pages = t.pages[tb].clone()
             self.owner[pages.view(-1).numpy()] = CACHED
             self._cache[key] = _Cached(pages, 1)
+            self.cached_pages += int(pages.numel())
             t.cached.append(key)
             n += 1
         return n
@@ -348,6 +350,7 @@ class KVPool:
             del self._cache[key]
             pages = b.pages.view(-1).tolist()
             self.evictable_pages -= len(pages)
+            self.cached_pages -= len(pages)
             self.evictions += 1
             self._give(pages)
 
@@ -584,6 +587,7 @@ class KVPool:
             assert bool((own[pages] == CACHED).all()), f"cached block {ck}: owner"
         assert len(self._evictable) == sum(1 for b in self._cache.values() if b.refs == 0)
         assert self.evictable_pages == sum(int(b.pages.numel()) for b in self._evictable.values())
+        assert self.cached_pages == sum(int(b.pages.numel()) for b in self._cache.values())
         for res in self._reservations.values():
             assert not seen[res.pages].any(), f"reservation {res.id}: page shared"
             seen[res.pages] = True
