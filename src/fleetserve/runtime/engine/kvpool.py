@@ -146,6 +146,7 @@ class KVPool:
         self._evictable: OrderedDict[CacheKey, _Cached] = OrderedDict()  # refs 0, LRU first
         self.evictable_pages = 0
         self.cached_pages = 0  # pages of every cached block
+        self._kv = 0  # pages requests own (kv_pages, kept without a scan)
         self.evictions = 0  # cached blocks given back
 
     # ----------------------------------------------------------------- models
@@ -330,6 +331,7 @@ class KVPool:
                 break
             pages = t.pages[tb].clone()
             self.owner[pages.view(-1).numpy()] = CACHED
+            self._kv -= int(pages.numel())
             self._cache[key] = _Cached(pages, 1)
             self.cached_pages += int(pages.numel())
             t.cached.append(key)
@@ -428,6 +430,7 @@ class KVPool:
             t.pages[:ntb, torch.tensor(t.layers, dtype=torch.int64)] = block
         t.ntb = ntb
         self.owner[used] = rid
+        self._kv += len(used)
         self._give(spare)
 
     # ---------------------------------------------------------------- weights
@@ -497,7 +500,7 @@ class KVPool:
             self.arena[dst] = self.arena[src]
             t = self._tables[rid]
             t.pages[t.pages == src] = dst
-            self.owner[dst] = rid
+            self.owner[dst] = rid  # a request's page moved: the count does not change
             self.owner[src] = WEIGHT
 
     # ---------------------------------------------------------------- helpers
@@ -511,6 +514,8 @@ class KVPool:
         which go stale and are skipped or dropped at the next rebuild.
         """
         own = self.owner
+        if owner >= 0:
+            self._kv += n
         if n * 256 >= self.num_pages:
             got = np.flatnonzero(own == FREE)[:n]
             own[got] = owner
@@ -529,6 +534,7 @@ class KVPool:
     def _give(self, pages: list[int]) -> None:
         if not pages:
             return
+        self._kv -= int((self.owner[pages] >= 0).sum())
         self.owner[pages] = FREE
         for p in pages:
             heapq.heappush(self._heap, p)
@@ -596,6 +602,7 @@ class KVPool:
             assert not seen[s : s + n].any(), f"weights {wkey}: page shared"
             seen[s : s + n] = True
             assert bool((own[s : s + n] == WEIGHT).all()), f"weights {wkey}: owner"
+        assert self._kv == int((own >= 0).sum()), f"kv_pages {self._kv} != owned pages"
         free = own == FREE
         assert not (seen & free).any(), "a used page is marked free"
         assert bool((seen | free).all()), "a page is neither free nor owned"
@@ -630,7 +637,8 @@ class KVPool:
     # ------------------------------------------------------------------ stats
     @property
     def kv_pages(self) -> int:
-        return int((self.owner >= 0).sum())
+        """Pages requests own (a counter; :meth:`check_integrity` checks it)."""
+        return self._kv
 
     def usage(self) -> dict[str, int]:
         """Pages by state (for metrics and tests)."""
