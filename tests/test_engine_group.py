@@ -67,6 +67,14 @@ def weights_bytes(*models: str) -> int:
     return sum(per) * e.pool.page_bytes
 
 
+def fits_arena(eng: Engine, model: str, prompt: str) -> bool:
+    """Whether the engine takes ``prompt`` (its tokens, BOS included, plus the
+    next one fit the arena's KV pages; a longer one is refused at once)."""
+    n = len(eng.tokenizer(model).encode(prompt))
+    need = eng.pool.pages_per_token_block(model) * -(-(n + 1) // eng.pool.block_size)
+    return need <= eng.pool.num_pages - eng.pool.weight_pages()
+
+
 def spy(name: str) -> GroupScheduler:
     """The catalog's scheduler ``name``, recording what the engine tells it."""
     base = type(BATCHING.get(name)())
@@ -260,11 +268,7 @@ def test_any_mix_ends_every_request_once_within_memory_and_quotas(
         clock=Clock(),
     )
     # requests whose prompt fits the arena (longer ones are refused at once)
-    items = []
-    for m, n, k in work:
-        cap = eng.pool.num_pages - eng.pool.weight_pages()
-        if eng.pool.pages_per_token_block(m) * -(-(n + 1) // eng.pool.block_size) <= cap:
-            items.append((m, "x" * n, k))
+    items = [(m, "x" * n, k) for m, n, k in work if fits_arena(eng, m, "x" * n)]
     if not items:
         return
     done = run(eng, items, stagger)
@@ -301,12 +305,8 @@ def test_chunked_prefill_gives_the_same_tokens_within_the_token_budget(
         max_batch_tokens=budget,
         chunked_prefill=True,
     )
-    kv_pages = eng.pool.num_pages - eng.pool.weight_pages()
-    items = [
-        (m, "".join(chr(97 + (i * 7 + n) % 26) for i in range(n)), k)
-        for m, n, k in work
-        if eng.pool.pages_per_token_block(m) * -(-(n + 1) // eng.pool.block_size) <= kv_pages
-    ]
+    texts = [(m, "".join(chr(97 + (i * 7 + n) % 26) for i in range(n)), k) for m, n, k in work]
+    items = [(m, p, k) for m, p, k in texts if fits_arena(eng, m, p)]
     ref = run(Engine([A, B], weights_bytes(A, B) + 8 * MiB), items)
     seen_chunks: list[tuple[int, int]] = []
     orig = eng.step
