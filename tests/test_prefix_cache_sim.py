@@ -418,12 +418,12 @@ def test_other_worlds_refuse_prefix_caching() -> None:
     check_world(cfg())
 
 
-def test_the_runtime_refuses_it_until_its_engine_has_it() -> None:
+def test_serve_reads_the_same_key() -> None:
+    """One key for both clocks: ``fleetserve serve`` takes it for its engines
+    (``tests/test_runtime_sharing.py`` checks it reaches every worker)."""
     from fleetserve.cli.serve import load_serve_config
-    from fleetserve.errors import FleetserveError
 
-    with pytest.raises(FleetserveError, match="prefix_caching"):
-        load_serve_config(None, ["engine.prefix_caching=true"])
+    assert load_serve_config(None, ["engine.prefix_caching=true"]).engine.prefix_caching
     assert not load_serve_config(None, []).engine.prefix_caching
 
 
