@@ -92,8 +92,3 @@ def engine_batching(name: str, n_models: int, **params: Any) -> BatchingPolicy |
     if n_models == 1 and cls.one_model:
         return OneModel(cls(**params))
     return cls(**params)
-
-
-def needs_stats(name: str) -> bool:
-    """Whether batching ``name`` reads per-service statistics (no one-model case)."""
-    return not BATCHING.get(name).one_model

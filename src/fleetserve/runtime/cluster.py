@@ -26,7 +26,6 @@ from typing import Any
 
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
-from fleetserve.policy.batching import needs_stats
 from fleetserve.policy.catalog import kun_only
 from fleetserve.runtime.controller import Controller, ModelInfo
 from fleetserve.runtime.plan import (
@@ -231,21 +230,15 @@ def worker_specs(
     worker when it activates it and puts it back to sleep when it releases it.
 
     Raises:
-        ConfigError: a batching policy that reads per-service statistics
-            (MLFQ, DB, ADBS) where none are computed (a single-model stack);
-            prefix caching with a KunServe stack (its layer drops cannot
-            drop shared KV blocks).
+        ConfigError: prefix caching with a KunServe stack (its layer drops
+            cannot drop shared KV blocks).
     """
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
     batching = runtime_policy_names(config)["batching"]
+    # a scheduler that reads statistics (MLFQ, DB, ADBS) is refused outside the
+    # multi-LLM world when the config is loaded; a sharing placement computes them
     placed, stats = placed_workers(config, list(source_of), source_of, placer=placer)
-    if needs_stats(batching) and not stats:
-        raise ConfigError(
-            f"batching {batching!r} reads each service's statistics, which the runtime "
-            "computes for a multi-LLM stack's placement (services placed from a history); "
-            "this config has none: use fcfs or rr, or a multi-LLM stack"
-        )
     eng = config.engine
     if eng.prefix_caching and kun_only(config.policy.stack):
         raise ConfigError(

@@ -982,7 +982,9 @@ class Engine:
     def _kv_allows(self, sched: GroupScheduler, req: EngineRequest, pages: int) -> bool:
         """Whether ``req`` may take ``pages`` more KV pages under its model's
         quota (:meth:`~fleetserve.policy.sharing.GroupScheduler.kv_allows`)."""
-        if math.isinf(sched.kv_limit(req.model)):
+        # no new page takes nothing: past its quota, a model holds KV only in
+        # one request (kv_allows), so the answer is yes; skip the pass over requests
+        if not pages or math.isinf(sched.kv_limit(req.model)):
             return True
         used, others = self.kv_use(req.model, but=req.id)
         return sched.kv_allows(req.model, used, self.pool.bytes_of(pages), others)
