@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetserve.config import config_from_dict
-from fleetserve.errors import ConfigError
+from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.metrics import summarize
 from fleetserve.metrics.records import RunResult
 from fleetserve.policy.mell.packer import Move
@@ -236,3 +236,38 @@ def test_moves_are_traced_to_their_cause_and_strict_update_skips_non_l_overflows
     assert "update: growth overflow, not L" not in strict.stats.moves_by_cause
     assert strict.stats.strict_overflows > 0
     strict.models[MODEL].packer.check()
+
+
+def test_an_update_beyond_a_fixed_pool_is_held_not_fatal() -> None:
+    """In the simulator an Update that opens a GPU beyond ``cluster.max_gpus``
+    is a configuration error (raise the cap). On a fixed pool
+    (``ClusterState.pool_fixed``: the runtime's workers) the Update is undone
+    instead and the request grows in place: the run finishes with every
+    invariant held and the holds counted."""
+    reqs = workload(60, 6.0, seed=1, pmax=300, omax=900)
+    with pytest.raises(FleetserveError, match="an Update needs more GPUs"):
+        run(config(cluster={"max_gpus": 3}), reqs)
+
+    sim = Simulator(config(cluster={"max_gpus": 3}), reqs)
+    sched = sim.migration
+    assert isinstance(sched, MellScheduler)
+    plan = sched.plan
+
+    def fixed(state: Any, now: float, rng: np.random.Generator) -> list[Any]:
+        state.pool_fixed = True
+        before = sched.stats.cap_holds
+        actions = plan(state, now, rng)
+        for ms in sched.models.values():
+            ms.packer.check()
+        if sched.stats.cap_holds > before:  # nothing activated past the pool
+            kinds = [type(a).__name__ for a in actions]  # releases come first
+            up = kinds.count("ActivateGpu") - kinds.count("ReleaseGpu")
+            assert state.gpus_active + up <= state.gpus_limit
+        return actions
+
+    sched.plan = fixed  # type: ignore[method-assign]
+    res = sim.run()  # check_integrity: memory never over-committed, every request once
+    assert_all_finished(res)
+    assert sched.stats.cap_holds > 0
+    assert summarize(res)["mell"]["cap_holds"] == sched.stats.cap_holds
+    assert summarize(res)["gpus"]["peak"] <= 3

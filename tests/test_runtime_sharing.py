@@ -331,7 +331,9 @@ def test_multi_model_workers_serve_both_models_exactly() -> None:
 
 
 @pytest.mark.slow
-def test_mell_activates_workers_under_load_and_releases_them() -> None:
+def test_mell_activates_workers_under_load_and_releases_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     data = {
         "serve": {"workers": 3, "gpu_memory_mb": 16, "models": [A], "max_running": 16},
         "cluster": {"elastic": True},

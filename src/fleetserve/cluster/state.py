@@ -141,6 +141,10 @@ class ClusterState:
         gpus_limit: GPUs the pool may use at most (fixed pool size or the
             elastic pool's cap).
         elastic: whether the pool may activate and release GPUs.
+        pool_fixed: whether ``gpus_limit`` is hardware that no setting raises
+            (the runtime's workers) rather than a planning cap (the simulator's
+            ``cluster.max_gpus``): a policy whose plan exceeds a fixed pool
+            must make do without the GPUs instead of failing.
         model_tp: tensor-parallel degree of each model's instances.
         gpus_per_node: GPUs per node; GPU ``g`` is on node ``g // gpus_per_node``.
         request_blocks: per model, the KV blocks of one instance that requests
@@ -159,6 +163,7 @@ class ClusterState:
     gpus_active: int = 0
     gpus_limit: int = 0
     elastic: bool = False
+    pool_fixed: bool = False
     model_tp: dict[str, int] = field(default_factory=dict)
     gpus_per_node: int = 8
     request_blocks: dict[str, int] = field(default_factory=dict)

@@ -342,6 +342,7 @@ class Controller:
         st = ClusterState(
             gpus_limit=len(self.workers),
             elastic=self.elastic,
+            pool_fixed=True,
             model_tp=dict.fromkeys(self.models, 1),
             gpus_per_node=len(self.workers) or 1,
             block_size=self.cfg.cluster.block_size,

@@ -199,6 +199,7 @@ class WorkerCore:
         if spec.device == "cpu":
             torch.set_num_threads(spec.threads)
         self.spec = spec
+        self._woken_s: float | None = None  # a wake by new work, not yet reported
         self.engine = Engine(
             list(spec.models),
             spec.arena_bytes,
@@ -700,15 +701,20 @@ class WorkerCore:
 
     # --------------------------------------------------------------- sleep
     def activate(self) -> float:
-        """Wake the engine (load the arena and weights); the seconds it took
-        (0 when it was awake)."""
+        """Wake the engine (load the arena and weights); the seconds it took.
+        When new work woke it first (the calls came reordered), that wake's
+        seconds: each activation is reported once; 0 when it was awake."""
+        if self._woken_s is not None:
+            took, self._woken_s = self._woken_s, None
+            if not self.engine.asleep:
+                return took
         return self.engine.wake()
 
     def _awake(self) -> None:
         """Wake an asleep engine that gets work before its activation call
         (the controller activates first; this only covers a reordered call)."""
         if self.engine.asleep:
-            took = self.engine.wake()
+            took = self._woken_s = self.engine.wake()
             logger.info("worker %d: woken by new work (%.3f s)", self.spec.worker_id, took)
 
     def deactivate(self) -> bool:

@@ -70,6 +70,7 @@ the cap stops the run with an error naming the setting to raise.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
@@ -108,6 +109,9 @@ class MellStats:
             operation for it, see :class:`MellScheduler`) and ``pool cap``
             (an arrival allocated and departed again at the pool cap).
         strict_overflows: with ``strict_update``, such overflows only resized.
+        cap_holds: Updates undone because they opened a bin beyond a fixed
+            pool (``ClusterState.pool_fixed``: the runtime's workers; the
+            simulator's cap raises instead). Reported only when nonzero.
     """
 
     departs: int = 0
@@ -120,6 +124,7 @@ class MellStats:
     item_moves_max: int = 0
     moves_by_cause: dict[str, int] = field(default_factory=dict)
     strict_overflows: int = 0
+    cap_holds: int = 0
 
 
 @dataclass(slots=True)
@@ -288,7 +293,17 @@ class MellScheduler(MigrationPolicy):
                             p.set_size(seq.id, size)
                             stats.strict_overflows += 1
                             continue
-                    self._op(p.update(seq.id, size), moves.setdefault(view.model, []), stats, cause)
+                    saved = copy.deepcopy(p) if state.pool_fixed else None
+                    res = p.update(seq.id, size)
+                    if saved is not None and not self._room(state):
+                        # A fixed pool (the runtime's workers) has no GPU for the
+                        # bin this Update opens: undo it; the request grows in
+                        # place (its engine preempts if the GPU fills).
+                        ms_view.packer = saved
+                        saved.set_size(seq.id, size)
+                        stats.cap_holds += 1
+                        continue
+                    self._op(res, moves.setdefault(view.model, []), stats, cause)
                     stats.updates += 1
                 else:
                     p.set_size(seq.id, size)
@@ -351,7 +366,7 @@ class MellScheduler(MigrationPolicy):
             "item_moves_max": st.item_moves_max,
             "moves_by_cause": dict(sorted(st.moves_by_cause.items())),
             "strict_overflows": st.strict_overflows,
-        }
+        } | ({"cap_holds": st.cap_holds} if st.cap_holds else {})
 
     def _freeable(self, state: ClusterState) -> int:
         """GPUs this plan will release before it activates any: idle instances
