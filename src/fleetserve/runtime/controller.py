@@ -226,6 +226,7 @@ class _Worker:
     next_seq: int = 0  # the number of the next report to apply (Report.seq)
     held: dict[int, tuple[Report, float]] = field(default_factory=dict)  # came early
     prefix_seen: tuple[int, int] = (0, 0)  # its engine's prefix-cache counters, counted
+    preempt_seen: int = 0  # its engine's preemptions, counted
 
 
 class Controller:
@@ -1124,6 +1125,10 @@ class Controller:
             m.prefix_tokens.labels("prompt").inc(s.prefix_tokens[0] - old[0])
             m.prefix_tokens.labels("hit").inc(max(0, s.prefix_tokens[1] - old[1]))
             w.prefix_seen = s.prefix_tokens
+        if s.preemptions != w.preempt_seen:  # cumulative too
+            old_p = w.preempt_seen if s.preemptions >= w.preempt_seen else 0
+            m.preemptions.inc(s.preemptions - old_p)
+            w.preempt_seen = s.preemptions
         m.kv_bytes.labels(k).set(s.kv_bytes_used)
         m.arena_bytes.labels(k).set(s.arena_bytes)
         m.weight_bytes.labels(k).set(s.weight_bytes)

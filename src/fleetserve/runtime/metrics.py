@@ -130,6 +130,23 @@ class RuntimeMetrics:
         self.migration_bytes = Counter(
             "fleetserve_migration_bytes_total", "KV bytes moved by migrations", registry=r
         )
+        self.migration_stages = Counter(
+            "fleetserve_migration_stages_total",
+            "Live KV migrations: copy stages run while the request kept decoding "
+            "(the final stop-and-copy not counted)",
+            registry=r,
+        )
+        self.migration_stall = Histogram(
+            "fleetserve_migration_stall_seconds",
+            "Live KV migrations: how long the request was paused (the stop-and-copy)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "fleetserve_preemptions_total",
+            "Requests the workers' engines preempted (their KV freed, recomputed later)",
+            registry=r,
+        )
         self.drops = Counter(
             "fleetserve_layer_drops_total",
             "KunServe: layers dropped from replicas to free memory for KV",

@@ -139,6 +139,7 @@ class WorkerSnap:
     group_broken: str | None = None  # why the group it leads stopped stepping
     asleep: bool = False  # holds no weights and no arena (an inactive GPU)
     prefix_tokens: tuple[int, int] = (0, 0)  # prompt tokens admitted, of which cache hits
+    preemptions: int = 0  # requests its engine preempted, cumulative
 
 
 @dataclass(frozen=True, slots=True)
@@ -697,6 +698,7 @@ class WorkerCore:
             group_broken=self.group.broken if self.group is not None else None,
             asleep=e.asleep,
             prefix_tokens=(e.prefix_queries, e.prefix_hits),
+            preemptions=e.preemptions,
         )
 
     # --------------------------------------------------------------- sleep

@@ -485,6 +485,7 @@ class Engine:
             raise ConfigError("prefix caching needs attention 'gather' (flex: one owner a page)")
         self.prefix_caching = prefix_caching
         self.prefix_queries = 0  # prompt tokens admitted (prefix caching)
+        self.preemptions = 0  # requests preempted (recomputed later), cumulative
         self.prefix_hits = 0  # of which were read from cached blocks
         srcs: list[tuple[WeightSource, list[int] | None]] = []
         for m in models:
@@ -1123,6 +1124,7 @@ class Engine:
         req.n_cached = 0
         req.status = WAITING
         req.preemptions += 1
+        self.preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
         logger.debug("engine %d: preempted request %d", self.engine_id, req.id)
