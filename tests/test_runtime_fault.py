@@ -3,7 +3,8 @@
 A worker actor is killed mid-generation: its requests resume on the other
 worker by re-prefill from the controller's record, and a streaming client
 sees every token exactly once and a normal finish. Llumnix's migration plan
-moves a request's real KV tensors between workers.
+moves a request's real KV tensors between workers, live (copy stages while it
+decodes, then a short stop-and-copy).
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def test_llumnix_plan_moves_real_kv_between_workers() -> None:
         moved = metric_value(metrics, "fleetserve_migrations_total", mode="kv", outcome="done")
         assert moved >= 1, ctl.migration_log
         assert metric_value(metrics, "fleetserve_migration_bytes_total") > 0
+        # live: copy stages while it decoded, then one short stop per move
+        assert metric_value(metrics, "fleetserve_migration_stages_total") >= 1
+        stalls = metric_value(metrics, "fleetserve_migration_stall_seconds_count")
+        assert stalls == moved
+        # the budgets the adaptive mechanism would get are measured now
+        bw, measured = ctl.transfer_bw()
+        assert measured and bw > 0
         # a preempted (waiting) request moves by tokens; a running one with its KV
         kv = [x for x in ctl.migration_log if x["mode"] == "kv"]
         assert kv and (kv[0]["src"], kv[0]["dst"]) == (0, 1) and kv[0]["bytes"] > 0

@@ -77,12 +77,14 @@ from fleetserve.workload.request import Request
 
 logger = logging.getLogger(__name__)
 
-# Nominal Ray object-store bandwidth between workers on one machine, for the
-# migration mechanism's per-epoch link budget (Mell §V). Measured on this
-# project's 2-core CPU machine a KV chunk of a few MB moves at 0.5-2 GB/s.
+# The migration mechanism's per-epoch budgets (Mell §V) come from what the
+# runtime measures: the KV bytes per second its migrations moved between
+# workers (export, Ray object store, import) and each destination worker's
+# prompt tokens per second. These two are the starting values, used until a
+# first measurement exists: on this project's 2-core CPU machine a KV chunk of
+# a few MB moves at 0.5-2 GB/s, and tiny models prefill several thousand
+# tokens/s on one core.
 OBJECT_STORE_BW = 1e9
-# Re-prefill tokens per second of one CPU worker, for the mechanism's compute
-# budget (tiny models prefill several thousand tokens/s on one core).
 REPREFILL_TOKENS_S = 5000.0
 
 
@@ -194,7 +196,7 @@ class Tracked:
     text: str = ""
     instance: int | None = None
     deferred: bool = False
-    moving: str | None = None  # None, "export" or "import"
+    moving: str | None = None  # None, "export", "stages" (live copy) or "import"
     move_dst: int | None = None  # the worker it is being imported on
     early_end: str | None = None  # its finish reported by move_dst before the move ended
     done: bool = False
@@ -289,6 +291,7 @@ class Controller:
         self.channel: ReportServer | None = None  # workers' step reports (runtime.channel)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.migration_log: list[dict[str, Any]] = []
+        self._moved = (0, 0.0)  # KV bytes migrations moved, seconds of those transfers
         for w in self.workers.values():
             self._update_worker_gauges(w)
         self.metrics.workers_alive.set(len(self.workers))
@@ -824,8 +827,8 @@ class Controller:
         for t in list(self.requests.values()):
             if t.done or t.instance is None or self.inst_of[t.instance][0] != wid:
                 continue
-            if t.moving == "import":
-                continue  # the move holds its state and resumes it (see _move)
+            if t.moving in ("import", "stages"):
+                continue  # the move holds its state and resumes it (_move, _move_live)
             self._resume(t)
 
     RESTART_ATTEMPTS = 5
@@ -1012,22 +1015,166 @@ class Controller:
                 )
             )
             keep.append((rid, dst, mode))
-        mc = self.cfg.migration
-        ctx = MechanismContext(
-            gpus_per_node=len(self.workers) or 1,
-            intra_node_bytes=int(mc.link_share * mc.epoch_s * OBJECT_STORE_BW),
-            inter_node_bytes=int(mc.link_share * mc.epoch_s * OBJECT_STORE_BW),
-            default_compute_tokens=int(mc.compute_share * mc.epoch_s * REPREFILL_TOKENS_S),
-        )
-        chosen = self.mechanism.assign(cands, ctx) if cands else []
+        chosen = self.mechanism.assign(cands, self.mechanism_context()) if cands else []
         started = {m.request_id for m, _mode in chosen}
         self._moves = [x for x in keep if x[0] not in started]
         for move, how in chosen:
             t = self.requests[move.request_id]
             t.moving = "export"
-            task = self._spawn(self._move(t, move.src, move.dst, how))
+            go = self._move_live if how == "kv" else self._move
+            task = self._spawn(go(t, move.src, move.dst, how))
             self._move_tasks.add(task)
             task.add_done_callback(self._move_tasks.discard)
+
+    def transfer_bw(self) -> tuple[float, bool]:
+        """KV bytes per second migrations moved between workers (export,
+        object store, import: the whole of each transfer's calls), and
+        whether it is measured (else :data:`OBJECT_STORE_BW`)."""
+        nbytes, secs = self._moved
+        if nbytes <= 0 or secs <= 0:
+            return OBJECT_STORE_BW, False
+        return nbytes / secs, True
+
+    def mechanism_context(self) -> MechanismContext:
+        """Mell §V's boundaries for this epoch: the links may carry
+        ``link_share x epoch_s`` of the measured transfer bandwidth; each
+        instance may re-prefill ``compute_share x epoch_s`` of its worker's
+        measured prompt tokens per second (the steps that prefilled, mixed
+        ones included). Before a first measurement: the module's constants."""
+        mc = self.cfg.migration
+        link = int(mc.link_share * mc.epoch_s * self.transfer_bw()[0])
+        compute: dict[int, int] = {}
+        for iid, (wid, _m) in self.inst_of.items():
+            tokens, secs = self.workers[wid].snap.prefill
+            if tokens > 0 and secs > 0:
+                compute[iid] = int(mc.compute_share * mc.epoch_s * tokens / secs)
+        return MechanismContext(
+            gpus_per_node=len(self.workers) or 1,
+            intra_node_bytes=link,
+            inter_node_bytes=link,
+            compute_tokens=compute,
+            default_compute_tokens=int(mc.compute_share * mc.epoch_s * REPREFILL_TOKENS_S),
+        )
+
+    def _moved_add(self, nbytes: int, secs: float) -> None:
+        self._moved = (self._moved[0] + nbytes, self._moved[1] + secs)
+
+    async def _move_live(self, t: Tracked, src_iid: int, dst_iid: int, mode: str) -> None:
+        """Llumnix's live KV migration of ``t`` between two workers.
+
+        Copy stages while the request decodes on the source (each sends the
+        token-blocks filled since the last; the destination pre-commits the
+        request paused on the first and grows its pages after), at most
+        ``migration.max_stages`` of them, until at most
+        ``migration.final_blocks`` blocks are left; then the stop-and-copy:
+        the source pauses the request and sends its state and the tail, the
+        destination writes it and runs the request. Both workers hold the KV
+        until then. The move is off, and the request goes on where it was,
+        when the destination runs out of pages, or the request finishes, is
+        preempted or is cancelled on the source meanwhile.
+        """
+        src = self.workers[self.inst_of[src_iid][0]]
+        dst = self.workers[self.inst_of[dst_iid][0]]
+        mc = self.cfg.migration
+        t0 = time.perf_counter()
+        t.moving = "stages"  # a worker's death now is this move's to handle
+        copied = stages = moved = 0
+        pre = False  # the destination holds a pre-commit
+        preempted: int | None = None
+        reason = ""
+        try:
+            while stages < mc.max_stages:
+                ts = time.perf_counter()
+                st = await src.handle.live_stage.remote(t.id, copied, mc.final_blocks)
+                if st is None or t.done:
+                    reason = "it left the source"
+                    break
+                if preempted is None:
+                    preempted = st.preemptions
+                if st.preemptions != preempted:
+                    reason = "preempted on the source"
+                    break
+                if st.chunk is None:
+                    break
+                ok = await dst.handle.live_receive.remote(t.id, st.chunk, None if pre else st.state)
+                self._moved_add(st.chunk.nbytes, time.perf_counter() - ts)
+                if not ok:
+                    pre = False  # the destination cleaned up
+                    reason = "the destination is full"
+                    break
+                pre = True
+                copied = st.full_blocks
+                moved += st.chunk.nbytes
+                stages += 1
+                self.metrics.migration_stages.inc()
+            if reason or t.done:
+                await self._live_off(t, dst, pre, reason or "cancelled", stop=False)
+                return
+            ts = time.perf_counter()
+            fin = await src.handle.live_final.remote(t.id, copied)
+        except Exception as e:  # the source or destination died, or a call failed
+            await self._live_off(t, dst, pre, _one_line(e), stop=True, error=e)
+            return
+        if fin is None or t.done:
+            if fin is not None:  # cancelled while the stop was on its way
+                await self._call_quietly(src.handle.abort.remote(t.id))
+            await self._live_off(t, dst, pre, "it left the source", stop=False)
+            return
+        state, tail = fin
+        if preempted is not None and state.preemptions != preempted:
+            await self._live_off(t, dst, pre, "preempted on the source", stop=True)
+            return
+        t.moving = "import"
+        t.move_dst = dst.spec.worker_id
+        self._catch_up(t, state)
+        ok = False
+        try:
+            if pre:
+                ok = bool(await dst.handle.live_finish.remote(t.id, state, tail))
+            else:  # no stage ran (a short request): a blocking copy of it all
+                ok = bool(await dst.handle.import_request.remote(state, tail))
+            ok = ok and dst.alive
+        except Exception as e:
+            logger.warning(
+                "request %d: import on worker %d failed: %s", t.id, dst.spec.worker_id, e
+            )
+        stall = time.perf_counter() - ts
+        self._moved_add(tail.nbytes, stall)
+        if ok:
+            self.metrics.migration_stall.observe(stall)
+        await self._move_end(t, src, dst, src_iid, dst_iid, "kv", ok, moved + tail.nbytes, t0)
+
+    async def _live_off(
+        self,
+        t: Tracked,
+        dst: Any,
+        pre: bool,
+        reason: str,
+        *,
+        stop: bool,
+        error: BaseException | None = None,
+    ) -> None:
+        """A live move is off before its stop-and-copy ended: undo the
+        destination's pre-commit; the request goes on at its source
+        (``stop``: it was paused there: run it again), or, when the source
+        died, from the controller's record."""
+        src = self.workers[self.inst_of[t.instance][0]] if t.instance is not None else None
+        if pre and dst.alive:
+            await self._call_quietly(dst.handle.live_abort.remote(t.id))
+        t.moving = t.move_dst = None
+        self.migration.on_move_aborted(t.id)
+        self.metrics.migrations.labels("kv", "aborted").inc()
+        if error is not None and not self._is_actor_death(error):
+            logger.warning("request %d: live migration failed: %s", t.id, reason)
+        else:
+            logger.debug("request %d: live migration off: %s", t.id, reason)
+        if t.done:
+            return
+        if src is not None and src.alive:
+            if stop:
+                await self._call_quietly(src.handle.unpause.remote(t.id))
+            return
+        self._resume(t)  # its worker died during the stages
 
     async def _move(self, t: Tracked, src_iid: int, dst_iid: int, mode: str) -> None:
         src = self.workers[self.inst_of[src_iid][0]]
@@ -1060,6 +1207,31 @@ class Controller:
             logger.warning(
                 "request %d: import on worker %d failed: %s", t.id, dst.spec.worker_id, e
             )
+        if chunk is not None:
+            nbytes = chunk.nbytes
+            self._moved_add(nbytes, time.perf_counter() - t0)
+        else:
+            nbytes = 8 * len(state.tokens)
+        how = "kv" if chunk is not None else "token"
+        await self._move_end(t, src, dst, src_iid, dst_iid, how, ok, nbytes, t0, mode)
+
+    async def _move_end(
+        self,
+        t: Tracked,
+        src: Any,
+        dst: Any,
+        src_iid: int,
+        dst_iid: int,
+        how: str,
+        ok: bool,
+        nbytes: int,
+        t0: float,
+        asked: str | None = None,
+    ) -> None:
+        """The end of a move whose request was stopped at the source and sent
+        (``how``: ``kv`` or ``token``; ``asked``: the mode planned, when it
+        differs): on success ``t`` runs on the destination and the source
+        lets it go; else it runs at the source again (or is resumed)."""
         t.moving = t.move_dst = None
         early, t.early_end = t.early_end, None
         if ok:
@@ -1070,15 +1242,14 @@ class Controller:
                 t.id, t.model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
             )
             t.migrations += 1
-            nbytes = chunk.nbytes if chunk is not None else 8 * len(state.tokens)
-            self.metrics.migrations.labels("kv" if chunk is not None else "token", "done").inc()
-            self.metrics.migration_bytes.inc(nbytes if chunk is not None else 0)
+            self.metrics.migrations.labels(how, "done").inc()
+            self.metrics.migration_bytes.inc(nbytes if how == "kv" else 0)
             self.migration_log.append(
                 {
                     "request": t.id,
                     "src": src_iid,
                     "dst": dst_iid,
-                    "mode": "kv" if chunk is not None else "token",
+                    "mode": how,
                     "bytes": nbytes,
                     "seconds": time.perf_counter() - t0,
                     "t": self.now(),
@@ -1090,7 +1261,7 @@ class Controller:
                 await self._call_quietly(src.handle.release.remote(t.id))
             return
         self.migration.on_move_aborted(t.id)
-        self.metrics.migrations.labels(mode, "aborted").inc()
+        self.metrics.migrations.labels(asked or how, "aborted").inc()
         if src.alive and not t.done:
             try:
                 await src.handle.unpause.remote(t.id)

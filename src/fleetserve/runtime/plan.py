@@ -230,6 +230,8 @@ class SharingPlacement:
         workers: the services each started worker hosts, by ascending GPU id
             (GPUs the plan leaves unused are left out).
         stats: what the group scheduler reads of each service.
+        config: the multi-LLM simulator's config of the same cluster that the
+            placement ran on (services, emulated GPU, pool, engine limits).
     """
 
     stack: Stack
@@ -239,6 +241,7 @@ class SharingPlacement:
     estimate: float | None
     workers: tuple[tuple[str, ...], ...]
     stats: Mapping[str, ServiceStats]
+    config: SimConfig
 
 
 def placement_gpu(config: SimConfig) -> GpuSpec:
@@ -336,7 +339,7 @@ def sharing_placement(
             len(workers),
             config.serve.workers,
         )
-    return SharingPlacement(stack, plan, services, gpu, est, workers, dict(stats))
+    return SharingPlacement(stack, plan, services, gpu, est, workers, dict(stats), pcfg)
 
 
 def plan_workers(

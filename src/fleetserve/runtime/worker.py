@@ -140,6 +140,25 @@ class WorkerSnap:
     asleep: bool = False  # holds no weights and no arena (an inactive GPU)
     prefix_tokens: tuple[int, int] = (0, 0)  # prompt tokens admitted, of which cache hits
     preemptions: int = 0  # requests its engine preempted, cumulative
+    prefill: tuple[int, float] = (0, 0.0)  # prompt tokens computed, seconds of those steps
+
+
+@dataclass(frozen=True, slots=True)
+class LiveStage:
+    """One copy stage of a live KV migration, from the source (see
+    :meth:`WorkerCore.live_stage`).
+
+    ``chunk``: the KV of the token-blocks that filled up since the last stage
+    (None: at most ``final_blocks`` are left, or none filled; time for the
+    stop-and-copy). ``state``: the request (without callbacks) on the first
+    stage, for the destination's pre-commit. ``preemptions``: the request's
+    count; a change between stages means its KV was recomputed and the copy
+    is void."""
+
+    chunk: KVChunk | None
+    full_blocks: int
+    preemptions: int
+    state: RequestState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +220,7 @@ class WorkerCore:
             torch.set_num_threads(spec.threads)
         self.spec = spec
         self._woken_s: float | None = None  # a wake by new work, not yet reported
+        self._prefill = (0, 0.0)  # prompt tokens computed, seconds of the steps doing it
         self.engine = Engine(
             list(spec.models),
             spec.arena_bytes,
@@ -396,6 +416,103 @@ class WorkerCore:
             raise
         return True
 
+    # -------------------------------------------------- live KV migration
+    # The controller drives Llumnix's staged protocol between two workers
+    # (engine.migration.migrate_live is the same protocol between two engines
+    # of one process): copy stages while the request decodes on the source,
+    # the destination pre-commits it paused and grows its pages as it grows;
+    # then a stop-and-copy of the tail. Both sides hold the KV until the end.
+
+    def live_stage(self, rid: int, first_tb: int, final_blocks: int) -> LiveStage | None:
+        """The next copy stage of ``rid`` from token-block ``first_tb`` on (the
+        request keeps running); None when it is not running here (finished,
+        preempted or queued: the move is off)."""
+        e = self.engine
+        req = e.requests.get(rid)
+        if req is None or req.status != "running" or not e.pool.has(rid):
+            return None
+        bs = e.pool.block_size
+        full = req.n_cached // bs
+        left = -(-req.n_cached // bs) - first_tb
+        if left <= final_blocks or full <= first_tb:
+            return LiveStage(None, first_tb, req.preemptions)
+        chunk = e.export_kv(rid, first_tb, full - first_tb, copy=True)
+        state = _without_callbacks(e.export_state(rid)) if first_tb == 0 else None
+        return LiveStage(chunk, full, req.preemptions, state)
+
+    def live_receive(self, rid: int, chunk: KVChunk, state: RequestState | None) -> bool:
+        """Take a copy stage of incoming ``rid``: the first (``state`` given)
+        reserves the pages and pre-commits the request here, paused; later
+        ones grow its pages and write them. False when the pages are not free:
+        nothing of the import is left here."""
+        self._awake()
+        e = self.engine
+        if state is not None:
+            try:
+                handle = e.begin_import(state.model, chunk.end_token, chunk.layers)
+            except PoolFull:
+                return False
+            try:
+                e.write_import(handle, chunk)
+                pre = e.precommit_import(handle, _with_callbacks(state, self))
+            except BaseException:
+                if handle.is_open:
+                    e.abort_import(handle)
+                raise
+            if pre != rid:  # the id is taken here (never expected): refuse
+                e.abort_paused(pre)
+                return False
+            return True
+        try:
+            e.grow_paused(rid, chunk.end_token)
+        except PoolFull:
+            e.abort_paused(rid)
+            return False
+        e.write_paused(rid, chunk)
+        return True
+
+    def live_final(self, rid: int, first_tb: int) -> tuple[RequestState, KVChunk] | None:
+        """The stop: pause ``rid`` and return its state and the KV from
+        token-block ``first_tb`` to its end (the partial last block too);
+        None when it is not running here. It keeps its KV until
+        :meth:`release` (moved) or :meth:`unpause` (the move failed)."""
+        e = self.engine
+        req = e.requests.get(rid)
+        if req is None or req.status != "running" or not e.pool.has(rid):
+            return None
+        e.pause(rid)
+        state = _without_callbacks(e.export_state(rid))
+        return state, e.export_kv(rid, first_tb, copy=True)
+
+    def live_finish(self, rid: int, state: RequestState, chunk: KVChunk) -> bool:
+        """Write the tail into pre-committed ``rid``, bring it to ``state`` and
+        run it here; False when the tail's pages are not free (nothing of the
+        import is left here)."""
+        e = self.engine
+        try:
+            e.grow_paused(rid, state.n_cached)
+        except PoolFull:
+            e.abort_paused(rid)
+            return False
+        try:
+            e.write_paused(rid, chunk)
+            e.finish_import(rid, state)
+        except BaseException:
+            req = e.requests.get(rid)
+            if req is not None and req.status == "paused":
+                e.abort_paused(rid)
+            raise
+        return True
+
+    def live_abort(self, rid: int) -> bool:
+        """Undo the pre-commit of incoming ``rid`` (the move is off); False
+        when nothing of it is here."""
+        req = self.engine.requests.get(rid)
+        if req is None or req.status != "paused":
+            return False
+        self.engine.abort_paused(rid)
+        return True
+
     # ------------------------------------------------- KunServe buddy groups
     def evacuate(
         self, model: str, role: StageRole
@@ -549,6 +666,9 @@ class WorkerCore:
         self._report.t_steps.append((m0, time.monotonic()))
         self._report.step_s += dt
         self._report.steps += 1
+        computed = sum(n for f in out.forwards for n, _cached in f.chunks)
+        if computed:  # the re-prefill rate Mell's adaptive mechanism budgets with
+            self._prefill = (self._prefill[0] + computed, self._prefill[1] + dt)
         if self.spec.step_log and out.forwards:
             self._report.steps_done.append(
                 StepRecord(time.time() - dt, dt, tuple(out.forwards), self.engine.has_work())
@@ -699,6 +819,7 @@ class WorkerCore:
             asleep=e.asleep,
             prefix_tokens=(e.prefix_queries, e.prefix_hits),
             preemptions=e.preemptions,
+            prefill=self._prefill,
         )
 
     # --------------------------------------------------------------- sleep
@@ -928,6 +1049,26 @@ class Worker:
     async def import_request(self, state: RequestState, chunk: KVChunk | None) -> bool:
         ok = await self._call(self.core.import_request, state, chunk)
         self._wake.set()
+        return ok
+
+    # live KV migration (see WorkerCore)
+    async def live_stage(self, rid: int, first_tb: int, final_blocks: int) -> LiveStage | None:
+        return await self._call(self.core.live_stage, rid, first_tb, final_blocks)
+
+    async def live_receive(self, rid: int, chunk: KVChunk, state: RequestState | None) -> bool:
+        return await self._call(self.core.live_receive, rid, chunk, state)
+
+    async def live_final(self, rid: int, first_tb: int) -> tuple[RequestState, KVChunk] | None:
+        return await self._call(self.core.live_final, rid, first_tb)
+
+    async def live_finish(self, rid: int, state: RequestState, chunk: KVChunk) -> bool:
+        ok = await self._call(self.core.live_finish, rid, state, chunk)
+        self._wake.set()
+        return ok
+
+    async def live_abort(self, rid: int) -> bool:
+        ok = await self._call(self.core.live_abort, rid)
+        self._kick()
         return ok
 
     # KunServe buddy groups (see WorkerCore and .buddy)
