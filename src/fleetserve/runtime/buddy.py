@@ -43,11 +43,20 @@ token-blocks there exactly). When a stage lacks pages for the running
 requests' next tokens the newest running request is preempted by recompute,
 as the engine's FCFS policy does. A stage still answers "no room" when its
 pages went elsewhere since its last report (a layer restore): the leader
-then corrects its count and plans again; nothing advances in that step.
+then corrects its count and plans again; that micro-batch does not advance
+in that step.
+
+**Overlapped stages.** A step's batch goes in micro-batches, one per stage
+(fewer for a small batch; :meth:`GroupRunner.split`), all in flight at once:
+while stage 1 runs the first, the leader runs stage 0 of the second, and so
+on, as vLLM's virtual engines keep one micro-batch per pipeline stage. The
+simulator's pipeline cost (:mod:`fleetserve.costmodel.pipeline`) models the
+same round.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -423,8 +432,39 @@ class GroupRunner:
             free = [f - x for f, x in zip(free, need, strict=True)]
         return batch
 
+    def split(self, batch: list[PipelineRequest]) -> list[list[PipelineRequest]]:
+        """The step's micro-batches: as many as the group has stages (fewer
+        for a small batch), contiguous in batch order, of about equal new
+        tokens (a part starts where the running total passes the next
+        ``i / k`` of the step's tokens). As vLLM's virtual engines keep one
+        micro-batch per stage in flight, each stage works on one while the
+        others are on the next stages (the simulator's
+        :mod:`~fleetserve.costmodel.pipeline` round)."""
+        k = min(len(self.role.stages), len(batch))
+        if k <= 1:
+            return [batch]
+        sizes = [len(r.tokens) - r.n_cached for r in batch]
+        total = sum(sizes)
+        parts: list[list[PipelineRequest]] = [[]]
+        acc = 0
+        for i, (r, n) in enumerate(zip(batch, sizes, strict=True)):
+            # a new part once this one holds its share, or when each part
+            # still to come needs one of the requests left (never an empty one)
+            left = len(batch) - i
+            share = acc >= total * len(parts) / k
+            if parts[-1] and len(parts) < k and (share or left == k - len(parts)):
+                parts.append([])
+            parts[-1].append(r)
+            acc += n
+        return parts
+
     async def step(self, call: StageCall) -> None:
-        """One pipelined iteration (``call(j, work)`` runs stage ``j >= 1``).
+        """One pipelined iteration (``call(j, work)`` runs stage ``j >= 1``):
+        the batch of :meth:`plan` in the micro-batches of :meth:`split`, all
+        in flight at once (each one's stage 0 runs here, then it awaits the
+        next stages while the next micro-batch's stage 0 runs). Pages freed
+        since the last step go with the first micro-batch, which reaches
+        every stage first.
 
         Raises what ``call`` raises (a dead stage): the group is then
         :attr:`broken` and steps no more.
@@ -435,10 +475,27 @@ class GroupRunner:
         if not batch and not self.pending_free:
             return
         free = tuple(self.pending_free)
-        keys = tuple(r.key for r in batch)
-        starts = tuple(r.n_cached for r in batch)
-        lens = tuple(len(r.tokens) - r.n_cached for r in batch)
-        ids = tuple(t for r in batch for t in r.tokens[r.n_cached :])
+        parts = self.split(batch) if batch else [[]]
+        done = await asyncio.gather(
+            *(self._run_part(p, free if i == 0 else (), call) for i, p in enumerate(parts)),
+            return_exceptions=True,
+        )
+        for d in done:
+            if isinstance(d, BaseException):
+                raise d
+        if done[0]:  # every stage freed the list (else it goes again next step)
+            self.pending_free = [k for k in self.pending_free if k not in set(free)]
+        self.steps += 1
+
+    async def _run_part(
+        self, part: list[PipelineRequest], free: tuple[int, ...], call: StageCall
+    ) -> bool:
+        """One micro-batch through every stage, then its tokens; False when
+        a stage lacked pages (the part's requests advance next step)."""
+        keys = tuple(r.key for r in part)
+        starts = tuple(r.n_cached for r in part)
+        lens = tuple(len(r.tokens) - r.n_cached for r in part)
+        ids = tuple(t for r in part for t in r.tokens[r.n_cached :])
         h: torch.Tensor | None = None
         for j in range(len(self.role.stages)):
             work = StageWork(self.model, keys, starts, lens, h, ids if j == 0 else (), free)
@@ -453,19 +510,17 @@ class GroupRunner:
             self.stage_free[j] = res.free_pages
             self.credit[j] = 0
             if not res.ok:
-                return  # the count is corrected; the free list goes again next step
-            self._grown(batch, j)
+                return False  # the count is corrected; the part goes again next step
+            self._grown(part, j)
             h = res.h
-        self.pending_free = [k for k in self.pending_free if k not in set(free)]
-        self.steps += 1
-        if not batch:
-            return
+        if not part:
+            return True
         assert h is not None
         with torch.inference_mode():
             hb = Batch.build(self.model, list(keys), list(starts), list(lens), self.engine.device)
             logits = self.engine.head(hb, h)
         eos = self.cfg.eos_token_ids
-        for i, req in enumerate(batch):
+        for i, req in enumerate(part):
             if req.id not in self.requests:
                 continue  # aborted while the stages ran
             tok = sample_token(logits[i], req.params, req.generator, req.tokens, req.generated, eos)
@@ -474,6 +529,7 @@ class GroupRunner:
             self._emit(req.id, req.generated, tok, piece)
             if reason is not None:
                 self._end(req, reason, notify=True)
+        return True
 
     def _grown(self, batch: list[PipelineRequest], j: int) -> None:
         bs = self.block_size
