@@ -220,6 +220,48 @@ def test_group_restores_when_demand_falls() -> None:
     asyncio.run(main())
 
 
+def test_live_restore_moves_running_requests_to_the_members() -> None:
+    """A restore while the group still runs requests (live restore, the
+    kunserve stack's default): once every member holds every layer again and
+    each running request fits a member, the group stops at a step boundary;
+    each request's KV is gathered from the stages on one member, and it
+    decodes on there. Every output equals the greedy reference, each token
+    once, and no page is left over."""
+    prompts = _prompts(24, 120)
+    lens = [40 + 13 * (i % 7) * 3 for i in range(len(prompts))]  # finishes spread out
+    longest = _reference(prompts, max(lens))
+    ref = [r[:n] for r, n in zip(longest, lens, strict=True)]
+
+    async def main() -> None:
+        ctl, handles = await _start(_config())
+        try:
+            ts = [
+                ctl.submit(MODEL, ids, SamplingParams(max_tokens=n, ignore_eos=True))
+                for ids, n in zip(prompts, lens, strict=True)
+            ]
+            tasks = [asyncio.ensure_future(_collect(t)) for t in ts]
+            await _wait(lambda: bool(_groups(ctl)) and _groups(ctl)[0].phase == SERVING)
+            await _wait(lambda: handles[0].worker.core.group.steps > 3)  # type: ignore[union-attr]
+            g = _groups(ctl)[0]
+            g.phase = "restoring"  # as a Restore action does (the policy would wait longer)
+            outs = list(await asyncio.gather(*tasks))
+            assert [o[0] for o in outs] == ref
+            assert all(o[1] == "length" for o in outs)
+            await _wait(lambda: not _groups(ctl))
+            assert ctl.kun is not None
+            ev = [x for x in ctl.kun.log if x["event"] == "restored"]
+            assert ev and ev[0]["requests"] >= 1 and ev[0]["kv_moved"] >= 1, ctl.kun.log
+            for h in handles:
+                assert h.worker.core.engine.held_layers(MODEL) == [0, 1, 2, 3]
+                assert h.worker.core.role is None and not h.worker.core.stage_keys
+                await h.worker.check_integrity()
+            await _wait(lambda: all(h.worker.core.engine.pool.kv_pages == 0 for h in handles))
+        finally:
+            await ctl.stop()
+
+    asyncio.run(main())
+
+
 async def _lose_member(
     ctl: Controller, handles: list[LocalHandle], prompts: list[list[int]], n: int
 ) -> tuple[Any, int, list[tuple[list[int], str]]]:

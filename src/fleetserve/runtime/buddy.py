@@ -67,6 +67,7 @@ from fleetserve.runtime.engine.engine import Batch, Engine
 from fleetserve.runtime.engine.migration import (
     KVChunk,
     RequestState,
+    gather_pages,
     restore_detok,
     scatter_pages,
     snapshot_detok,
@@ -86,6 +87,8 @@ __all__ = [
     "StageRole",
     "StageWork",
     "free_stage_keys",
+    "join_chunks",
+    "stage_export",
     "stage_forward",
     "stage_import",
 ]
@@ -216,6 +219,45 @@ def stage_import(
     return pool.token_blocks(key)
 
 
+def stage_export(engine: Engine, model: str, key: int, n_tokens: int) -> KVChunk:
+    """A copy of the KV of request ``key``'s first ``n_tokens`` tokens in
+    this stage's table (the layers it keeps): a live restore gathers a
+    request's stages on one member."""
+    pool = engine.pool
+    layers = pool.layers(key)
+    bs = pool.block_size
+    n_tb = -(-n_tokens // bs)
+    if n_tb > pool.token_blocks(key):
+        raise ValueError(f"request {key}: {n_tokens} tokens, its table holds fewer here")
+    table = pool.table(key).numpy()[:n_tb][:, list(layers)]
+    data = gather_pages(pool, model, table)
+    return KVChunk(model, tuple(layers), 0, n_tokens, bs, engine.dtype, data)
+
+
+def join_chunks(chunks: Iterable[KVChunk]) -> KVChunk:
+    """One chunk of every layer from the chunks of a request's stages (the
+    same tokens, disjoint layer ranges)."""
+    parts = sorted(chunks, key=lambda c: c.layers[0])
+    if not parts:
+        raise ValueError("no chunks to join")
+    first = parts[0]
+    for c in parts[1:]:
+        if (c.model, c.first_tb, c.n_tokens, c.n_tb) != (
+            first.model,
+            first.first_tb,
+            first.n_tokens,
+            first.n_tb,
+        ):
+            raise ValueError("the stages' chunks do not cover the same tokens")
+    layers = tuple(li for c in parts for li in c.layers)
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"the stages' chunks overlap: layers {list(layers)}")
+    data = torch.cat([c.data for c in parts], dim=1)
+    return KVChunk(
+        first.model, layers, first.first_tb, first.n_tokens, first.block_size, first.dtype, data
+    )
+
+
 Emit = Callable[[int, int, int, str], None]  # (request id, index, token, text piece)
 Finish = Callable[[int, str], None]  # (request id, reason)
 StageCall = Callable[[int, StageWork], Awaitable[StageResult]]
@@ -342,6 +384,16 @@ class GroupRunner:
     def drop_all(self) -> list[RequestState]:
         """Forget every request (the group is dissolved or merged); returns
         each one's state to recompute elsewhere (``n_cached`` 0)."""
+        return self._take(keep_kv=False)
+
+    def handover(self) -> list[RequestState]:
+        """Forget every request at a step boundary, for a live restore:
+        each one's state with ``n_cached`` as the stages' tables hold it
+        (0: it waits to be prefilled). The tables stay on the stages until
+        freed (:func:`stage_export` reads them first)."""
+        return self._take(keep_kv=True)
+
+    def _take(self, *, keep_kv: bool) -> list[RequestState]:
         out = [
             RequestState(
                 id=r.id,
@@ -350,7 +402,7 @@ class GroupRunner:
                 prompt_len=r.prompt_len,
                 params=r.params,
                 generator_state=r.generator.get_state(),
-                n_cached=0,
+                n_cached=r.n_cached if keep_kv else 0,
                 text=r.text,
                 held=r.held,
                 detok=snapshot_detok(r.detok),

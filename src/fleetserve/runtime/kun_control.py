@@ -18,11 +18,18 @@ workers — and applies what it returns:
   (:mod:`fleetserve.runtime.buddy`).
 * :class:`~fleetserve.policy.actions.Restore` → the group stops taking
   requests and its members reload their dropped layers from the host copy
-  as pages free up (``fleetserve_layer_restores_total``); once every member
-  holds every layer and the group's last request has finished, the members
-  are replicas again. (This is the simulator's ``live_restore: false``
-  mechanism: the runtime does not move a restoring group's requests to the
-  new replicas; the policy's decision to restore is unchanged.)
+  as pages free up (``fleetserve_layer_restores_total``). Once every member
+  holds every layer:
+
+  - with ``live_restore`` (the ``kunserve`` stack's default) and as soon as
+    each running request fits a member (largest KV first, to the member
+    with the most room, as the simulator splits), the group stops at a step
+    boundary and each request moves to a member, which gathers its KV from
+    every stage and decodes on (a queued request is recomputed there); the
+    members are replicas again. The requests stall while their KV crosses
+    (one stop-and-copy each; the simulator copies it live);
+  - without it (``kunserve-norestore``), the group pipelines on until its
+    last request has finished, then splits.
 * :class:`~fleetserve.policy.actions.ActivateSpare` → the runtime has no
   spare pool (every worker serves from the start), so it is counted
   (``fleetserve_kun_actions_total{action="activate_spare"}``) and ignored.
@@ -41,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fleetserve.errors import ConfigError
@@ -223,6 +230,11 @@ class KunRuntime:
                 raise ConfigError(f"worker {wid} does not hold every layer of {model} at start")
             self.replica_kv[iid] = snap.total_blocks * snap.page_bytes
             self._add_replica(iid)
+        if settings.exchange == "live":
+            logger.warning(
+                "KunServe at runtime: the KV exchange at a merge is blocking (the "
+                "simulator's live exchange with remote attention is not run)"
+            )
         self.log: list[dict[str, Any]] = []
         self._restoring: dict[int, asyncio.Task[Any]] = {}  # group key -> its restore step
         self._reborn: set[int] = set()  # dead group members respawned before the group split
@@ -408,7 +420,15 @@ class KunRuntime:
         try:
             got = await asyncio.gather(*(h.restore_layers.remote(self.model) for h in handles))
             ctl.metrics.restores.inc(sum(n for n, _left in got))
-            if any(left for _n, left in got) or not await handles[0].group_idle.remote():
+            if any(left for _n, left in got):
+                return
+            moved: dict[str, int] = {}
+            if self.settings.live_restore:
+                await self._refresh(e.members)
+                if not self._fits(e):
+                    return  # not every request fits a member yet: pipeline on, try later
+                moved = await self._hand_over(e, handles)
+            elif not await handles[0].group_idle.remote():
                 return
             left_over = await asyncio.gather(*(h.leave_group.remote() for h in handles))
             await self._refresh(e.members)
@@ -417,12 +437,99 @@ class KunRuntime:
                 logger.exception("KunServe restore of %s failed", e.members)
             return  # the dead worker's poll loop starts the recovery
         self._split(e)
-        self._log("restored", e.members, ctl.now())
+        self._log("restored", e.members, ctl.now(), **moved)
         for states in left_over:  # finished in between: normally none
             for st in states:
                 t = ctl.requests.get(st.id)
                 if t is not None and not t.done:
                     ctl._resume(t)
+
+    def _room(self, e: KunExec) -> dict[int, int]:
+        """Free KV pages of each member (its latest snapshot)."""
+        return {m: self.ctl.workers[self.wid_of[m]].snap.free_blocks for m in e.members}
+
+    def _place(
+        self, e: KunExec, room: dict[int, int], sizes: list[tuple[int, int]]
+    ) -> dict[int, int] | None:
+        """Live restore's placement (the simulator's ``_try_split``): each
+        request, largest KV first, to the member with the most room left;
+        ``sizes`` are ``(request id, KV tokens)``. None when one does not
+        fit (a request needs its KV and one more token in every layer; a
+        member first frees its own stage's share of the request)."""
+        ctl = self.ctl
+        snap = ctl.workers[self.wid_of[e.members[0]]].snap
+        bs = snap.block_size
+        per_layer = snap.pages_per_block[self.model] // self.num_layers
+        left = dict(room)
+        out: dict[int, int] = {}
+        for rid, kv in sorted(sizes, key=lambda x: (-x[1], x[0])):
+            tb = -(-(kv + 1) // bs)
+            m = max(e.members, key=lambda m: (left[m], -m))
+            i = e.members.index(m)
+            a, b = e.keep[i]
+            need = tb * per_layer * (self.num_layers - (b - a))
+            if need > left[m]:
+                return None
+            left[m] -= need
+            out[rid] = m
+        return out
+
+    def _fits(self, e: KunExec) -> bool:
+        """Whether every running request of the group fits a member now."""
+        seqs = self.ctl.workers[self.wid_of[e.members[0]]].snap.seqs
+        sizes = [(s.id, s.kv_tokens) for s in seqs if s.model == self.model and s.kv_tokens]
+        return self._place(e, self._room(e), sizes) is not None
+
+    async def _hand_over(self, e: KunExec, handles: list[Any]) -> dict[str, int]:
+        """Live restore: stop the group at a step boundary and move each of
+        its requests to a member, which gathers the request's KV from every
+        stage and runs it on its full layers (a queued request, or one that
+        no longer fits, is recomputed there with its sampler state). The
+        requests stall while their KV crosses: a stop-and-copy per request,
+        not the multi-stage copy of a migration."""
+        ctl = self.ctl
+        states = await handles[0].group_handover.remote()
+        room = self._room(e)
+        running = [st for st in states if st.n_cached > 0]
+        place = self._place(e, room, [(st.id, st.n_cached) for st in running]) or {}
+        kv = recomputed = 0
+        for st in states:
+            t = ctl.requests.get(st.id)
+            m = place.get(st.id)
+            if m is None:  # queued, or the room changed since the check
+                m = max(e.members, key=lambda x: (room[x], -x))
+            w = ctl.workers[self.wid_of[m]]
+            if t is not None:
+                ctl._catch_up(t, st)
+                t.moving, t.move_dst = "import", w.spec.worker_id
+            ok = False
+            if st.n_cached > 0 and st.id in place:
+                chunks = await asyncio.gather(
+                    *(h.stage_export.remote(st.id, st.n_cached) for h in handles)
+                )
+                ok = bool(await w.handle.restore_import.remote(st, list(chunks)))
+                others = [h for x, h in zip(e.members, handles, strict=True) if x != m]
+                await asyncio.gather(*(h.stage_free.remote([st.id]) for h in others))
+            else:
+                await w.handle.import_request.remote(replace(st, n_cached=0), None)
+            kv += ok
+            recomputed += not ok and st.n_cached > 0
+            if t is None:
+                continue
+            t.moving = t.move_dst = None
+            early, t.early_end = t.early_end, None
+            if t.done:  # the client left meanwhile
+                await ctl._call_quietly(w.handle.abort.remote(t.id))
+                continue
+            if t.instance is not None:
+                ctl.workers[ctl.inst_of[t.instance][0]].pending.pop(t.id, None)
+            t.instance = m
+            w.pending[t.id] = Pending(
+                t.id, t.model, t.arrival, len(t.prompt_ids), t.params.max_tokens, len(t.output_ids)
+            )
+            if early is not None:  # it finished on the member before the answer
+                ctl._end(t, early, ctl.now())
+        return {"requests": len(states), "kv_moved": kv, "recomputed": recomputed}
 
     async def _refresh(self, members: Any) -> None:
         """Fresh snapshots of ``members``: the new executors' first monitor

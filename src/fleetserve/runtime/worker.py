@@ -44,6 +44,8 @@ from fleetserve.runtime.buddy import (
     StageRole,
     StageWork,
     free_stage_keys,
+    join_chunks,
+    stage_export,
     stage_forward,
     stage_import,
 )
@@ -638,6 +640,45 @@ class WorkerCore:
         self.role = None
         return out
 
+    # live restore (kun_control.KunRuntime: a restored group's requests move
+    # to its members, each gathered from the stages on one of them)
+    def group_handover(self) -> list[RequestState]:
+        """The leader stops running its group and hands its requests over
+        (:meth:`.buddy.GroupRunner.handover`); the stage tables stay."""
+        if self.group is None:
+            return []
+        out = self.group.handover()
+        self.group = None
+        return out
+
+    def stage_export(self, key: int, n_tokens: int) -> KVChunk:
+        if self.role is None:
+            raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
+        return stage_export(self.engine, self.role.model, key, n_tokens)
+
+    def restore_import(self, state: RequestState, chunks: list[KVChunk]) -> bool:
+        """Continue ``state`` here with its KV joined from every stage's chunk
+        (this stage's own table is freed first: its pages make room). False
+        when the pages are short: it is queued here to be recomputed instead
+        (same tokens, sampler state kept)."""
+        self._awake()
+        free_stage_keys(self.engine, [state.id], self.stage_keys)
+        st = _with_callbacks(state, self)
+        chunk = join_chunks(chunks)
+        try:
+            handle = self.engine.begin_import(state.model, state.n_cached, chunk.layers)
+        except PoolFull:
+            self.engine.import_tokens(_as_waiting(st), request_id=state.id)
+            return False
+        try:
+            self.engine.write_import(handle, chunk)
+            self.engine.commit_import(handle, st, request_id=state.id)
+        except BaseException:
+            if handle.is_open:
+                self.engine.abort_import(handle)
+            raise
+        return True
+
     def group_idle(self) -> bool:
         return self.group is None or not self.group.requests
 
@@ -987,7 +1028,8 @@ class Worker:
 
     async def _group_step(self) -> None:
         g = self.core.group
-        assert g is not None
+        if g is None:  # handed over (a live restore) since the loop looked
+            return
         t0 = time.perf_counter()
         try:
             await g.step(self._call_stage)
@@ -1110,6 +1152,19 @@ class Worker:
         self._stages = []
         self._kick()
         return out
+
+    async def group_handover(self) -> list[RequestState]:
+        out = await self._call(self.core.group_handover)
+        self._stages = []
+        return out
+
+    async def stage_export(self, key: int, n_tokens: int) -> KVChunk:
+        return await self._call(self.core.stage_export, key, n_tokens)
+
+    async def restore_import(self, state: RequestState, chunks: list[KVChunk]) -> bool:
+        ok = await self._call(self.core.restore_import, state, chunks)
+        self._wake.set()
+        return ok
 
     async def group_idle(self) -> bool:
         return await self._call(self.core.group_idle)

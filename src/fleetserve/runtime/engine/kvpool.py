@@ -178,8 +178,7 @@ class KVPool:
         held = tuple(range(lay.num_layers)) if layers is None else tuple(sorted(set(layers)))
         if not held or held[0] < 0 or held[-1] >= lay.num_layers:
             raise ValueError(f"request {rid}: layers {held} outside [0, {lay.num_layers})")
-        pages = torch.full((4, lay.num_layers, lay.kv_heads), -1, dtype=torch.int64)
-        self._tables[rid] = _Table(model, held, pages)
+        self._tables[rid] = _Table(model, held, _new_table(4, lay.num_layers, lay.kv_heads))
 
     def has(self, rid: int) -> bool:
         return rid in self._tables
@@ -549,7 +548,7 @@ class KVPool:
         if ntb <= cap:
             return
         new = max(ntb, 2 * cap)
-        grown = torch.full((new, *t.pages.shape[1:]), -1, dtype=torch.int64)
+        grown = _new_table(new, *t.pages.shape[1:])
         grown[:cap] = t.pages
         t.pages = grown
 
@@ -656,3 +655,12 @@ class KVPool:
     @staticmethod
     def pages_for(numel: int, page_elems: int) -> int:
         return math.ceil(numel / page_elems)
+
+
+def _new_table(*shape: int) -> torch.Tensor:
+    """A block table of ``shape`` filled with -1: always a normal tensor,
+    also when opened inside inference mode (a buddy stage's forward), since
+    the pool rewrites table entries in place outside it (moving KV pages out
+    of a window that weights reclaim)."""
+    with torch.inference_mode(False):
+        return torch.full(shape, -1, dtype=torch.int64)
