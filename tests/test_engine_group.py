@@ -458,3 +458,51 @@ def test_prefix_caching_gives_the_same_tokens_on_any_mix(
     got = run(eng, items)
     for rid, r in got.items():
         assert r.finish_reason == "length" and r.output_ids == ref[rid].output_ids
+
+
+def test_a_live_engine_loads_and_unloads_models_for_a_re_placement(
+    reference: list[list[int]],
+) -> None:
+    """SeaLLM's re-placement on a live engine: a model is loaded beside the
+    one served (its weights take arena pages, the group scheduler gets both
+    services), serves exactly as if it had been there from the start, and a
+    model without requests is unloaded (its pages join the KV pool, its
+    cached prefix blocks are given back)."""
+    eng = Engine(
+        [A],
+        weights_bytes(A, B) + 8 * MiB,
+        batching=BATCHING.get("db")(),
+        services=stats(),
+        clock=Clock(),
+        prefix_caching=True,
+    )
+    free_a = eng.pool.num_pages - eng.pool.weight_pages()
+    rid = eng.add_request(A, "Hello world", SamplingParams(max_tokens=12, ignore_eos=True))
+    eng.step()
+    took = eng.load_model(B, stats())
+    assert took > 0 and set(eng.models) == {A, B}
+    assert set(eng.group.services) == {A, B}  # type: ignore[union-attr]
+    assert eng.pool.num_pages - eng.pool.weight_pages() < free_a
+    with pytest.raises(ConfigError, match="loaded twice"):
+        eng.load_model(B, stats())
+    done = run(eng, WORK)
+    first = eng.pop_finished(rid)
+    assert first.output_ids == reference[0]
+    assert [d.output_ids for d in done.values()] == reference
+    assert eng.pool.cached_blocks > 0  # both models published blocks
+    busy = eng.add_request(A, "still running", SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="still has requests"):
+        eng.unload_model(A, stats())
+    while eng.has_work():
+        eng.step()
+    eng.pop_finished(busy)
+    freed = eng.unload_model(A, stats())
+    assert freed > 0 and set(eng.models) == {B}
+    assert set(eng.group.services) == {B}  # type: ignore[union-attr]
+    assert all(k[0] == B for k in eng.pool._cache)  # A's cached blocks are gone
+    eng.check_integrity()
+    with pytest.raises(ConfigError, match="unknown model"):
+        eng.add_request(A, "gone", SamplingParams(max_tokens=2))
+    one = Engine([A], 64 * MiB)  # one-model batching hosts one model
+    with pytest.raises(ConfigError, match="one-model batching"):
+        one.load_model(B)

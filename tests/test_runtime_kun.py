@@ -184,6 +184,7 @@ def test_burst_drops_layers_and_pipelines_exactly() -> None:
             assert handles[0].worker.core.group.steps > 0
             ev = [x for x in ctl.kun.log if x["event"] == "drop"]
             assert ev and ev[0]["layers_dropped"] == 4
+            assert ev[0]["stall_s"] > 0  # the blocking exchange, timed
             for h in handles:  # through the actor: its engine thread may be stepping
                 await h.worker.check_integrity()
             await _wait(lambda: all(not h.worker.core.stage_keys for h in handles))

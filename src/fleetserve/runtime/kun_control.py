@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -339,6 +340,7 @@ class KunRuntime:
             self.execs.pop(e.key, None)
             self.policy.forget(e.key)
         self.execs[key] = group
+        t0 = time.perf_counter()
         try:
             handed = await asyncio.gather(
                 *(h.evacuate.remote(model, r) for h, r in zip(handles, roles, strict=True))
@@ -375,6 +377,7 @@ class KunRuntime:
                 roles[0], handles, [p[0] for p in pages], [p[1] for p in pages]
             )
             await handles[0].adopt.remote(items)
+            stall = time.perf_counter() - t0  # the sources' requests stood still this long
         except Exception as e:
             if not ctl._is_actor_death(e):
                 logger.exception("KunServe merge of %s failed", act.members)
@@ -410,6 +413,7 @@ class KunRuntime:
             requests=len(items),
             kv_exchanged=exchanged,
             recomputed=recomputed,
+            stall_s=round(stall, 4),
         )
 
     # -------------------------------------------------------------- restore

@@ -640,6 +640,16 @@ class WorkerCore:
         self.role = None
         return out
 
+    # re-placement (runtime.replace: SeaLLM's adaptive replacement)
+    def load_model(self, source: str, services: tuple[tuple[str, ServiceStats], ...]) -> float:
+        """Host one more model (``source``: built-in name or checkpoint folder);
+        the seconds its weights took to load."""
+        return self.engine.load_model(source, dict(services))
+
+    def unload_model(self, name: str, services: tuple[tuple[str, ServiceStats], ...]) -> int:
+        """Stop hosting ``name`` (no request of it may be here); bytes freed."""
+        return self.engine.unload_model(name, dict(services))
+
     # live restore (kun_control.KunRuntime: a restored group's requests move
     # to its members, each gathered from the stages on one of them)
     def group_handover(self) -> list[RequestState]:
@@ -1152,6 +1162,14 @@ class Worker:
         self._stages = []
         self._kick()
         return out
+
+    async def load_model(
+        self, source: str, services: tuple[tuple[str, ServiceStats], ...]
+    ) -> float:
+        return await self._call(self.core.load_model, source, services)
+
+    async def unload_model(self, name: str, services: tuple[tuple[str, ServiceStats], ...]) -> int:
+        return await self._call(self.core.unload_model, name, services)
 
     async def group_handover(self) -> list[RequestState]:
         out = await self._call(self.core.group_handover)

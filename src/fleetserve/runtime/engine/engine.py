@@ -599,6 +599,57 @@ class Engine:
         fuse_views(views)  # qkv and gate_up: views of the same pages
         m.layers[layer] = views
 
+    # ------------------------------------------------- re-placement (SeaLLM)
+    def load_model(
+        self,
+        model: str | WeightSource,
+        services: Mapping[str, ServiceStats] | None = None,
+    ) -> float:
+        """Host one more model from now on (a re-placement): register its KV
+        layout and load its weights into the arena; returns the seconds it
+        took. A group scheduler is set up again over the hosted models with
+        ``services``' statistics.
+
+        Raises:
+            ConfigError: asleep, already hosted, a one-model batching policy
+                (its engine hosts one model), or the weights do not fit.
+        """
+        if self.asleep:
+            raise ConfigError(f"engine {self.engine_id} is asleep; wake it before loading")
+        if self.group is None and self.models:
+            raise ConfigError(
+                f"engine {self.engine_id} runs one-model batching; it cannot host a second model"
+            )
+        t0 = time.perf_counter()
+        self._load(self._source(model), None)
+        if self.group is not None:
+            self._setup_group(self.group, services or {})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def unload_model(self, name: str, services: Mapping[str, ServiceStats] | None = None) -> int:
+        """Stop hosting ``name`` (a re-placement): its weights' pages join the
+        KV pool; returns the bytes freed. It must hold no request here (move
+        them first). Its cached prefix blocks are given back; its KV layout
+        stays registered (a later :meth:`load_model` reuses it).
+
+        Raises:
+            ConfigError: not hosted. ValueError: it still has requests here.
+        """
+        m = self._model(name)
+        if any(r.model == name for r in self.requests.values()):
+            raise ValueError(f"engine {self.engine_id}: model {name!r} still has requests here")
+        freed = sum(self.drop_layer(name, li) for li in self.held_layers(name))
+        for t in (m.embed, m.norm, m.lm_head):
+            freed += t.numel() * t.element_size()
+        del self.models[name]
+        self._flex_models.discard(name)
+        self.pool.forget_cached(name)
+        if self.group is not None:
+            self._setup_group(self.group, services or {})
+        return freed
+
     # -------------------------------------------------------------- sleep
     @property
     def asleep(self) -> bool:

@@ -355,6 +355,22 @@ class KVPool:
             self.evictions += 1
             self._give(pages)
 
+    def forget_cached(self, model: str) -> int:
+        """Give back every cached block of ``model`` (it is no longer hosted;
+        none may be referenced); returns the blocks given back."""
+        keys = [k for k in self._cache if k[0] == model]
+        for key in keys:
+            b = self._cache[key]
+            if b.refs:
+                raise ValueError(f"cached block of {model!r} still referenced by a request")
+            del self._evictable[key]
+            del self._cache[key]
+            pages = b.pages.view(-1).tolist()
+            self.evictable_pages -= len(pages)
+            self.cached_pages -= len(pages)
+            self._give(pages)
+        return len(keys)
+
     @property
     def cached_blocks(self) -> int:
         return len(self._cache)
