@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fleetserve.cli.serve import serve_config_dict
+from fleetserve.cli.serve import runtime_replanner, serve_config_dict
 from fleetserve.config import config_from_dict
 from fleetserve.runtime import cluster
 from fleetserve.runtime.controller import Controller
@@ -49,7 +49,9 @@ def running_server(data: dict[str, Any], api_key: str | None = None) -> Iterator
     holder: dict[str, Controller] = {}
 
     async def launch() -> Controller:
-        holder["ctl"] = await cluster.launch(cfg, placer=history_placement)
+        holder["ctl"] = await cluster.launch(
+            cfg, placer=history_placement, replanner=runtime_replanner
+        )
         return holder["ctl"]
 
     port = free_port()

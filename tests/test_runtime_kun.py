@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import pytest
+from local_handle import LocalHandle
 
 from fleetserve.cli.serve import serve_config_dict
 from fleetserve.config import config_from_dict
@@ -27,40 +28,6 @@ from fleetserve.runtime.worker import Worker
 pytest.importorskip("ray")
 
 MODEL = "tiny-llama-a"
-
-
-class _Method:
-    def __init__(self, obj: Any, name: str) -> None:
-        self.fn = getattr(obj, name)
-
-    def remote(self, *args: Any) -> Any:
-        return asyncio.ensure_future(self.fn(*args))
-
-
-class LocalHandle:
-    """An in-process stand-in for a Ray actor handle of a :class:`Worker`."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.dead = False
-
-    def __getattr__(self, name: str) -> _Method:
-        if self.__dict__.get("dead"):
-            return _Dead()  # type: ignore[return-value]
-        return _Method(self.worker, name)
-
-
-class _Dead:
-    def __getattr__(self, name: str) -> Any:
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        import ray.exceptions
-
-        async def fail() -> None:
-            raise ray.exceptions.RayActorError()
-
-        return asyncio.ensure_future(fail())
 
 
 def _config(**kun: Any) -> Any:

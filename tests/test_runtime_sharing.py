@@ -292,7 +292,8 @@ def test_multi_model_workers_serve_both_models_exactly() -> None:
         "serve": {"workers": 2, "gpu_memory_mb": 64, "models": [A, B]},
         "policy": {"stack": "seallm"},
         "workload": {"synthetic_duration_s": 20.0, "length_scale": 0.1},
-        "multi": {"history_s": 20.0},
+        # SeaLLM re-places every interval (1 s here, the bound's least)
+        "multi": {"history_s": 20.0, "replacement_interval_s": 1.0, "min_interval_s": 1.0},
     }
     jobs = [(A, "Sharing one GPU", 24), (B, "Two models, one arena", 24)] * 2
     with running_server(data) as srv:
@@ -328,6 +329,19 @@ def test_multi_model_workers_serve_both_models_exactly() -> None:
         for m in (A, B):
             done = metric_value(metrics, "fleetserve_requests_total", model=m, outcome="finished")
             assert done == 2
+        # an interval ended with requests in it: measured, searched (kept or switched)
+        deadline = time.monotonic() + 30
+        searched = 0.0
+        while searched < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            metrics = httpx.get(srv.url + "/metrics").text
+            searched = sum(
+                metric_value(metrics, "fleetserve_replacements_total", outcome=o)
+                for o in ("unchanged", "switched")
+            )
+        assert searched >= 1
+        rep = httpx.get(srv.url + "/v1/cluster").json()["replacement"]
+        assert any(e["history_requests"] for e in rep["events"])
 
 
 @pytest.mark.slow
@@ -381,13 +395,33 @@ def test_mell_activates_workers_under_load_and_releases_them(
 
 
 def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:
-    """The runtime places a multi-LLM stack once and runs its group scheduler
-    one job at a time: each part it does not run is listed (and logged when
-    served), none silently."""
+    """The runtime runs a multi-LLM stack's group scheduler one job at a
+    time: each part it does not run is listed (and logged when served), none
+    silently."""
     assert runtime_gaps(get_stack("alpaserve")) == []
-    assert [g.split(":")[0] for g in runtime_gaps(get_stack("seallm"))] == ["adaptive re-placement"]
+    assert runtime_gaps(get_stack("seallm")) == []  # re-placement runs (runtime.replace)
     gaps = runtime_gaps(get_stack("fleet"))
-    assert len(gaps) == 4
-    for words in ("re-placement", "elastic", "'adaptive'", "'kunserve'"):
+    assert len(gaps) == 3
+    for words in ("elastic", "'adaptive'", "'kunserve'"):
         assert any(words in g for g in gaps), words
     assert any("spatial sharing ('adbs')" in g for g in runtime_gaps(get_stack("muxserve")))
+
+
+def test_the_runtime_replanner_is_the_simulators_search_on_a_window() -> None:
+    """What the runtime asks at a re-placement: the simulator's SeaLLM search
+    on the requests of the last interval (their rates and lengths), on the
+    running workers, with its estimate and the statistics the schedulers
+    read; and each request's ideal time (the base of its SLO)."""
+    from fleetserve.sim.multi_build import RuntimeReplanner
+    from fleetserve.workload.request import Request
+
+    cfg = _cfg("seallm", 2)
+    sp = sharing_placement(cfg, [A, B], placer=history_placement)
+    rp = RuntimeReplanner(sp.stack, sp.config, sp.gpu, sp.services, 2)
+    window = [Request(i, B if i % 4 else A, 0.5 * i, 40 + i, 10) for i in range(40)]
+    plan, est, stats = rp.place(window, 20.0)
+    assert plan.n_gpus == 2 and est is not None and 0.0 <= est <= 1.0
+    assert {s for g in plan.groups for s in g.services} == {A, B}
+    assert set(stats) == {A, B}
+    assert stats[B].rate == pytest.approx(30 / 20.0)  # measured on the window
+    assert rp.ideal_s(A, 100, 20) > rp.ideal_s(A, 100, 5) > 0

@@ -38,6 +38,16 @@ def load_serve_config(path: str | None, overrides: list[str]) -> SimConfig:
     return config_from_dict(data, src=path)
 
 
+def runtime_replanner(placement: Any, n_workers: int) -> Any:
+    """SeaLLM's re-placement search for the runtime: the simulator's
+    (:class:`fleetserve.sim.multi_build.RuntimeReplanner`) over the served
+    placement (a :class:`~fleetserve.runtime.plan.SharingPlacement`)."""
+    from fleetserve.sim.multi_build import RuntimeReplanner
+
+    p = placement
+    return RuntimeReplanner(p.stack, p.config, p.gpu, p.services, n_workers)
+
+
 def cmd_serve(args: argparse.Namespace, console: Console) -> int:
     require_modules("serve", "runtime", "torch", "ray", "fastapi", "uvicorn")
     from fleetserve.runtime import cluster
@@ -63,7 +73,7 @@ def cmd_serve(args: argparse.Namespace, console: Console) -> int:
         )
 
     async def launch() -> Any:
-        ctl = await cluster.launch(cfg, args.address, cores, history_placement)
+        ctl = await cluster.launch(cfg, args.address, cores, history_placement, runtime_replanner)
         sv = cfg.serve
         models = ", ".join(ctl.models)
         console.print(

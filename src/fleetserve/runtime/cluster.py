@@ -19,7 +19,7 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,18 @@ from typing import Any
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.catalog import kun_only
+from fleetserve.policy.sharing import ServiceStats
 from fleetserve.runtime.controller import Controller, ModelInfo
 from fleetserve.runtime.plan import (
+    ReplannerFactory,
     SharingPlacer,
     placed_workers,
     runtime_policy_config,
     runtime_policy_names,
+    sharing_placement,
+    sharing_stack,
 )
+from fleetserve.runtime.replace import Replacer
 from fleetserve.runtime.worker import Worker, WorkerSnap, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -217,6 +222,7 @@ def worker_specs(
     served: dict[str, ModelInfo],
     cores: CorePlan | None = None,
     placer: SharingPlacer | None = None,
+    placed: tuple[Sequence[tuple[str, ...]], Mapping[str, ServiceStats]] | None = None,
 ) -> list[WorkerSpec]:
     """One spec per worker: its models (placement policy; a multi-LLM stack's
     sharing groups put several on one worker, placed by ``placer``, see
@@ -238,7 +244,9 @@ def worker_specs(
     batching = runtime_policy_names(config)["batching"]
     # a scheduler that reads statistics (MLFQ, DB, ADBS) is refused outside the
     # multi-LLM world when the config is loaded; a sharing placement computes them
-    placed, stats = placed_workers(config, list(source_of), source_of, placer=placer)
+    if placed is None:
+        placed = placed_workers(config, list(source_of), source_of, placer=placer)
+    hosts, stats = placed
     eng = config.engine
     if eng.prefix_caching and kun_only(config.policy.stack):
         raise ConfigError(
@@ -265,7 +273,7 @@ def worker_specs(
             step_log=sv.step_log is not None,
             cpus=cores.engines[wid] if cores is not None else None,
         )
-        for wid, hosted in enumerate(placed)
+        for wid, hosted in enumerate(hosts)
     ]
 
 
@@ -274,6 +282,7 @@ async def launch(
     address: str | None = None,
     cores: CorePlan | None = None,
     placer: SharingPlacer | None = None,
+    replanner: ReplannerFactory | None = None,
 ) -> Controller:
     """Start the workers and the controller (call from the server's event loop).
 
@@ -286,7 +295,15 @@ async def launch(
 
     sv = config.serve
     served = served_models(config)
-    specs = worker_specs(config, served, cores, placer)
+    source_of = {info.name: src for src, info in served.items()}
+    sharing = None
+    stack = sharing_stack(config)
+    if replanner is not None and stack is not None and stack.replacement:
+        sharing = sharing_placement(config, list(source_of), source_of, placer=placer)
+        placed = (sharing.workers, sharing.stats)
+        specs = worker_specs(config, served, cores, placer, placed)
+    else:
+        specs = worker_specs(config, served, cores, placer)
     init_ray(address, num_cpus=max(os.cpu_count() or 1, len(specs) * sv.threads_per_worker + 1))
     opts: dict[str, Any] = {"max_restarts": 0}
     if sv.device.startswith("cuda"):
@@ -316,6 +333,8 @@ async def launch(
     )
     # a multi-LLM stack: report its own name and placement (plan.py)
     ctl.policy_names.update(runtime_policy_names(config))
+    if sharing is not None and replanner is not None:  # SeaLLM's adaptive replacement
+        ctl.replacer = Replacer(ctl, sharing, replanner(sharing, len(specs)), source_of)
 
     async def respawn(spec: WorkerSpec) -> tuple[Any, WorkerSnap]:
         h = actor_cls.options(**opts).remote(spec)

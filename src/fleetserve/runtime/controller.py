@@ -46,7 +46,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -73,6 +73,9 @@ from fleetserve.runtime.metrics import RuntimeMetrics
 from fleetserve.runtime.plan import runtime_policy_names
 from fleetserve.runtime.views import LiveInstance, Pending
 from fleetserve.runtime.worker import Report, WorkerSnap, WorkerSpec
+
+if TYPE_CHECKING:
+    from fleetserve.runtime.replace import Replacer
 from fleetserve.workload.request import Request
 
 logger = logging.getLogger(__name__)
@@ -279,6 +282,8 @@ class Controller:
                 if not self.elastic:
                     self.active.add(iid)
             self.workers[wid] = w
+        self._next_iid = len(self.inst_of)
+        self.replacer: Replacer | None = None  # SeaLLM's re-placement (runtime.replace)
         self.requests: dict[int, Tracked] = {}
         self._ids = itertools.count()
         self._moves: list[tuple[int, int, str | None]] = []  # (rid, dst iid, mode) pending
@@ -471,12 +476,36 @@ class Controller:
         t.t_http = received
         self.requests[rid] = t
         self.metrics.prompt_tokens.labels(model).inc(len(prompt_ids))
+        if self.replacer is not None:
+            self.replacer.on_request(t)
         self._dispatch(t)
         self._update_queue_gauges()
         return t
 
     def _instances_of(self, model: str) -> list[int]:
         return [i for i, (_w, m) in self.inst_of.items() if m == model]
+
+    def add_instance(self, wid: int, model: str) -> int:
+        """A model a worker has just loaded (a re-placement) serves from now on."""
+        iid = self._next_iid
+        self._next_iid += 1
+        self.inst_of[iid] = (wid, model)
+        self.workers[wid].instances[model] = iid
+        if not self.elastic:
+            self.active.add(iid)
+        return iid
+
+    def remove_instance(self, iid: int) -> None:
+        """A model a worker has unloaded serves no more there (its id stays
+        known: requests that ran on it still name it)."""
+        wid, model = self.inst_of[iid]
+        self.workers[wid].instances.pop(model, None)
+        self.active.discard(iid)
+        self.migration.on_release(iid, self.now())
+
+    def load_of(self, iid: int) -> int:
+        """Requests on instance ``iid`` now (sent, running or queued there)."""
+        return sum(1 for t in self.requests.values() if not t.done and t.instance == iid)
 
     def _retry_after(self) -> int:
         """Seconds a client should wait (:func:`retry_after_s` over the requests
@@ -499,6 +528,9 @@ class Controller:
         st = self.state()
         if self.kun is not None and not st.instances_of(t.model):
             t.deferred = True  # every executor is merging or restoring: the next tick retries
+            return
+        if self.replacer is not None and not st.instances_of(t.model):
+            t.deferred = True  # a re-placement moves the model: its next load dispatches it
             return
         action = self.dispatcher.dispatch(st, self._request_of(t), self.now(), self.rng)
         self._apply_dispatch(t, action)
@@ -906,6 +938,11 @@ class Controller:
                 except Exception:
                     logger.exception("KunServe tick failed")
                 next_kun = now + self.kun.interval_s
+            if self.replacer is not None:
+                try:
+                    self.replacer.tick(now)
+                except Exception:
+                    logger.exception("SeaLLM re-placement failed")
             if now >= next_epoch:
                 try:
                     self._epoch(now)
@@ -1347,4 +1384,5 @@ class Controller:
             "workers": workers,
             "migrations": self.migration_log[-50:],
             **({"kunserve": self.kun.cluster_json()} if self.kun is not None else {}),
+            **({"replacement": self.replacer.cluster_json()} if self.replacer else {}),
         }

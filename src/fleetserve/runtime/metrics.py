@@ -142,6 +142,19 @@ class RuntimeMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r,
         )
+        self.replacements = Counter(
+            "fleetserve_replacements_total",
+            "SeaLLM adaptive replacement: re-placement searches by outcome "
+            "(unchanged: the plan kept every model where it was; switched)",
+            ["outcome"],
+            registry=r,
+        )
+        self.model_loads = Histogram(
+            "fleetserve_model_load_seconds",
+            "SeaLLM re-placement: time a worker took to load a model it gains",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.preemptions = Counter(
             "fleetserve_preemptions_total",
             "Requests the workers' engines preempted (their KV freed, recomputed later)",

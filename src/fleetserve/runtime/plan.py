@@ -49,8 +49,12 @@ leave the runtime's side open (:func:`sharing_placement`):
   search simulates its candidates), and the runtime and the simulator are
   sibling layers: the caller (``fleetserve serve``, the fidelity experiment)
   passes it in as a :data:`SharingPlacer`.
-* **Placed once.** SeaLLM's adaptive replacement (re-placing every interval)
-  is not run at runtime: the plan is made when the server starts.
+* **Re-placed as the simulator does.** SeaLLM's adaptive replacement runs
+  at runtime (:mod:`fleetserve.runtime.replace`): every interval the
+  controller measures the SLO attainment, adapts the interval (Equation 8),
+  asks the injected :class:`SharingReplanner` (the simulator's search on the
+  last interval's requests) for a plan, and switches live workers to it
+  (models loaded and unloaded, their requests moved).
 * **Scheduling.** A worker hosting several models runs the stack's group
   scheduler (``batching``: FCFS, RR, MLFQ, DB, or ADBS with its token-block
   quotas) in its engine, job by job as the simulated group does
@@ -76,6 +80,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from fleetserve.config import PolicyConfig, ServiceConfig, SimConfig
 from fleetserve.errors import ConfigError
@@ -93,11 +98,14 @@ from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.spec.emulated import emulated_gpu
 from fleetserve.spec.types import GpuSpec
+from fleetserve.workload.request import Request
 from fleetserve.workload.service import Service
 
 __all__ = [
+    "ReplannerFactory",
     "SharingPlacement",
     "SharingPlacer",
+    "SharingReplanner",
     "placed_workers",
     "plan_workers",
     "runtime_policy_config",
@@ -116,6 +124,28 @@ SharingPlacer = Callable[
 stack's placement of a multi-LLM ``config``'s services on its history, on
 ``gpu``, and the statistics its group scheduler reads
 (:func:`fleetserve.sim.multi_build.history_placement`; see the module docstring)."""
+
+
+class SharingReplanner(Protocol):
+    """SeaLLM's re-placement search, as the runtime asks it
+    (:class:`fleetserve.sim.multi_build.RuntimeReplanner` is the simulator's;
+    the caller injects it as it injects the :data:`SharingPlacer`)."""
+
+    def place(
+        self, window: Sequence[Request], window_s: float
+    ) -> tuple[PlacementPlan, float | None, Mapping[str, ServiceStats]]:
+        """A new plan from the requests of the last ``window_s`` seconds, its
+        estimated SLO attainment and the group schedulers' statistics."""
+        ...
+
+    def ideal_s(self, model: str, prompt_tokens: int, output_tokens: int) -> float:
+        """A request's execution time alone (the base of its SLO)."""
+        ...
+
+
+ReplannerFactory = Callable[["SharingPlacement", int], SharingReplanner]
+"""``factory(placement, n_workers)``: the replanner of a served sharing
+placement over ``n_workers`` workers."""
 
 RUNTIME_SHARING_BASE_STACK = "ll"
 """The single-model stack whose dispatch, batching, migration and memory the
@@ -160,8 +190,6 @@ def runtime_gaps(stack: Stack) -> list[str]:
     difference between the two clocks is never silent. Runtime parity is
     issue 24's work."""
     out = []
-    if stack.replacement:
-        out.append("adaptive re-placement: the plan is made once, at start")
     if BATCHING.get(stack.batching).spatial:
         out.append(f"spatial sharing ({stack.batching!r}): a worker's jobs run one at a time")
     if stack.memory == "elastic":

@@ -643,8 +643,12 @@ class WorkerCore:
     # re-placement (runtime.replace: SeaLLM's adaptive replacement)
     def load_model(self, source: str, services: tuple[tuple[str, ServiceStats], ...]) -> float:
         """Host one more model (``source``: built-in name or checkpoint folder);
-        the seconds its weights took to load."""
-        return self.engine.load_model(source, dict(services))
+        the seconds its weights took to load, or -1 when they do not fit the
+        arena now (nothing changed)."""
+        try:
+            return self.engine.load_model(source, dict(services))
+        except PoolFull:
+            return -1.0
 
     def unload_model(self, name: str, services: tuple[tuple[str, ServiceStats], ...]) -> int:
         """Stop hosting ``name`` (no request of it may be here); bytes freed."""

@@ -18,9 +18,11 @@ Three sources:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from fleetserve.config import SimConfig
 from fleetserve.costmodel import CostModel
@@ -291,3 +293,63 @@ def history_placement(
     plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(cfg), None, gpu)
     stats, _ = service_stats(inp.services, inp.history, gpu, CostModel())
     return inp.services, plan, est, stats
+
+
+class RuntimeReplanner:
+    """SeaLLM's re-placement search for the runtime
+    (:class:`~fleetserve.runtime.plan.SharingReplanner`): what the simulator's
+    replanner runs at a replacement (:func:`services_from_window` then
+    :func:`place_for_stack` on the window), on the emulated GPU the runtime's
+    first placement saw, for a pool of ``n_gpus`` workers; and each request's
+    ideal execution time (the cost model's, as :func:`service_stats` gives the
+    simulator's ``M_real`` deadlines).
+
+    Args:
+        stack: the multi-LLM stack (``replacement`` set).
+        config: the placement's config (:attr:`SharingPlacement.config`).
+        gpu: the placement's GPU.
+        services: the services of the first placement (their specs; rates
+            and lengths are measured anew on each window).
+        n_gpus: the workers running (a plan uses at most these).
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        config: SimConfig,
+        gpu: GpuSpec,
+        services: Mapping[str, Service],
+        n_gpus: int,
+    ) -> None:
+        self.stack = stack
+        self.services = dict(services)
+        self.gpu = gpu
+        self.cost_model = CostModel()
+        settings = multi_settings(config)
+        self.settings = replace(settings, n_gpus=n_gpus)
+        self._bound = {
+            name: self.cost_model.bind(
+                svc.spec, gpu, min_tp(svc.spec, gpu, max_tp=gpu.gpus_per_node)
+            )
+            for name, svc in self.services.items()
+        }
+
+    def place(
+        self, window: Sequence[Request], window_s: float
+    ) -> tuple[PlacementPlan, float | None, dict[str, ServiceStats]]:
+        """A plan for the services as ``window`` (the last ``window_s``
+        seconds of requests) shows them, its estimated SLO attainment, and the
+        statistics the group schedulers read from now on."""
+        svcs = services_from_window(self.services, window, window_s)
+        plan, est = place_for_stack(
+            self.stack, svcs, window, self.settings, self.cost_model, self.gpu
+        )
+        stats, _ = service_stats(svcs, window, self.gpu, self.cost_model)
+        return plan, est, stats
+
+    def ideal_s(self, model: str, prompt_tokens: int, output_tokens: int) -> float:
+        """The request's execution time alone (its SLO is ``slo_scale`` times it)."""
+        t = self._bound[model].ideal_times(
+            np.array([float(prompt_tokens)]), np.array([float(max(1, output_tokens))])
+        )
+        return float(t[0])

@@ -57,7 +57,7 @@ from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, Job, ServiceStats
 from fleetserve.runtime.engine.config import EngineModelConfig
 from fleetserve.runtime.engine.group import JobBudget, StateView
-from fleetserve.runtime.engine.kvpool import KVPool
+from fleetserve.runtime.engine.kvpool import KVPool, PoolFull
 from fleetserve.runtime.engine.migration import (
     ImportHandle,
     KVChunk,
@@ -611,8 +611,9 @@ class Engine:
         ``services``' statistics.
 
         Raises:
-            ConfigError: asleep, already hosted, a one-model batching policy
-                (its engine hosts one model), or the weights do not fit.
+            PoolFull: its weights do not fit the arena now (nothing changed).
+            ConfigError: asleep, already hosted, or a one-model batching
+                policy (its engine hosts one model).
         """
         if self.asleep:
             raise ConfigError(f"engine {self.engine_id} is asleep; wake it before loading")
@@ -620,8 +621,23 @@ class Engine:
             raise ConfigError(
                 f"engine {self.engine_id} runs one-model batching; it cannot host a second model"
             )
+        src = self._source(model)
+        name = src.cfg.name
+        if name in self.models:
+            raise ConfigError(f"model {name!r} is loaded twice in one engine")
+        need = src.cfg.spec.num_layers * self.pool.region_pages(layer_numel(src.cfg))
+        if need > self.pool.num_available:
+            raise PoolFull(f"model {name!r}: {need} weight pages, {self.pool.num_available} free")
         t0 = time.perf_counter()
-        self._load(self._source(model), None)
+        try:
+            self._load(src, None)
+        except (PoolFull, ConfigError) as e:  # no window after all: undo what was loaded
+            m = self.models.pop(name, None)
+            if m is not None:
+                for li in sorted(m.layers):
+                    self.pool.free_weights(f"{name}/{li}")
+            self._flex_models.discard(name)
+            raise PoolFull(f"model {name!r}: {e}") from None
         if self.group is not None:
             self._setup_group(self.group, services or {})
         if self.device.type == "cuda":
