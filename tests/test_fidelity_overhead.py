@@ -386,7 +386,7 @@ def test_cli_calibrates_in_situ_from_the_probes_step_log(
 
 
 def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path) -> None:
-    from fleetserve.cli.fidelity import Replay, _bench_config, calibration_replay
+    from fleetserve.cli.fidelity import Replay, bench_config, calibration_replay
     from fleetserve.runtime.bench_serve import load_bench_workload
 
     trace = tmp_path / "cal.jsonl"  # _config writes t.jsonl
@@ -401,7 +401,7 @@ def test_calibration_load_is_the_requests_after_the_replayed_ones(tmp_path: Path
     cfg = _config(tmp_path)
 
     def prompts(r: Replay) -> list[int]:  # what bench-serve replays of r
-        bench = _bench_config(cfg, "http://x", r, [A])
+        bench = bench_config(cfg, "http://x", r, [A])
         return [q.prompt_tokens for q in load_bench_workload(bench).requests]
 
     base = Replay(str(trace), "jsonl", 1.0, None, 2, 0.5, 1.0, None, None)

@@ -73,7 +73,8 @@ DEFAULT_MAX_REQUESTS = 300
 """Requests replayed when neither the config nor ``--max-requests`` limits them."""
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """A progress line on stderr."""
     Console(stderr=True, highlight=False).print(msg)
 
 
@@ -211,7 +212,7 @@ def profile_models(cfg: SimConfig, out: Path, stem: str = "profile") -> Path:
     parts: list[Path] = []
     for m in sv.model_names(cfg.model):
         part = out / f"{stem}-{Path(str(m)).name}.csv"
-        _say(f"[bold]profile[/] {m} ({sv.threads_per_worker} thread(s)) -> {part}")
+        say(f"[bold]profile[/] {m} ({sv.threads_per_worker} thread(s)) -> {part}")
         cmd = _fleetserve(
             "profile-engine",
             "--model",
@@ -351,22 +352,30 @@ def measure(
         The overhead probes (:class:`~fleetserve.metrics.probes.ProbeRequest`);
         the replay is in ``out/measured``.
     """
-    from fleetserve.runtime.cluster import core_plan
-
     served = list(cfg.serve.model_names(cfg.model))
-    # serve.pin_cores: the load generator keeps off the engines' cores too (once the
-    # server runs: a server started from a pinned process would see too few cores)
-    cores = core_plan(cfg)
-    pin = _affinity(cores.server) if cores is not None else contextlib.nullcontext()
-    _say(f"[bold]serve[/] {args.config} (log: {out / 'server.log'})")
     steps = out / STEP_LOG
     steps.unlink(missing_ok=True)  # the server appends
     overrides = [*args.set, f"serve.step_log={steps.resolve()}"]
-    with (
-        ServerProcess(args.config, overrides, out / "server.log", args.startup_timeout) as srv,
-        pin,
-    ):
+    with serving(cfg, args.config, overrides, out, args.startup_timeout) as srv:
         return _measure(cfg, srv, replay, out, served, calibration)
+
+
+@contextlib.contextmanager
+def serving(
+    cfg: SimConfig, config: str, overrides: Sequence[str], out: Path, startup_timeout_s: float
+) -> Iterator[ServerProcess]:
+    """``fleetserve serve config`` (with ``overrides``; ``cfg`` is that config
+    loaded) up for the block, its log in ``out/server.log``; with
+    ``serve.pin_cores``, this process keeps off the engines' cores meanwhile
+    (once the server runs: a server started from a pinned process would see
+    too few cores)."""
+    from fleetserve.runtime.cluster import core_plan
+
+    cores = core_plan(cfg)
+    pin = _affinity(cores.server) if cores is not None else contextlib.nullcontext()
+    say(f"[bold]serve[/] {config} (log: {out / 'server.log'})")
+    with ServerProcess(config, overrides, out / "server.log", startup_timeout_s) as srv, pin:
+        yield srv
 
 
 @contextlib.contextmanager
@@ -380,7 +389,11 @@ def _affinity(cpus: Sequence[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _bench_config(cfg: SimConfig, url: str, replay: Replay, served: list[str]) -> Any:
+def bench_config(
+    cfg: SimConfig, url: str, replay: Replay, served: list[str], ideal: str = "probe"
+) -> Any:
+    """bench-serve's settings for ``replay`` against ``url`` (``ideal``: its
+    idle probes for normalized latency, or ``none``)."""
     from fleetserve.runtime.bench_serve import BenchConfig
 
     return BenchConfig(
@@ -397,6 +410,7 @@ def _bench_config(cfg: SimConfig, url: str, replay: Replay, served: list[str]) -
         models=tuple(served) if len(served) > 1 else None,
         model_weights=cfg.workload.model_weights if len(served) > 1 else None,
         seed=cfg.seed,
+        ideal=ideal,
     )
 
 
@@ -412,7 +426,7 @@ def _measure(
     from fleetserve.runtime.bench_serve import run_bench, write_bench
     from fleetserve.runtime.fidelity_probe import ProbePlan, run_probe
 
-    _say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
+    say(f"server up at {srv.url}; [bold]probe[/] the serving path's overhead")
     model = _first_served_name(srv.url, served)
     cap_p = replay.max_prompt_tokens or 256
     plan = ProbePlan(
@@ -423,32 +437,83 @@ def _measure(
     )
     probes = run_probe(srv.url, plan)
     if calibration is not None:
-        _say(
+        say(
             f"{len(probes)} probes; [bold]calibration load[/]: the {calibration.max_requests} "
             f"requests after the replay's (trace from {calibration.start_s:.0f} s)"
         )
-        cal = run_bench(_bench_config(cfg, srv.url, calibration, served), _bench_progress())
+        cal = run_bench(bench_config(cfg, srv.url, calibration, served), bench_progress())
         write_bench(out / "calibration", cal)
-    _say(f"[bold]replay[/] {replay.trace}")
-    bench_cfg = _bench_config(cfg, srv.url, replay, served)
-    t_start = time.time()
-    bench = run_bench(bench_cfg, _bench_progress())
-    span = {"start_s": t_start, "end_s": time.time()}
-    (out / REPLAY_SPAN).write_text(json.dumps(span) + "\n")
-    write_bench(out / "measured", bench)
+    replay_scraped(cfg, srv.url, replay, out, served)
     # the probes again after the replay, so they see the machine of the whole run
-    _say("[bold]probe[/] again after the replay")
+    say("[bold]probe[/] again after the replay")
     n0 = 1 + max(p.group for p in probes)
     probes += [replace(p, group=p.group + n0) for p in run_probe(srv.url, plan)]
     (out / "overhead_probe.json").write_text(
         json.dumps({"plan": _plan_dict(plan), "probes": [p.to_dict() for p in probes]}, indent=1)
     )
-    r = bench.summary["requests"]
-    _say(
-        f"replayed {r['total']} requests ({r['finished']} finished, {r['rejected']} "
-        f"rejected, {r['unfinished']} unfinished); stopping the server"
-    )
     return probes
+
+
+METRICS_BEFORE = "metrics-before.prom"
+METRICS_AFTER = "metrics-after.prom"
+"""The server's ``/metrics`` just before and just after the replay."""
+
+
+def scrape_metrics(url: str) -> str:
+    """The server's ``GET /metrics`` page.
+
+    Raises:
+        FleetserveError: the server did not answer with one.
+    """
+    import httpx
+
+    try:
+        got = httpx.get(url + "/metrics", timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise FleetserveError(f"{url}/metrics: {exc}") from None
+    if got.status_code != 200:
+        raise FleetserveError(f"{url}/metrics answered {got.status_code}")
+    return got.text
+
+
+def replay_scraped(
+    cfg: SimConfig, url: str, replay: Replay, out: Path, served: list[str], ideal: str = "probe"
+) -> Any:
+    """bench-serve of ``replay`` against ``url`` between two ``/metrics``
+    scrapes: ``out/measured``, :data:`REPLAY_SPAN`, :data:`METRICS_BEFORE`
+    and :data:`METRICS_AFTER` (:func:`replay_metrics` reads their delta).
+
+    Returns:
+        The bench run (:class:`~fleetserve.runtime.bench_serve.BenchResult`).
+    """
+    from fleetserve.runtime.bench_serve import run_bench, write_bench
+
+    say(f"[bold]replay[/] {replay.trace}")
+    (out / METRICS_BEFORE).write_text(scrape_metrics(url))
+    t_start = time.time()
+    bench = run_bench(bench_config(cfg, url, replay, served, ideal), bench_progress())
+    span = {"start_s": t_start, "end_s": time.time()}
+    (out / METRICS_AFTER).write_text(scrape_metrics(url))
+    (out / REPLAY_SPAN).write_text(json.dumps(span) + "\n")
+    write_bench(out / "measured", bench)
+    r = bench.summary["requests"]
+    say(
+        f"replayed {r['total']} requests ({r['finished']} finished, {r['rejected']} "
+        f"rejected, {r['unfinished']} unfinished)"
+    )
+    return bench
+
+
+def replay_metrics(out: Path) -> Any:
+    """The delta of the server's counters over the replay
+    (:class:`~fleetserve.experiments.parity.MetricsSnapshot`), None when
+    ``out`` has no scrapes (a directory of an older fidelity run)."""
+    from fleetserve.experiments.parity import metrics_delta, parse_metrics
+
+    before, after = out / METRICS_BEFORE, out / METRICS_AFTER
+    if not (before.is_file() and after.is_file()):
+        return None
+    return metrics_delta(parse_metrics(before.read_text()), parse_metrics(after.read_text()))
 
 
 def _first_served_name(url: str, served: Sequence[str]) -> str:
@@ -469,14 +534,14 @@ def _plan_dict(plan: Any) -> dict[str, Any]:
     return {k: getattr(plan, k) for k in plan.__slots__}
 
 
-def _bench_progress() -> Callable[[str, int, int, str], None]:
+def bench_progress() -> Callable[[str, int, int, str], None]:
     last = {"t": 0.0}
 
     def cb(phase: str, done: int, total: int, info: str) -> None:
         now = time.monotonic()
         if done == total or now - last["t"] > 5.0:
             last["t"] = now
-            _say(f"  {phase}: {done}/{total} {info}")
+            say(f"  {phase}: {done}/{total} {info}")
 
     return cb
 
@@ -514,10 +579,15 @@ def analyze(
         read_summary,
         simulate_emulated,
     )
+    from fleetserve.experiments.parity import activation_line, with_measured_activation
 
     measured_dir = out / "measured"
     measured = read_summary(measured_dir)
     reqs = load_measured_requests(measured_dir)
+    # an elastic pool's activated instances wait as long as the runtime's workers took
+    cfg, activation = with_measured_activation(cfg, replay_metrics(out))
+    if cfg.cluster.elastic:
+        say(activation_line(activation))
     situ = _in_situ_profile(cfg, profile_csv, out) if in_situ else None
     if situ is not None:
         profile_csv = Path(situ["profile"])
@@ -531,24 +601,24 @@ def analyze(
     )
     handoff = _measured_handoff(em, out) if situ is not None else None
     if handoff is not None:
-        _say(
+        say(
             f"[bold]fit[/] the per-request overhead to {len(alone)} probes sent alone (per "
             f"iteration: the measured hand-off, {handoff[0] * 1e3:.2f} ms over {handoff[1]} "
             "steps; delivery lag 0)"
         )
         fit = fit_overhead(cfg, profile_csv, alone, iteration_grid=(handoff[0],), lag_grid=(0.0,))
     else:
-        _say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
+        say(f"[bold]fit[/] the overhead model to {len(alone)} probes sent alone")
         fit = fit_overhead(cfg, profile_csv, alone)
     bursts = [p for p in probes if size[p.group] > 1]
     burst_check = _burst_check(cfg, profile_csv, bursts, fit.overhead) if bursts else None
     ov = fit.overhead
-    _say(
+    say(
         f"  request {ov.request_s * 1e3:.2f} ms, iteration {ov.iteration_s * 1e3:.2f} ms, "
         f"delivery {ov.delivery_iters:g} iterations (probe TTFT error "
         f"{fit.ttft_mean_abs_pct:.1f}%, TPOT {fit.tpot_mean_abs_pct:.1f}%)"
     )
-    _say(f"[bold]simulate[/] {len(reqs)} measured requests")
+    say(f"[bold]simulate[/] {len(reqs)} measured requests")
     sim = simulate_emulated(cfg, profile_csv, out / "simulated", requests=reqs, overhead=ov)
     eng = simulate_emulated(cfg, profile_csv, out / "simulated-engine-only", requests=reqs)
     rows = fidelity_table(sim, measured)
@@ -565,6 +635,7 @@ def analyze(
         "overhead": fit.to_dict(),
         "bursts": burst_check,
         "in_situ": situ,
+        "activation": activation,
         "handoff": {"seconds": handoff[0], "gaps": handoff[1]} if handoff else None,
         "engine_steps": steps,
         "rows": rows,
@@ -623,7 +694,7 @@ def _in_situ_profile(cfg: SimConfig, profile_csv: Path | None, out: Path) -> dic
     factors = in_situ_factors(em, log, exclude=span)
     scaled = rescale_profile(profile_csv, factors, out / "profile-in-situ.csv")
     for m, f in factors.items():
-        _say(
+        say(
             f"[bold]in situ[/] {m}: prefill x{f['prefill']:.2f} ({f['prefill_steps']} steps), "
             f"decode x{f['decode']:.2f} ({f['decode_steps']} steps) against the profile"
         )
@@ -711,6 +782,8 @@ def _steps_lines(steps: dict[str, Any] | None) -> list[str]:
 
 
 def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
+    from fleetserve.experiments.parity import activation_line
+
     ov = report["overhead"]
     o = ov["overhead"]
     lines = ["# Fidelity: the simulator vs the running server", ""]
@@ -772,6 +845,9 @@ def _markdown(report: dict[str, Any], table: Callable[..., str]) -> str:
             "`--standalone-profile` leaves this out).",
             "",
         ]
+    act = report.get("activation")
+    if act is not None and act["source"] != "fixed pool":
+        lines += [activation_line(act), ""]
     lines += _steps_lines(report.get("engine_steps"))
     lines += [
         table(report["rows_engine_only"], "Engine only (calibrated cost model alone) vs measured"),
@@ -887,6 +963,18 @@ def add_fidelity_parser(sub: Any) -> None:
         "compared) to measure the engine's speed under load for the in-situ calibration "
         f"(default {CALIBRATION_REQUESTS}; 0: probes only)",
     )
+    add_replay_flags(p)
+    p.add_argument(
+        "--analyze-only",
+        action="store_true",
+        help="redo only the fit, the simulations and the table from OUT's measurements",
+    )
+    p.set_defaults(func=cmd_fidelity)
+
+
+def add_replay_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the replay (:func:`replay_settings`), the server's startup
+    and config overrides, shared by ``fidelity`` and ``parity``."""
     p.add_argument("--trace", help="trace file (default: the config's, else the Azure conv trace)")
     p.add_argument("--format", help="trace format (default: the config's, or detected)")
     p.add_argument(
@@ -904,11 +992,5 @@ def add_fidelity_parser(sub: Any) -> None:
         "--startup-timeout", type=float, default=180.0, help="seconds to wait for the server"
     )
     p.add_argument(
-        "--analyze-only",
-        action="store_true",
-        help="redo only the fit, the simulations and the table from OUT's measurements",
-    )
-    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
-    p.set_defaults(func=cmd_fidelity)

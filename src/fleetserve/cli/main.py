@@ -780,6 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fleetserve.cli.bench import add_bench_serve_parser
     from fleetserve.cli.calibrate import add_calibrate_parser, add_validate_parser
     from fleetserve.cli.fidelity import add_fidelity_parser
+    from fleetserve.cli.parity import add_parity_parser
     from fleetserve.cli.plan import add_plan_parser
     from fleetserve.cli.serve import add_serve_parser
     from fleetserve.cli.stacks import add_stacks_parser
@@ -788,6 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_serve_parser(sub)
     add_fidelity_parser(sub)
+    add_parity_parser(sub)
     add_tokenizer_parser(sub)
     add_stacks_parser(sub)
     add_calibrate_parser(sub)

@@ -143,18 +143,23 @@ from fleetserve.workload.request import Request
 
 __all__ = [
     "FIDELITY_TOLERANCE_PCT",
+    "EmulatedCost",
     "EmulatedSim",
+    "emulated_cost",
     "emulated_gpu_for",
     "emulated_sim_config",
     "fidelity_markdown",
     "fidelity_table",
     "fit_overhead",
     "load_measured_requests",
+    "mechanism_counts",
     "operating_rows",
     "read_summary",
     "runtime_placement",
+    "served_models",
     "simulate_emulated",
     "simulate_probes",
+    "summary_value",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,7 +235,7 @@ def runtime_placement(cfg: SimConfig, models: Sequence[str]) -> tuple[str, ...]:
     return tuple(m for hosted in placed for m in hosted)
 
 
-def _served_models(cfg: SimConfig) -> tuple[str, ...]:
+def served_models(cfg: SimConfig) -> tuple[str, ...]:
     """The served models by the names requests use (each checked to resolve)."""
     names = tuple(cfg.serve.model_names(cfg.model))
     for n in names:
@@ -326,7 +331,7 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
         )
     sv = cfg.serve
     gpu = emulated_gpu_for(cfg)
-    models = _served_models(cfg)
+    models = served_models(cfg)
     notes = [
         f"emulated cluster: {sv.workers} x {gpu.name} ({sv.gpu_memory_mb:g} MiB arena, "
         f"{sv.dtype}, {sv.threads_per_worker} thread(s)) serving {', '.join(models)}"
@@ -355,8 +360,53 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
     preflight(sim_cfg)
     blocks = {m: kv_capacity_blocks(get_model(m), gpu, 1, 1.0, cluster.block_size) for m in models}
     placement = () if cluster.elastic else runtime_placement(cfg, models)
+    emc = emulated_cost(cfg, profile_csv, models, gpu)
+    notes += emc.notes
+    return EmulatedSim(
+        config=sim_cfg,
+        gpu=gpu,
+        cost=emc.cost,
+        calibration=emc.calibration,
+        placement=placement,
+        kv_blocks=blocks,
+        fit_errors=emc.fit_errors,
+        notes=tuple(notes),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatedCost:
+    """The cost model of an emulated cluster (:func:`emulated_cost`).
+
+    Attributes:
+        cost: the cost model, calibrated from the profile when one was given.
+        calibration: the fitted parameters (None without a profile).
+        fit_errors: per served model and phase, the calibrated model's
+            relative error on its rows (see :class:`EmulatedSim`).
+        notes: remarks carried into the results.
+    """
+
+    cost: CostModel
+    calibration: Calibration | None
+    fit_errors: Mapping[str, Mapping[str, Mapping[str, float]]]
+    notes: tuple[str, ...]
+
+
+def emulated_cost(
+    cfg: SimConfig, profile_csv: Path | None, models: Sequence[str], gpu: GpuSpec
+) -> EmulatedCost:
+    """The cost model of ``cfg.serve``'s workers (the emulated ``gpu``) for the
+    served ``models``: calibrated from ``profile_csv`` on the rows within the
+    engines' limits (:func:`operating_rows`; module docstring), or the
+    default efficiencies without a profile.
+
+    Raises:
+        InputError: a bad profile, or one without rows for a served model.
+    """
+    sv = cfg.serve
     calibration = None
     rows: list[ProfileRow] = []
+    notes: list[str] = []
     if profile_csv is not None:
         path = Path(profile_csv)
         rows = _profile_rows(load_profile(path), models, gpu, sv.threads_per_worker, path)
@@ -384,16 +434,7 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
                 for ph, e in phases.items()
             )
         )
-    return EmulatedSim(
-        config=sim_cfg,
-        gpu=gpu,
-        cost=cost,
-        calibration=calibration,
-        placement=placement,
-        kv_blocks=blocks,
-        fit_errors=fit_errors,
-        notes=tuple(notes),
-    )
+    return EmulatedCost(cost, calibration, fit_errors, tuple(notes))
 
 
 def _fit_errors(
@@ -499,6 +540,35 @@ def _run_emulated(
     if timelines is not None:
         deliver_records(result.records, timelines, overhead.delivery_iters)
     return result
+
+
+def mechanism_counts(result: RunResult, initial_gpus: int) -> dict[str, Any]:
+    """What a run's mechanisms did beyond ``summary.json``'s standard sections
+    (the ``mechanisms`` section of an emulated run; the parity report reads it).
+
+    Args:
+        result: the run.
+        initial_gpus: GPUs active from the start (a fixed pool's; 0 for an
+            elastic pool, whose first GPU is activated by the first arrival).
+
+    Returns:
+        ``activations``: GPU activations during the run (activity intervals
+        beyond the ``initial_gpus``); ``releases``: intervals that ended
+        before the run did (a GPU released, or an instance retired);
+        ``migration_stages``: live KV copy stages of the completed
+        migrations (the final stop-and-copy not counted);
+        ``migration_stall_s``: the requests' total migration stall (KV and
+        token moves together: the records do not separate them);
+        ``migrations_aborted``: planned migrations that were aborted.
+    """
+    ivs = result.gpu_intervals
+    return {
+        "activations": max(0, len(ivs) - initial_gpus),
+        "releases": sum(1 for iv in ivs if iv.end_s < result.end_s),
+        "migration_stages": sum(m.stages for m in result.migrations if m.mode == "kv"),
+        "migration_stall_s": float(sum(r.migration_stall_s for r in result.records)),
+        "migrations_aborted": int(result.aborted_migrations),
+    }
 
 
 def load_measured_requests(run_dir: str | Path) -> list[Request]:
@@ -616,6 +686,9 @@ def simulate_emulated(
     }
     if overhead is not None:
         result.extra["fidelity"]["overhead"] = overhead.to_dict()
+    result.extra["mechanisms"] = mechanism_counts(
+        result, 0 if em.config.cluster.elastic else len(em.placement)
+    )
     summary = summarize(result, cfg.slo_scales)
     summary["workload"] = {"source": wl.source, "requests": len(wl.requests)}
     out = Path(out_dir)
@@ -814,9 +887,15 @@ _EXTRA = (
     ("throughput (req/s)", ("throughput_rps",)),
     ("throughput (tok/s)", ("throughput_tokens_s",)),
 )
+_COUNTS = (
+    ("requests finished", ("requests", "finished")),
+    ("requests rejected", ("requests", "rejected")),
+    ("requests unfinished", ("requests", "unfinished")),
+)
 
 
-def _get(summary: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
+def summary_value(summary: Mapping[str, Any], path: Sequence[str]) -> float | None:
+    """The finite number at ``path`` in a summary, else None."""
     node: Any = summary
     for key in path:
         if not isinstance(node, Mapping) or key not in node:
@@ -831,12 +910,15 @@ def fidelity_table(
     sim_summary: Mapping[str, Any],
     measured_summary: Mapping[str, Any],
     tolerance_pct: float = FIDELITY_TOLERANCE_PCT,
+    *,
+    counts: bool = False,
 ) -> list[dict[str, Any]]:
     """Simulated vs measured, one row per metric.
 
     Rows: mean and P99 of TTFT and TPOT (``target: True``, the fidelity
     target), then P50s, end-to-end latency and throughput (``target:
-    False``, reported only). Each row: ``metric``, ``key`` (dotted path in
+    False``, reported only), and with ``counts`` the finished, rejected and
+    unfinished requests (``target: False``). Each row: ``metric``, ``key`` (dotted path in
     ``summary.json``), ``simulated``, ``measured``, ``rel_error_pct`` =
     ``100 (simulated - measured) / measured``, ``within`` =
     ``|rel_error_pct| <= tolerance_pct``, ``target``. A metric missing from
@@ -844,9 +926,10 @@ def fidelity_table(
     ``within`` None.
     """
     rows = []
-    for target, specs in ((True, _TARGET), (False, _EXTRA)):
+    groups = [(True, _TARGET), (False, _EXTRA)] + ([(False, _COUNTS)] if counts else [])
+    for target, specs in groups:
         for name, path in specs:
-            sim, meas = _get(sim_summary, path), _get(measured_summary, path)
+            sim, meas = summary_value(sim_summary, path), summary_value(measured_summary, path)
             err = None if sim is None or meas is None or meas == 0 else 100 * (sim - meas) / meas
             rows.append(
                 {

@@ -404,6 +404,9 @@ class KunRuntime:
             return
         await self._refresh(group.members)
         group.phase = SERVING
+        ctl.metrics.kun_exchanged.labels("kv").inc(exchanged)
+        ctl.metrics.kun_exchanged.labels("recomputed").inc(recomputed)
+        ctl.metrics.kun_exchange_stall.observe(stall)
         self._log(
             "drop",
             group.members,

@@ -170,6 +170,19 @@ class RuntimeMetrics:
             "KunServe: layers restored to dropped replicas",
             registry=r,
         )
+        self.kun_exchanged = Counter(
+            "fleetserve_kun_exchanged_requests_total",
+            "KunServe: running requests of merged workers, by how they joined the group "
+            "(kv: their KV exchanged to the stages; recomputed: it did not fit a stage)",
+            ["how"],
+            registry=r,
+        )
+        self.kun_exchange_stall = Histogram(
+            "fleetserve_kun_exchange_stall_seconds",
+            "KunServe: how long a merge's blocking KV exchange stopped the sources' requests",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
         self.kun_actions = Counter(
             "fleetserve_kun_actions_total",
             "KunServe policy decisions, by action (DropLayers, Restore, ActivateSpare)",

@@ -187,7 +187,7 @@ from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Eve
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kun_parts import Channel, KSeq, Piece, Transfer, WaitQueue
-from fleetserve.spec import get_gpu, get_model
+from fleetserve.spec import GpuSpec, get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
 logger = logging.getLogger(__name__)
@@ -494,7 +494,10 @@ class KunSimulator:
 
     Args:
         requests: the workload (one model), sorted by arrival, ids ``0..n-1``.
-        model, gpu: catalog names.
+        model: catalog name.
+        gpu: catalog name, or the GPU itself (the parity report's emulated
+            GPU whose memory counts the weights the engine keeps outside its
+            arena).
         instances: instances (replicas) in the cluster.
         tp: GPUs per instance (tensor parallel).
         spare_instances: instances that are off at the start; KunServe's
@@ -535,7 +538,7 @@ class KunSimulator:
         requests: Sequence[Request],
         *,
         model: str,
-        gpu: str,
+        gpu: str | GpuSpec,
         instances: int,
         tp: int = 1,
         spare_instances: int = 0,
@@ -564,7 +567,7 @@ class KunSimulator:
         self.settings = st = settings or KunSettings()
         self.stack = stack
         self.model = spec = get_model(model)
-        self.gpu = get_gpu(gpu)
+        self.gpu = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
         if spec.kv_layers != spec.num_layers:
             raise ConfigError(
                 f"model {model}: KunServe's layer dropping needs a KV cache in every layer "

@@ -23,7 +23,9 @@ from fleetserve.workload.request import Request
 
 if TYPE_CHECKING:
     from fleetserve.config import SimConfig
+    from fleetserve.costmodel import CostModel
     from fleetserve.metrics.records import RunResult
+    from fleetserve.spec import GpuSpec
 
 __all__ = ["build_kun_requests", "kun_preflight", "kun_settings", "run_kun"]
 
@@ -65,12 +67,14 @@ def _simulator(
     notes: Sequence[str] = (),
     progress: ProgressFn | None = None,
     progress_every: int = 4096,
+    cost: CostModel | None = None,
+    gpu: GpuSpec | None = None,
 ) -> KunSimulator:
     kc = cfg.kunserve
     return KunSimulator(
         requests,
         model=get_model(cfg.model).name,
-        gpu=get_gpu(cfg.cluster.gpu).name,
+        gpu=gpu if gpu is not None else get_gpu(cfg.cluster.gpu).name,
         instances=_instances(cfg),
         tp=cfg.cluster.tp,
         spare_instances=kc.spare_instances,
@@ -82,6 +86,7 @@ def _simulator(
         kv_tokens=kc.kv_tokens,
         network_gbps=kc.network_gbps,
         gpus_per_node=kc.gpus_per_node,
+        cost=cost,
         seed=cfg.seed,
         max_num_seqs=cfg.engine.max_num_seqs,
         max_batched_tokens=cfg.engine.max_batched_tokens,
@@ -142,8 +147,12 @@ def run_kun(
     notes: Sequence[str] = (),
     progress: ProgressFn | None = None,
     progress_every: int = 4096,
+    cost: CostModel | None = None,
+    gpu: GpuSpec | None = None,
 ) -> RunResult:
-    """Simulate ``requests`` (one model, ids ``0..n-1`` in arrival order) under ``cfg``."""
+    """Simulate ``requests`` (one model, ids ``0..n-1`` in arrival order) under
+    ``cfg``, iteration times from ``cost`` (default: the roofline), on ``gpu``
+    (default: the catalog's ``cluster.gpu``)."""
     models = {r.model for r in requests}
     if len(models) > 1:
         raise ConfigError(
@@ -153,4 +162,4 @@ def run_kun(
     if models and get_model(cfg.model).name not in models:
         (only,) = models
         raise ConfigError(f"the workload is for {only}, the config's model is {cfg.model}")
-    return _simulator(cfg, requests, notes, progress, progress_every).run()
+    return _simulator(cfg, requests, notes, progress, progress_every, cost, gpu).run()

@@ -245,6 +245,8 @@ def run_multi_stack(
     cost_model: CostModel | None = None,
     progress: ProgressFn | None = None,
     on_search: Callable[[float], None] | None = None,
+    placed: tuple[PlacementPlan, float | None] | None = None,
+    gpu_spec: GpuSpec | None = None,
 ) -> RunResult:
     """Place ``services`` for stack ``stack_name`` on ``history``, then simulate ``requests``.
 
@@ -257,6 +259,11 @@ def run_multi_stack(
         cost_model: iteration times (default roofline).
         progress: simulator progress callback.
         on_search: called with the wall time of every placement search.
+        placed: the initial plan and its estimated SLO attainment, made
+            elsewhere (the runtime's, for the parity report): no initial
+            search then (``history`` unused); re-placements still search.
+        gpu_spec: the GPU every placement search sees (see
+            :func:`place_for_stack`; default the catalog's ``settings.gpu``).
 
     Returns:
         The run's result; ``extra`` adds ``stack`` and ``placement_search_s``.
@@ -267,13 +274,13 @@ def run_multi_stack(
 
     def timed(svcs: Mapping[str, Service], hist: Sequence[Request]) -> tuple[PlacementPlan, Any]:
         t0 = time.perf_counter()
-        out = place_for_stack(stack, svcs, hist, settings, cm)
+        out = place_for_stack(stack, svcs, hist, settings, cm, gpu_spec)
         searches.append(time.perf_counter() - t0)
         if on_search is not None:
             on_search(searches[-1])
         return out
 
-    plan, est = timed(services, history)
+    plan, est = placed if placed is not None else timed(services, history)
     replanner = None
     if stack.replacement:
 
