@@ -107,7 +107,8 @@ async def _window(handle: Any, field: str, seconds: float) -> float:
 async def replica_ray(b: int, ctx: int, window_s: float) -> float:
     import ray
 
-    h = ray.remote(Worker).remote(WorkerSpec(0, (MODEL,), (MODEL,), ARENA, max_running=b))
+    actor: Any = ray.remote(Worker)
+    h = actor.remote(WorkerSpec(0, (MODEL,), (MODEL,), ARENA, max_running=b))
     await h.start.remote()
     for i, p in enumerate(_prompts(b, ctx)):
         await h.submit.remote(i, MODEL, p, _params(3000), 0.0)
@@ -122,7 +123,8 @@ async def group_ray(b: int, ctx: int, window_s: float, k: int) -> float:
     import ray
 
     roles = _roles(k)
-    hs = [ray.remote(Worker).remote(WorkerSpec(i, (MODEL,), (MODEL,), ARENA)) for i in range(k)]
+    actor: Any = ray.remote(Worker)
+    hs = [actor.remote(WorkerSpec(i, (MODEL,), (MODEL,), ARENA)) for i in range(k)]
     await asyncio.gather(*(h.start.remote() for h in hs))
     await asyncio.gather(*(h.become_stage.remote(r) for h, r in zip(hs, roles, strict=True)))
     pages = await asyncio.gather(*(h.stage_pages.remote() for h in hs))
