@@ -149,6 +149,7 @@ def test_burst_drops_layers_and_pipelines_exactly() -> None:
             assert cap1 > cap0  # dropped weight pages became KV pages
             assert handles[0].worker.core.group is not None
             assert handles[0].worker.core.group.steps > 0
+            assert ctl.kun is not None
             ev = [x for x in ctl.kun.log if x["event"] == "drop"]
             assert ev and ev[0]["layers_dropped"] == 4
             assert ev[0]["stall_s"] > 0  # the blocking exchange, timed
@@ -334,44 +335,62 @@ def test_kunserve_serves_one_model() -> None:
 
 def test_server_drops_are_in_metrics_and_texts_exact() -> None:
     """Through Ray and HTTP: a burst makes the policy drop layers (seen in
-    /metrics and /v1/cluster); the activations cross between worker actors
-    and every completion equals the engine's greedy text."""
+    /metrics and /v1/cluster), the running requests' KV is exchanged, the
+    activations cross between worker actors; once demand is low again the
+    group restores while a few long requests still run (live restore: they
+    move to the members), and every completion equals the engine's greedy
+    text."""
     import httpx
     from serve_util import metric_value, running_server
 
     prompts = _prompts(24, 120)
     ref = _reference(prompts, 64, text=True)
+    tail = _prompts(2, 40)
+    ref_tail = _reference(tail, 600, text=True)
     data = {
         "serve": {"workers": 2, "gpu_memory_mb": 15, "models": [MODEL], "max_queue": 256},
         "policy": {"stack": "kunserve"},
-        "kunserve": {"monitor_interval_s": 0.05, "horizon_s": 0.5, "window_s": 0.5},
+        "kunserve": {
+            "monitor_interval_s": 0.05,
+            "horizon_s": 0.5,
+            "window_s": 0.5,
+            "restore_min_s": 0.3,
+        },
     }
+
+    def body(ids: list[int], n: int) -> dict[str, Any]:
+        return {
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": n,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+
     with running_server(data) as srv:
 
-        async def main() -> list[dict[str, Any]]:
+        async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                rs = await asyncio.gather(
-                    *(
-                        c.post(
-                            "/v1/completions",
-                            json={
-                                "model": MODEL,
-                                "prompt": ids,
-                                "max_tokens": 64,
-                                "ignore_eos": True,
-                                "temperature": 0,
-                            },
-                        )
-                        for ids in prompts
-                    )
-                )
-                return [r.json() for r in rs]
+                burst = [c.post("/v1/completions", json=body(ids, 64)) for ids in prompts]
+                # long requests that outlive the burst: still running at the restore
+                late = [c.post("/v1/completions", json=body(ids, 600)) for ids in tail]
+                rs = await asyncio.gather(*burst, *late)
+                return [r.json() for r in rs[: len(burst)]], [r.json() for r in rs[len(burst) :]]
 
-        bodies = asyncio.run(main())
+        bodies, long_bodies = asyncio.run(main())
         assert [b["choices"][0]["text"] for b in bodies] == ref
+        assert [b["choices"][0]["text"] for b in long_bodies] == ref_tail
         metrics = httpx.get(srv.url + "/metrics").text
         assert metric_value(metrics, "fleetserve_layer_drops_total") >= 2
         assert metric_value(metrics, "fleetserve_kun_actions_total", action="DropLayers") >= 1
+        assert metric_value(metrics, "fleetserve_kun_exchanged_requests_total", how="kv") >= 1
+        assert metric_value(metrics, "fleetserve_kun_exchange_stall_seconds_count") >= 1
         cl = httpx.get(srv.url + "/v1/cluster").json()
         assert cl["policies"]["pressure"] == "kunserve"
-        assert any(ev["event"] == "drop" for ev in cl["kunserve"]["events"])
+        events = cl["kunserve"]["events"]
+        assert any(ev["event"] == "drop" for ev in events)
+        restored = [ev for ev in events if ev["event"] == "restored"]
+        assert restored, events
+        # the long requests were running: their KV moved to the members
+        assert sum(ev.get("kv_moved", 0) for ev in restored) >= 1, restored
+        assert metric_value(metrics, "fleetserve_layer_restores_total") >= 2
