@@ -309,3 +309,32 @@ def test_a_source_dying_during_the_stages_resumes_the_request_once() -> None:
     assert ctl.metrics.migrations.labels("kv", "aborted")._value.get() == 1
     assert "live_abort" in handles[1].calls
     cores[1].check_integrity()
+
+
+def test_moves_stay_exact_after_a_worker_slept_and_woke() -> None:
+    """An elastic worker gives its arena back when it sleeps and gets a new
+    one when it wakes: KV copied into it, or out of it, afterwards must land in
+    (and come from) the new arena, not a view of the old one (a defect the
+    Mell test through Ray found: a move into a re-woken worker continued on
+    wrong KV)."""
+    n = 40
+    a, b = core(0), core(1)
+    for rid in (1, 2, 3):
+        # a -> b, then b sleeps and wakes, then b -> a, then a sleeps and wakes;
+        # each request its own prompt: the old arena holds other KV
+        p = prompt(70 + 9 * rid)[rid:]
+        want = run_alone(p, n)
+        src, dst = (a, b) if rid % 2 else (b, a)
+        src.submit(rid, MODEL, p, params(n))
+        for _ in range(4):
+            src.step()
+        moved, _stages, got = migrate(src, dst, rid, 1, 2)
+        assert moved
+        while dst.has_work():
+            dst.step()
+        got |= tokens_of(dst, rid)
+        assert [got[i] for i in sorted(got)] == want, rid
+        assert dst.deactivate() and dst.engine.asleep  # idle: it sleeps
+        assert dst.activate() > 0 and not dst.engine.asleep
+        for c in (a, b):
+            c.check_integrity()

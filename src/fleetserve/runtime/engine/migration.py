@@ -314,16 +314,21 @@ def _np_view(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
     return t.view(iv).numpy()
 
 
-# NumPy views of each pool's KV (the arena never moves): no per-call conversion.
-_NP_KV: weakref.WeakKeyDictionary[KVPool, dict[str, np.ndarray[Any, Any] | None]] = (
+# NumPy views of each pool's KV: no per-call conversion. Keyed by the arena's
+# address as well: an engine that sleeps gives its arena back and gets a new one
+# when it wakes, and a view of the old one would read and write memory the
+# engine no longer uses.
+_NP_KV: weakref.WeakKeyDictionary[KVPool, tuple[int, dict[str, np.ndarray[Any, Any] | None]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _pool_np(pool: KVPool, model: str) -> np.ndarray[Any, Any] | None:
-    per = _NP_KV.get(pool)
-    if per is None:
-        per = _NP_KV[pool] = {}
+    ptr = pool.arena.data_ptr()
+    got = _NP_KV.get(pool)
+    if got is None or got[0] != ptr:
+        got = _NP_KV[pool] = (ptr, {})
+    per = got[1]
     if model not in per:
         per[model] = _np_view(pool.kv(model))
     return per[model]
