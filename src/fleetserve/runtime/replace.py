@@ -305,13 +305,12 @@ class Replacer:
             )
             if not busy:
                 try:
-                    await w.handle.unload_model.remote(model, svc)
+                    freed = await w.handle.unload_model.remote(model, svc)
                 except Exception as e:
                     if ctl._is_actor_death(e):
                         return
-                    if "still has requests" not in str(e):
-                        raise
-                else:
+                    raise
+                if freed >= 0:  # else a request of it is still on the worker
                     ctl.remove_instance(iid)
                     return
             await asyncio.sleep(ctl.serve.tick_s)

@@ -405,13 +405,18 @@ class WorkerCore:
         if chunk is None or state.n_cached < 1:
             self.engine.import_tokens(_as_waiting(st), request_id=state.id)
             return True
+        return self._import_kv(st, chunk)
+
+    def _import_kv(self, st: RequestState, chunk: KVChunk) -> bool:
+        """Run ``st`` here on the KV of ``chunk`` (all of its cached tokens);
+        False when the pages are not free (nothing is reserved then)."""
         try:
-            handle = self.engine.begin_import(state.model, state.n_cached, chunk.layers)
+            handle = self.engine.begin_import(st.model, st.n_cached, chunk.layers)
         except PoolFull:
             return False
         try:
             self.engine.write_import(handle, chunk)
-            self.engine.commit_import(handle, st, request_id=state.id)
+            self.engine.commit_import(handle, st, request_id=st.id)
         except BaseException:
             if handle.is_open:
                 self.engine.abort_import(handle)
@@ -651,7 +656,10 @@ class WorkerCore:
             return -1.0
 
     def unload_model(self, name: str, services: tuple[tuple[str, ServiceStats], ...]) -> int:
-        """Stop hosting ``name`` (no request of it may be here); bytes freed."""
+        """Stop hosting ``name``; bytes freed, or -1 while requests of it are
+        still here (nothing changed: call again once they have left)."""
+        if any(r.model == name for r in self.engine.requests.values()):
+            return -1
         return self.engine.unload_model(name, dict(services))
 
     # live restore (kun_control.KunRuntime: a restored group's requests move
@@ -678,20 +686,10 @@ class WorkerCore:
         self._awake()
         free_stage_keys(self.engine, [state.id], self.stage_keys)
         st = _with_callbacks(state, self)
-        chunk = join_chunks(chunks)
-        try:
-            handle = self.engine.begin_import(state.model, state.n_cached, chunk.layers)
-        except PoolFull:
-            self.engine.import_tokens(_as_waiting(st), request_id=state.id)
-            return False
-        try:
-            self.engine.write_import(handle, chunk)
-            self.engine.commit_import(handle, st, request_id=state.id)
-        except BaseException:
-            if handle.is_open:
-                self.engine.abort_import(handle)
-            raise
-        return True
+        if self._import_kv(st, join_chunks(chunks)):
+            return True
+        self.engine.import_tokens(_as_waiting(st), request_id=state.id)
+        return False
 
     def group_idle(self) -> bool:
         return self.group is None or not self.group.requests
