@@ -132,9 +132,9 @@ def test_engine_flex_continuation_logits_equal_gather() -> None:
 
 
 def test_attention_modes() -> None:
-    with pytest.raises(ConfigError, match="attention 'paged'"):
-        Engine([A], 16 * MiB, attention="paged")
-    # the gather path is the default; flex is taken when asked
+    with pytest.raises(ConfigError, match="attention 'dense'"):
+        Engine([A], 16 * MiB, attention="dense")
+    # flex is taken only when asked
     assert not Engine([A], 16 * MiB)._flex_models
     assert Engine([A], 16 * MiB, attention="flex")._flex_models == {A}
     cpu = torch.device("cpu")

@@ -55,6 +55,7 @@ from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
 from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, Job, ServiceStats
+from fleetserve.runtime.engine import paged_cpu
 from fleetserve.runtime.engine.config import EngineModelConfig
 from fleetserve.runtime.engine.group import JobBudget, StateView
 from fleetserve.runtime.engine.kvpool import KVPool, PoolFull
@@ -75,7 +76,9 @@ from fleetserve.runtime.engine.model import (
     layer_numel,
     layer_views,
     linear,
-    mlp,
+    mlp_residual,
+    out_residual,
+    pack_views,
     qkv,
     rms_norm,
 )
@@ -202,7 +205,7 @@ class AttnGroup:
         )
 
 
-ATTENTION_MODES = ("gather", "flex")
+ATTENTION_MODES = ("auto", "paged", "gather", "flex")
 _GROUP_MIN = 8  # a decode bucket takes this many requests before it may close
 
 
@@ -240,6 +243,11 @@ class Batch:
     max_ctx: int
     fresh: tuple[tuple[int, int], ...]
     groups: tuple[AttnGroup, ...]
+    # decodes (one new token after a cached context), for the paged kernel:
+    # their batch indexes (CPU), packed rows, and context lengths (CPU)
+    dec: torch.Tensor
+    dec_rows: torch.Tensor
+    dec_ctx: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -270,6 +278,7 @@ class Batch:
                 buckets.append([i])
                 top = ctx
         members += buckets
+        dec = torch.tensor([i for _, i in decodes], dtype=torch.int64)
         return Batch(
             model,
             tuple(rids),
@@ -283,6 +292,9 @@ class Batch:
             int((st + ln).max()),
             fresh,
             tuple(AttnGroup.build(m, st, ln, first, device) for m in members),
+            dec,
+            first[dec].to(device),
+            st[dec] + 1,
         )
 
 
@@ -432,13 +444,20 @@ class Engine:
             longer than ``max_batch_tokens``. Group schedulers run whole
             prefill jobs (the simulated group has no chunked prefill).
         engine_id: this engine's id in views and logs.
-        attention: how requests with cached context attend: ``gather``
-            (default: copy their pages into a padded tensor, then dense
-            attention) or ``flex`` (FlexAttention reading the pages in place,
-            :mod:`~fleetserve.runtime.engine.paged_flex`; compiled on CUDA,
-            dense and slow on a CPU). Measured on an H100 (docs/gpu.md), the
-            compiled kernel over 16-token head-wise pages is slower than the
-            gather, so ``gather`` stays the default on every device.
+        attention: how requests with cached context attend:
+
+            - ``paged``: decodes through a CPU kernel that reads the pages in
+              place (:mod:`~fleetserve.runtime.engine.paged_cpu`; float32 on
+              the CPU, Numba installed); continuations of several new tokens
+              as with ``gather``.
+            - ``gather``: copy their pages into a padded tensor, then dense
+              attention.
+            - ``flex``: FlexAttention reading the pages in place
+              (:mod:`~fleetserve.runtime.engine.paged_flex`; compiled on CUDA,
+              dense and slow on a CPU). Measured on an H100 (docs/gpu.md), the
+              compiled kernel over 16-token head-wise pages is slower than the
+              gather.
+            - ``auto`` (default): ``paged`` where it can run, else ``gather``.
     """
 
     def __init__(
@@ -457,7 +476,7 @@ class Engine:
         chunked_prefill: bool = False,
         prefix_caching: bool = False,
         engine_id: int = 0,
-        attention: str = "gather",
+        attention: str = "auto",
     ) -> None:
         if not models:
             raise ConfigError("an engine needs at least one model")
@@ -481,8 +500,15 @@ class Engine:
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill = chunked_prefill and self.group is None
-        if prefix_caching and attention != "gather":
-            raise ConfigError("prefix caching needs attention 'gather' (flex: one owner a page)")
+        if attention in ("auto", "paged"):
+            why = self._paged_unsupported(dtype)
+            if attention == "paged" and why:
+                raise ConfigError(f"attention 'paged' cannot run: {why}")
+            attention = "gather" if why else "paged"
+            if attention == "paged":
+                paged_cpu.warm_up()
+        if prefix_caching and attention == "flex":
+            raise ConfigError("prefix caching cannot run with attention 'flex' (one owner a page)")
         self.prefix_caching = prefix_caching
         self.prefix_queries = 0  # prompt tokens admitted (prefix caching)
         self.preemptions = 0  # requests preempted (recomputed later), cumulative
@@ -515,8 +541,18 @@ class Engine:
             self._setup_group(self.group, services or {})
 
     # ------------------------------------------------------------- models
+    def _paged_unsupported(self, dtype: torch.dtype) -> str:
+        """Why the ``paged`` CPU kernel cannot run here ("" when it can)."""
+        if self.device.type != "cpu":
+            return f"it is a CPU kernel (device {self.device})"
+        if dtype != torch.float32:
+            return f"it reads float32 pages (dtype {dtype})"
+        if not paged_cpu.available():
+            return "numba is not installed (pip install 'fleetserve[engine]')"
+        return ""
+
     def _choose_attention(self, name: str, head_dim: int) -> None:
-        if self.attention == "gather":
+        if self.attention != "flex":
             return
         pool = self.pool
         why = flex_supported(pool.page_elems, pool.block_size, head_dim, self.device)
@@ -597,6 +633,7 @@ class Engine:
         for k, v in views.items():
             v.copy_(src[k])
         fuse_views(views)  # qkv and gate_up: views of the same pages
+        pack_views(views)  # CPU float32: oneDNN-packed copies for the GEMMs
         m.layers[layer] = views
 
     # ------------------------------------------------- re-placement (SeaLLM)
@@ -1282,8 +1319,8 @@ class Engine:
             else:
                 assert tables is not None
                 a = self._attend(batch, tables, li, q, k, v)
-            h = h + linear(a, w["o"])
-            h = h + mlp(cfg, w, h)
+            h = out_residual(w, a, h)
+            h = mlp_residual(cfg, w, h)
         return h
 
     @torch.inference_mode()
@@ -1371,10 +1408,20 @@ class Engine:
             fs = self._flex_inputs(batch)
             out[fs.rows] = self._flex.attend(fs, tab, layer, q, nh, nkv, d)
             return out
+        paged = self.attention == "paged" and paged_cpu.fits(self.pool.page_elems, d)
+        if paged and batch.dec.numel():
+            # decodes: one kernel call reading the pages in place
+            rows = batch.dec_rows
+            a = paged_cpu.decode_attention(
+                q[rows], self.pool.arena, tab[batch.dec], batch.dec_ctx, bs, nkv
+            )
+            out[rows] = a.view(-1, nh * d)
         # the rest, group by group: padded attention over K/V gathered from the
         # pages, keys and values each in one index_select (rows: request, head, block)
         for g in batch.groups:
             n, q_len, ctx = g.mask.shape[0], g.mask.shape[2], g.mask.shape[3]
+            if paged and q_len == 1:
+                continue  # done above
             ntb = -(-ctx // bs)
             flat = tab[g.idx, :ntb].transpose(1, 2).reshape(-1)
             shape = (n, nkv, ntb * bs, d)
