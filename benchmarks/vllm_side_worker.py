@@ -26,14 +26,21 @@ import time
 from typing import Any
 
 
-def fleetserve_engine(ckpt: str, threads: int, arena_mb: int) -> Any:
+def fleetserve_engine(ckpt: str, threads: int, arena_mb: int, batch_tokens: int) -> Any:
     import torch
 
     torch.set_num_threads(threads)
     from fleetserve.runtime.engine.engine import Engine
     from fleetserve.runtime.engine.sampling import SamplingParams
 
-    eng = Engine([ckpt], arena_mb * 2**20, max_running=256, max_batch_tokens=8192)
+    # vLLM's scheduling (bench_vllm.BATCH_TOKENS): chunked prefill, that many tokens a step
+    eng = Engine(
+        [ckpt],
+        arena_mb * 2**20,
+        max_running=256,
+        max_batch_tokens=batch_tokens,
+        chunked_prefill=True,
+    )
     name = next(iter(eng.models))
 
     def run(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -81,10 +88,11 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--memory-mb", type=int, default=2048, help="arena / KV cache size")
+    ap.add_argument("--batch-tokens", type=int, default=4096, help="fleetserve: tokens a step")
     args = ap.parse_args()
     t0 = time.perf_counter()
     if args.system == "fleetserve":
-        run = fleetserve_engine(args.ckpt, args.threads, args.memory_mb)
+        run = fleetserve_engine(args.ckpt, args.threads, args.memory_mb, args.batch_tokens)
     else:
         run = vllm_engine(args.ckpt, max(1, args.memory_mb // 1024))
     say({"ready": args.system, "load_s": time.perf_counter() - t0})

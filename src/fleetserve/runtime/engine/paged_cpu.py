@@ -39,15 +39,13 @@ import torch
 
 __all__ = ["available", "decode_attention", "fits", "threads_note", "warm_up"]
 
-_LOCK = threading.Lock()
 _PROBE = threading.Lock()
-_KERNELS: dict[bool, Callable[..., None]] = {}
 _PARALLEL_OK: bool | None = None
 _NOTE = ""
 
 
 def available() -> bool:
-    """Numba is installed (the ``runtime`` extra), so the kernel can be built."""
+    """Numba is installed (the ``engine`` extra), so the kernel can be built."""
     try:
         import numba  # noqa: F401
     except ImportError:
@@ -55,7 +53,9 @@ def available() -> bool:
     return True
 
 
-def _build(parallel: bool) -> Callable[..., None]:
+def _kernel(parallel: bool) -> Callable[..., None]:
+    """The compiled kernel (Numba compiles, or loads from its cache, on the
+    first call)."""
     from fleetserve.runtime.engine import _paged_kernel as pk
 
     return pk.decode_parallel if parallel else pk.decode_serial
@@ -82,14 +82,6 @@ def _parallel_ok() -> bool:
             _PARALLEL_OK = False
             _NOTE = f"numba serial (no thread-safe threading layer: {type(e).__name__})"
     return _PARALLEL_OK
-
-
-def _kernel(parallel: bool) -> Callable[..., None]:
-    with _LOCK:
-        k = _KERNELS.get(parallel)
-        if k is None:
-            k = _KERNELS[parallel] = _build(parallel)
-        return k
 
 
 def _run(
