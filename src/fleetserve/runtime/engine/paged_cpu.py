@@ -91,12 +91,13 @@ def _run(
     tab: torch.Tensor,
     ctx: Any,
     bs: int,
+    parts: int = 1,
 ) -> torch.Tensor:
     d = q.shape[-1]
     out = torch.empty_like(q)
     c = np.asarray(ctx, dtype=np.int64)
     kv = arena.view(arena.shape[0], -1, d).numpy()  # rows of d: see _paged_kernel
-    kern(q.numpy(), kv, tab.numpy(), c, out.numpy(), bs, 1.0 / math.sqrt(d))
+    kern(q.numpy(), kv, tab.numpy(), c, out.numpy(), bs, 1.0 / math.sqrt(d), parts)
     return out
 
 
@@ -150,7 +151,9 @@ def decode_attention(
     """
     n, nh, d = q.shape
     g = nh // num_kv_heads
-    parallel = torch.get_num_threads() > 1 and _parallel_ok()
+    threads = torch.get_num_threads()
+    parallel = threads > 1 and _parallel_ok()
     qg = q.reshape(n, num_kv_heads, g, d).contiguous()
-    out = _run(_kernel(parallel), qg, arena, tab.contiguous(), ctx, block_size)
+    parts = threads if parallel else 1
+    out = _run(_kernel(parallel), qg, arena, tab.contiguous(), ctx, block_size, parts)
     return out.view(n, nh, d)
