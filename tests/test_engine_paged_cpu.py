@@ -83,7 +83,10 @@ def test_kernel_equals_attention_over_each_requests_pages(case) -> None:  # type
 
 def test_parallel_kernel_equals_serial() -> None:
     """With two torch threads the jobs run in a parallel loop (where a
-    thread-safe layer exists); each job is the same code: equal bit for bit."""
+    thread-safe layer exists), dealt round-robin. Each job is the same code,
+    but ``fastmath`` lets LLVM reassociate the sums differently in the two
+    builds (a clean CI run differed by one float32 ulp in 5% of the outputs),
+    so the two agree to rounding, not bit for bit."""
     gen = torch.Generator().manual_seed(7)
     arena = torch.randn(200, 2 * 16 * 64, generator=gen)
     tab = torch.randperm(200, generator=gen)[: 6 * 8 * 4].view(6, 8, 4)
@@ -98,7 +101,7 @@ def test_parallel_kernel_equals_serial() -> None:
         assert paged_cpu.threads_note()  # says which build ran
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(one, two, atol=0, rtol=0)
+    torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-5)
 
 
 def narrow_model() -> RandomWeights:

@@ -449,7 +449,8 @@ class Engine:
             - ``paged``: decodes through a CPU kernel that reads the pages in
               place (:mod:`~fleetserve.runtime.engine.paged_cpu`; float32 on
               the CPU, Numba installed); continuations of several new tokens
-              as with ``gather``.
+              as with ``gather``, and so are the decodes of a model whose head
+              width does not divide the arena's page (:func:`paged_cpu.fits`).
             - ``gather``: copy their pages into a padded tensor, then dense
               attention.
             - ``flex``: FlexAttention reading the pages in place
