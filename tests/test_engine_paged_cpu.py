@@ -16,18 +16,18 @@ pytest.importorskip("numba")
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine_weights import tiny_cfg
 
 from fleetserve.errors import ConfigError
 from fleetserve.runtime.engine import paged_cpu
-from fleetserve.runtime.engine.config import EngineModelConfig
 from fleetserve.runtime.engine.engine import Engine
 from fleetserve.runtime.engine.model import PACKED
 from fleetserve.runtime.engine.sampling import SamplingParams
 from fleetserve.runtime.engine.weights import RandomWeights
-from fleetserve.spec.types import ModelSpec
 
 MiB = 2**20
 A, S = "tiny-llama-a", "tiny-llama-b"
+NARROW = tiny_cfg().spec.name
 
 
 def reference(
@@ -106,21 +106,9 @@ def test_parallel_kernel_equals_serial() -> None:
 
 def narrow_model() -> RandomWeights:
     """A model whose head_dim (16) is narrower than the built-ins' (64)."""
-    spec = ModelSpec(
-        name="narrow",
-        arch="llama",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=260,
-        max_context=512,
-        tied_embeddings=False,
-        dtype_bytes=4,
-    )
-    return RandomWeights(EngineModelConfig(spec=spec, bos_token_id=256, eos_token_ids=(257,)), 5)
+    cfg = tiny_cfg()
+    assert cfg.spec.head_dim == 16
+    return RandomWeights(cfg, 5)
 
 
 def test_engine_paged_outputs_equal_gather() -> None:
@@ -134,7 +122,7 @@ def test_engine_paged_outputs_equal_gather() -> None:
     def run(mode: str) -> tuple[list[list[int]], ...]:
         eng = Engine([A, narrow_model()], 24 * MiB, max_running=3, attention=mode)
         assert eng.attention == mode
-        outs = (eng.generate(A, prompts, params), eng.generate("narrow", prompts, params))
+        outs = (eng.generate(A, prompts, params), eng.generate(NARROW, prompts, params))
         eng.check_integrity()
         return outs
 

@@ -107,7 +107,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetserve.config import SimConfig
+from fleetserve.config import ClusterConfig, EngineConfig, SimConfig
 from fleetserve.costmodel import (
     Calibration,
     CostModel,
@@ -301,6 +301,23 @@ def operating_rows(
     return kept, len(rows) - len(kept)
 
 
+def runtime_limits(cfg: SimConfig, gpu: GpuSpec) -> tuple[ClusterConfig, EngineConfig]:
+    """``cfg``'s cluster and engine as the runtime's workers run them: one
+    ``gpu`` per worker (tp 1, the whole arena, a fixed count of
+    ``serve.workers``), and the server's batch limits with no watermark."""
+    sv = cfg.serve
+    cluster = replace(
+        cfg.cluster, gpu=gpu.name, tp=1, mem_util=1.0, gpus=sv.workers, max_gpus=sv.workers
+    )
+    engine = replace(
+        cfg.engine,
+        max_num_seqs=sv.max_running,
+        max_batched_tokens=sv.max_batch_tokens,
+        watermark=0.0,
+    )
+    return cluster, engine
+
+
 def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim:
     """Turn a config with a ``serve:`` section into a simulation of that cluster.
 
@@ -341,16 +358,8 @@ def emulated_sim_config(cfg: SimConfig, profile_csv: Path | None) -> EmulatedSim
     if len(models) > 1 and workload.models is None:
         workload = replace(workload, models=models)
         notes.append(f"requests assigned uniformly to the served models {list(models)}")
-    cluster = replace(
-        cfg.cluster, gpu=gpu.name, tp=1, mem_util=1.0, gpus=sv.workers, max_gpus=sv.workers
-    )
-    engine = replace(
-        cfg.engine,
-        max_num_seqs=sv.max_running,
-        max_batched_tokens=sv.max_batch_tokens,
-        watermark=0.0,
-        chunked_prefill=True,
-    )
+    cluster, engine = runtime_limits(cfg, gpu)
+    engine = replace(engine, chunked_prefill=True)
     sim_cfg = replace(cfg, model=model, workload=workload, cluster=cluster, engine=engine)
     if cluster.elastic and len(models) > 1:
         raise ConfigError(

@@ -54,6 +54,7 @@ from fleetserve.experiments.fidelity import (
     emulated_gpu_for,
     emulated_sim_config,
     mechanism_counts,
+    runtime_limits,
     served_models,
     simulate_emulated,
 )
@@ -220,18 +221,12 @@ def _run_kun(cfg: SimConfig, profile_csv: Path | None, requests: Sequence[Reques
             f"kunserve.spare_instances = {kc.spare_instances} left out: the runtime has no "
             "spare instances"
         )
+    cluster, engine = runtime_limits(cfg, gpu)
     sim_cfg = replace(
         cfg,
         model=model,
-        cluster=replace(
-            cfg.cluster, gpu=gpu.name, tp=1, mem_util=1.0, gpus=sv.workers, max_gpus=sv.workers
-        ),
-        engine=replace(
-            cfg.engine,
-            max_num_seqs=sv.max_running,
-            max_batched_tokens=sv.max_batch_tokens,
-            watermark=0.0,
-        ),
+        cluster=cluster,
+        engine=engine,
         kunserve=replace(
             kc, kv_tokens=kc.kv_tokens if kc.kv_tokens is not None else tokens, spare_instances=0
         ),

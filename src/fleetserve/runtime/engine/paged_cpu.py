@@ -29,6 +29,7 @@ is used. The choice is made once per process (:func:`threads_note`).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -39,6 +40,7 @@ import torch
 
 __all__ = ["available", "decode_attention", "fits", "threads_note", "warm_up"]
 
+log = logging.getLogger(__name__)
 _PROBE = threading.Lock()
 _PARALLEL_OK: bool | None = None
 _NOTE = ""
@@ -68,6 +70,8 @@ def _parallel_ok() -> bool:
     enter a parallel region at once, and engines may run on several threads
     (the KunServe pipeline's micro-batches), so it is never used."""
     global _PARALLEL_OK, _NOTE
+    if _PARALLEL_OK is not None:  # decided: no lock on the engine's hot path
+        return _PARALLEL_OK
     with _PROBE:
         if _PARALLEL_OK is not None:
             return _PARALLEL_OK
@@ -76,11 +80,12 @@ def _parallel_ok() -> bool:
         numba.config.THREADING_LAYER = "threadsafe"  # type: ignore[attr-defined]
         try:
             _tiny(_kernel(True))
-            _PARALLEL_OK = True
             _NOTE = f"numba parallel, {numba.threading_layer()} layer"
-        except Exception as e:
+            _PARALLEL_OK = True
+        except ValueError as e:  # Numba's "No threading layer could be loaded"
+            _NOTE = f"numba serial: no thread-safe threading layer ({e})"
+            log.warning("paged decode attention runs on one thread: %s", _NOTE)
             _PARALLEL_OK = False
-            _NOTE = f"numba serial (no thread-safe threading layer: {type(e).__name__})"
     return _PARALLEL_OK
 
 
