@@ -1272,7 +1272,11 @@ class Controller:
         t.moving = t.move_dst = None
         early, t.early_end = t.early_end, None
         if ok:
-            if t.done:  # the client left while it moved
+            # the source lets go before this coroutine awaits anything: once
+            # nothing moves, the controller may release the source, and that
+            # release must reach its worker after this call (Ray keeps order)
+            let_go = src.handle.release.remote(t.id) if src.alive else None
+            if t.done:  # the client left, or its last token came, while it moved
                 await self._call_quietly(dst.handle.abort.remote(t.id))
             t.instance = dst_iid
             dst.pending[t.id] = Pending(
@@ -1294,8 +1298,8 @@ class Controller:
             )
             if early is not None and not t.done:  # it finished on dst before the answer
                 self._end(t, early, self.now())
-            if src.alive:
-                await self._call_quietly(src.handle.release.remote(t.id))
+            if let_go is not None:
+                await self._call_quietly(let_go)
             return
         self.migration.on_move_aborted(t.id)
         self.metrics.migrations.labels(asked or how, "aborted").inc()

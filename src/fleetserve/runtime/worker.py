@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# how often a worker released with requests still on it looks whether they left
+SLEEP_RETRY_S = 0.05
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -978,6 +981,7 @@ class Worker:
         self._stopped = False
         self._queued = 0  # calls waiting for the engine (a run of steps yields to them)
         self._stages: list[Any] = []  # a group leader's stage actors (index 0: unused)
+        self._activations = 0  # activate calls received (a pending sleep yields to a new one)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the engine thread, after every call queued before it."""
@@ -1219,11 +1223,26 @@ class Worker:
 
     async def activate(self) -> float:
         """Load the weights and arena of an asleep engine; the seconds it took."""
+        self._activations += 1
         return await self._call(self.core.activate)
 
     async def deactivate(self) -> bool:
-        """Give an idle engine's weights and arena back (False: it has requests)."""
-        return await self._call(self.core.deactivate)
+        """Give the engine's weights and arena back; True once it sleeps.
+
+        The controller releases a worker when its view shows no request there,
+        but calls cross on the way: a request can still be on the engine (a
+        submit or a move that was sent before the release and arrives first).
+        Such a worker sleeps as soon as its last request left, looked at every
+        ``SLEEP_RETRY_S``; an activation received meanwhile wins (False: it
+        stays awake, and active). Before, the release was refused for good and
+        the worker kept its weights while inactive."""
+        gen = self._activations
+        while True:
+            if await self._call(self.core.deactivate):
+                return True
+            if self._stopped or self._activations != gen:
+                return False
+            await asyncio.sleep(SLEEP_RETRY_S)
 
     async def check_integrity(self) -> None:
         await self._call(self.core.check_integrity)
