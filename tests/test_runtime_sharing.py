@@ -10,6 +10,7 @@ activate idle workers under load and release them once empty.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -259,6 +260,45 @@ def test_serve_engines_read_the_simulators_engine_keys() -> None:
     assert spec.asleep and core.snapshot().asleep and core.snapshot().weight_bytes == 0
     assert core.activate() > 0 and not core.snapshot().asleep and core.activate() == 0.0
     assert core.deactivate() and core.snapshot().asleep
+
+
+def test_a_released_worker_sleeps_once_its_last_request_left() -> None:
+    """A release can reach a worker before the call that takes its last
+    request away (a move's release of the source, an abort): the worker
+    sleeps as soon as that request left, and an activation that comes
+    meanwhile wins (it stays awake). Found in CI: Mell released a move's
+    source between the move's end and the source letting the request go."""
+    from fleetserve.runtime import cluster
+    from fleetserve.runtime.engine.sampling import SamplingParams
+    from fleetserve.runtime.worker import SLEEP_RETRY_S, Worker
+
+    data: dict[str, Any] = {"serve": {"workers": 1, "gpu_memory_mb": 48, "models": [A]}}
+    cfg = config_from_dict(serve_config_dict(data))
+    (spec,) = cluster.worker_specs(cfg, cluster.served_models(cfg))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        w = Worker(spec)  # the actor's class, driven without Ray (no step loop)
+        try:
+            ids = w.core.engine.tokenizer(A).encode("a request still here")
+            await w.submit(1, A, ids, params, 0.0)
+            pending = asyncio.ensure_future(w.deactivate())
+            await asyncio.sleep(3 * SLEEP_RETRY_S)
+            waited = not pending.done() and not w.core.engine.asleep
+            await w.abort(1)  # the request leaves: the worker sleeps
+            slept = await asyncio.wait_for(pending, 10) and w.core.engine.asleep
+            await w.activate()
+            await w.submit(2, A, ids, params, 0.0)
+            pending = asyncio.ensure_future(w.deactivate())
+            await asyncio.sleep(3 * SLEEP_RETRY_S)
+            await w.activate()  # activated again before the request left
+            kept = not await asyncio.wait_for(pending, 10)
+            return waited, slept, kept, not w.core.engine.asleep
+        finally:
+            await w.stop()
+            w._thread.shutdown(wait=True)
+
+    assert asyncio.run(scenario()) == (True, True, True, True)
 
 
 # ------------------------------------------------------------------ end to end
