@@ -56,6 +56,7 @@ gpu-check:
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py
+	$(BIN)/python benchmarks/paged_kernel.py
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.

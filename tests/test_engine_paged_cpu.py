@@ -81,6 +81,37 @@ def test_kernel_equals_attention_over_each_requests_pages(case) -> None:  # type
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(-87.0, 0.0, width=32), min_size=1, max_size=64))
+def test_kernel_softmax_weights_are_exact_to_a_few_ulp(scores: list[float]) -> None:
+    """The kernel's own exp (a vectorised polynomial, not libm's): with value
+    rows that are one-hot, the output is the softmax weights themselves; each
+    must match float64's to 1e-6 relative (a few float32 ulp), down to
+    weights of e^-87."""
+    import numpy as np
+
+    from fleetserve.runtime.engine._paged_kernel import decode_serial
+
+    n, d, bs = len(scores), 64, 16
+    pages = -(-n // bs)
+    kv = np.zeros((pages, 2 * bs, d), np.float32)
+    for t, x in enumerate(scores):
+        kv[t // bs, t % bs, 0] = x  # key row t: score x against q = e_0
+        kv[t // bs, bs + t % bs, t] = 1.0  # value row t: e_t
+    q = np.zeros((1, 1, 1, d), np.float32)
+    q[0, 0, 0, 0] = 1.0
+    tab = np.arange(pages, dtype=np.int64).reshape(1, pages, 1)
+    out = np.empty_like(q)
+    decode_serial(q, kv, tab, np.array([n], np.int64), out, bs, 1.0, 1)
+    # the shift by the maximum is a float32 subtraction in any float32
+    # softmax (torch's too), whose rounding exp magnifies by up to |x| ulp:
+    # the reference takes the same shifted scores, so the test measures exp
+    x32 = np.array(scores, np.float32)
+    want = np.exp((x32 - x32.max()).astype(np.float64))
+    want /= want.sum()
+    np.testing.assert_allclose(out[0, 0, 0, :n], want, rtol=1e-6, atol=0)
+
+
 def test_parallel_kernel_equals_serial() -> None:
     """With two torch threads the jobs run in a parallel loop (where a
     thread-safe layer exists), dealt round-robin. Each job is the same code,
