@@ -921,3 +921,96 @@ def test_link_overrides_price_the_copies_and_other_worlds_refuse_them() -> None:
         data.setdefault("cluster", {})["network_bw"] = 1.25e9
         with pytest.raises(ConfigError, match="only the single-model simulator"):
             check_world(config_from_dict(data))
+
+
+# ---------------------------------------------------------- link contention
+
+
+def _migrations(link_contention: bool = True, gpus_per_node: int = 8) -> Any:
+    from fleetserve.config import MigrationConfig
+    from fleetserve.policy.mechanism import KvTransfer
+    from fleetserve.sim.migration import Migrations
+
+    mc = MigrationConfig(link_contention=link_contention)
+    return Migrations(mc, get_gpu("a100-40gb"), gpus_per_node, KvTransfer(), 16)
+
+
+def _task(src: tuple[int, ...], dst: tuple[int, ...]) -> Any:
+    from types import SimpleNamespace
+
+    from fleetserve.sim.migration import MigrationTask
+
+    gpu = get_gpu("a100-40gb")
+    link = intra_node_link(gpu)
+    return MigrationTask(
+        None,  # type: ignore[arg-type]
+        SimpleNamespace(gpus=src),  # type: ignore[arg-type]
+        SimpleNamespace(gpus=dst),  # type: ignore[arg-type]
+        "kv",
+        link,
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    k=st.integers(1, 6),
+    dur=st.floats(1e-4, 2.0),
+    now=st.floats(0.0, 100.0),
+)
+def test_transfers_on_one_port_queue_and_others_do_not_wait(k: int, dur: float, now: float) -> None:
+    """Limiting cases of link contention (issue 22 item 2): one transfer
+    alone takes its own time; ``k`` equal transfers out of one GPU at once
+    end one after another, the last after ``k`` times as long; a transfer on
+    other ports (another pair, or the same GPU receiving: full duplex) does
+    not wait; without ``link_contention`` nobody waits."""
+    m = _migrations()
+    ends = [m._occupy(_task((0,), (1 + i,)), dur, now, shards=True) for i in range(k)]
+    assert ends == pytest.approx([now + (i + 1) * dur for i in range(k)])
+    # GPU 0 receiving (its "in" port) while it sends: no wait, whatever k is
+    assert m._occupy(_task((7,), (0,)), dur, now, shards=True) == now + dur
+    # a pair of other GPUs: no wait
+    assert m._occupy(_task((8,), (9,)), dur, now, shards=True) == now + dur
+    off = _migrations(link_contention=False)
+    assert [off._occupy(_task((0,), (1 + i,)), dur, now, shards=True) for i in range(k)] == [
+        now + dur
+    ] * k
+
+
+def test_sharded_transfers_hold_every_pair_and_token_ids_the_first() -> None:
+    """A tensor-parallel move sends each shard over its own GPU pair: it
+    occupies every pair's ports (a later move out of the second GPU waits),
+    while token ids cross the first pair only; a pair within one GPU is a
+    local copy and occupies nothing; nodes decide intra or network ports."""
+    m = _migrations(gpus_per_node=4)
+    assert m._occupy(_task((0, 1), (2, 3)), 1.0, 0.0, shards=True) == 1.0
+    assert m._occupy(_task((1,), (5,)), 1.0, 0.0, shards=True) == 1.0  # network port: free
+    assert m._occupy(_task((1,), (2,)), 1.0, 0.0, shards=True) == 2.0  # GPU 1's intra out: busy
+    t = _migrations(gpus_per_node=4)
+    assert t._occupy(_task((0, 1), (2, 3)), 1.0, 0.0, shards=False) == 1.0
+    assert t._occupy(_task((1,), (3,)), 1.0, 0.0, shards=True) == 1.0  # token ids left 1 and 3 free
+    assert t._occupy(_task((4,), (4,)), 1.0, 0.0, shards=True) == 1.0  # local: no port
+    assert t._ports(_task((4,), (4,)), shards=True) == []
+
+
+def test_two_moves_out_of_one_gpu_share_its_link() -> None:
+    """End to end: one KV move alone is the same with and without link
+    contention; two long requests moved out of instance 0 at the same epoch
+    (to instances 1 and 2) finish their moves later with it, by no more than
+    the whole of one move's copying, and every request still finishes."""
+    reqs = [Request(0, MODEL, 0.0, 20000, 300), Request(1, MODEL, 0.0, 20000, 300)]
+    both = [Migrate(0, 1, "kv"), Migrate(1, 2, "kv")]
+
+    def run(on: bool, rs: list[Request], acts: list[Migrate]) -> RunResult:
+        c = fixed(3, migration={"link_contention": on}, policy={"dispatch": "best_fit"})
+        res, _ = run_script(c, rs, when(decoding(0, 5), acts))
+        assert_all_finished(res)
+        return res
+
+    one_on, one_off = run(True, reqs[:1], both[:1]), run(False, reqs[:1], both[:1])
+    assert [m.time_s for m in one_on.migrations] == [m.time_s for m in one_off.migrations]
+    on, off = run(True, reqs, both), run(False, reqs, both)
+    assert len(on.migrations) == len(off.migrations) == 2
+    assert {m.src for m in on.migrations} == {0}
+    last_on, last_off = max(m.time_s for m in on.migrations), max(m.time_s for m in off.migrations)
+    copy_s = cost7b().kv_transfer_time(20300, intra_node_link(get_gpu("a100-40gb")))
+    assert last_off < last_on <= last_off + copy_s * 1.01

@@ -275,6 +275,11 @@ class MigrationConfig:
             reads and writes with their iterations
             (:func:`fleetserve.sim.contention.beside_copies`); False: copies
             are free for the GPUs' memory (the model before issue 22).
+        link_contention: transfers that use a GPU's link port at the same time
+            share it: each port carries one transfer at a time, in the order
+            they start (:class:`fleetserve.sim.migration.Migrations`); False:
+            concurrent transfers each get the whole link (the model before
+            session 22).
     """
 
     mechanism: str | None = None
@@ -284,6 +289,7 @@ class MigrationConfig:
     max_stages: int = 8
     final_blocks: int = 1
     copy_contention: bool = True
+    link_contention: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "epoch_s", "link_share", "compute_share", "max_stages", "final_blocks")

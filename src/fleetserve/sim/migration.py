@@ -60,8 +60,22 @@ Modelling choices:
   ``1/tp`` share in parallel, so a copy takes ``latency + bytes / tp /
   bandwidth`` (:meth:`InstanceCost.kv_transfer_time`); records count all
   bytes. Token ids are sent once: ``latency + 4 * tokens / bandwidth``.
-  Concurrent transfers do not slow each other down (the adaptive mechanism
-  budgets link use per epoch).
+* Link contention (``migration.link_contention``, on by default): each GPU
+  has four link ports (:class:`~fleetserve.policy.mechanism.LinkPort`: out
+  and in, of its intra-node and of its network link; full duplex). A
+  transfer occupies the ports of every GPU pair its shards cross (the
+  pairing of :func:`~fleetserve.policy.mechanism.link_charges`; token ids
+  cross the first pair only) from its start to its end, and a port carries
+  one transfer at a time, in the order transfers start: a transfer begins
+  when all its ports are free, so two moves out of one GPU take twice as long
+  in all as one. This is first-come-first-served rather than fair sharing:
+  the last of ``k`` equal concurrent transfers ends at the same time under
+  both, the first ones earlier here. Modelling choices where the papers are
+  silent: a queued transfer's HBM load
+  (``copy_contention``) counts from the moment it is queued, and an aborted
+  move keeps the port time its transfer in flight had taken. Before session
+  22, concurrent transfers each got the whole link (``link_contention:
+  false``); the adaptive mechanism budgets link use per epoch either way.
 * Bytes are counted per token (``kv_bytes(tokens)``), not per whole block;
   "blocks left" is ``ceil(unsent tokens / block_size)``.
 * A request "lives" on its source until it is attached to (or queued at) the
@@ -93,7 +107,13 @@ from typing import TYPE_CHECKING
 from fleetserve.cluster.state import blocks_for
 from fleetserve.costmodel.transfer import Link, intra_node_link, network_link, transfer_time
 from fleetserve.metrics.records import MigrationRecord
-from fleetserve.policy.mechanism import MODES, MechanismContext, MigrationMechanism, PendingMove
+from fleetserve.policy.mechanism import (
+    MODES,
+    LinkPort,
+    MechanismContext,
+    MigrationMechanism,
+    PendingMove,
+)
 from fleetserve.sim.events import ITER_END, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq
 
@@ -226,6 +246,7 @@ class Migrations:
         # Told the request id of every aborted or dropped move (the simulator
         # passes MigrationPolicy.on_move_aborted).
         self.on_abort: Callable[[int], None] = _ignore
+        self._port_free: dict[LinkPort, float] = {}  # when each busy port is free again
 
     # ------------------------------------------------------------- planning
     def plan_move(self, seq: Seq, dst: Instance, mode: str | None) -> None:
@@ -333,7 +354,8 @@ class Migrations:
         t.stages += 1
         t.phase = STAGE
         self._copy_start(t, now, ev)
-        ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, STAGE)))
+        end = self._occupy(t, cost.kv_transfer_time(tokens, t.link), now, shards=True)
+        ev.append((end, TRANSFER, (t, STAGE)))
 
     def _stop_and_copy(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
         kv = t.seq.kv_tokens  # what it holds once the iteration in flight ends
@@ -363,7 +385,8 @@ class Migrations:
         t.bytes = nbytes
         t.phase = TRANSIT
         self.transit[seq.id] = t
-        ev.append((now + transfer_time(nbytes, t.link), TRANSFER, (t, TRANSIT)))
+        end = self._occupy(t, transfer_time(nbytes, t.link), now, shards=False)
+        ev.append((end, TRANSFER, (t, TRANSIT)))
 
     # --------------------------------------------------------------- events
     def on_event(self, payload: tuple[MigrationTask, str], now: float) -> list[Event]:
@@ -438,7 +461,8 @@ class Migrations:
         t.sent = kv
         t.phase = FINAL_COPY
         self._copy_start(t, now, ev)
-        ev.append((now + cost.kv_transfer_time(tokens, t.link), TRANSFER, (t, FINAL_COPY)))
+        end = self._occupy(t, cost.kv_transfer_time(tokens, t.link), now, shards=True)
+        ev.append((end, TRANSFER, (t, FINAL_COPY)))
 
     def _attach(self, t: MigrationTask, now: float) -> None:
         t.dst.attach(t.seq, t.held_tokens, t.reserved)
@@ -460,6 +484,34 @@ class Migrations:
         t.phase = DONE
         t.held_tokens = 0
         self._unref(t, dst=True)
+
+    def _ports(self, t: MigrationTask, shards: bool) -> list[LinkPort]:
+        """The link ports a transfer of ``t`` crosses: each GPU pair of its
+        shards (``shards``: KV, paired as ``link_charges`` pairs them), or the
+        first pair only (token ids); a pair within one GPU crosses none."""
+        src, dst = t.src.gpus, t.dst.gpus
+        n = max(len(src), len(dst)) if shards else 1
+        gpn = self.gpus_per_node
+        ports: list[LinkPort] = []
+        for k in range(n):
+            s, d = src[k % len(src)], dst[k % len(dst)]
+            if s != d:
+                kind = "intra" if s // gpn == d // gpn else "inter"
+                ports += (LinkPort(s, "out", kind), LinkPort(d, "in", kind))
+        return ports
+
+    def _occupy(self, t: MigrationTask, seconds: float, now: float, *, shards: bool) -> float:
+        """When a transfer of ``seconds`` on its own, started now, ends: after
+        every port it crosses is free (``link_contention``), each port then
+        busy until that end."""
+        if not self.cfg.link_contention:
+            return now + seconds
+        ports = self._ports(t, shards)
+        start = max([now] + [self._port_free.get(p, now) for p in ports])
+        end = start + seconds
+        for p in ports:
+            self._port_free[p] = end
+        return end
 
     def _copy_start(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
         """A KV copy of ``t`` starts: both ends' HBM serves it beside their
