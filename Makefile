@@ -60,6 +60,12 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session22.json.gz: migrations' transfers share their GPUs' link ports
+# (migration.link_contention, issue 22 item 2): 20 runs differ from
+# session19.json.gz, Mell's mell and mell-nobatch (16), llumnix (3) and the
+# compare run's mell: GPU-hours by <= 0.3%, peak GPUs by <= 1, normalized
+# latency by <= 0.6%, migrations by <= 7%; with link_contention: false every
+# run is identical to session19.json.gz (docs/reproduce-mell.md);
 # session19.json.gz: a request alone past its service's ADBS quota may run
 # (GroupScheduler.kv_allows, a liveness rule the runtime engine needed: quotas
 # move only from services without queues, so two services whose queued heads
@@ -87,7 +93,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session19.json.gz
+	  --check benchmarks/fingerprints/session22.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
