@@ -165,16 +165,28 @@ def link_charges(move: PendingMove, gpus_per_node: int) -> dict[LinkPort, int]:
     out: dict[LinkPort, int] = {}
     if move.kv_bytes <= 0 or not move.src_gpus or not move.dst_gpus:
         return out
-    n = max(len(move.src_gpus), len(move.dst_gpus))
-    shard = -(-move.kv_bytes // n)
-    for k in range(n):
-        s = move.src_gpus[k % len(move.src_gpus)]
-        d = move.dst_gpus[k % len(move.dst_gpus)]
-        if s == d:
-            continue
-        kind = "intra" if s // gpus_per_node == d // gpus_per_node else "inter"
-        for port in (LinkPort(s, "out", kind), LinkPort(d, "in", kind)):
+    shard = -(-move.kv_bytes // max(len(move.src_gpus), len(move.dst_gpus)))
+    for pair in shard_ports(move.src_gpus, move.dst_gpus, gpus_per_node):
+        for port in pair:
             out[port] = out.get(port, 0) + shard
+    return out
+
+
+def shard_ports(
+    src_gpus: Sequence[int], dst_gpus: Sequence[int], gpus_per_node: int
+) -> list[tuple[LinkPort, LinkPort]]:
+    """The (``out``, ``in``) ports each shard of a transfer from ``src_gpus``
+    to ``dst_gpus`` crosses, paired as :func:`link_charges` describes (shard
+    ``k``: ``src[k % len(src)]`` to ``dst[k % len(dst)]``); a shard within one
+    GPU crosses none."""
+    if not src_gpus or not dst_gpus:
+        return []
+    out: list[tuple[LinkPort, LinkPort]] = []
+    for k in range(max(len(src_gpus), len(dst_gpus))):
+        s, d = src_gpus[k % len(src_gpus)], dst_gpus[k % len(dst_gpus)]
+        if s != d:
+            kind = "intra" if s // gpus_per_node == d // gpus_per_node else "inter"
+            out.append((LinkPort(s, "out", kind), LinkPort(d, "in", kind)))
     return out
 
 

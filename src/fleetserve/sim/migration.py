@@ -113,6 +113,7 @@ from fleetserve.policy.mechanism import (
     MechanismContext,
     MigrationMechanism,
     PendingMove,
+    shard_ports,
 )
 from fleetserve.sim.events import ITER_END, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance, Seq
@@ -489,16 +490,8 @@ class Migrations:
         """The link ports a transfer of ``t`` crosses: each GPU pair of its
         shards (``shards``: KV, paired as ``link_charges`` pairs them), or the
         first pair only (token ids); a pair within one GPU crosses none."""
-        src, dst = t.src.gpus, t.dst.gpus
-        n = max(len(src), len(dst)) if shards else 1
-        gpn = self.gpus_per_node
-        ports: list[LinkPort] = []
-        for k in range(n):
-            s, d = src[k % len(src)], dst[k % len(dst)]
-            if s != d:
-                kind = "intra" if s // gpn == d // gpn else "inter"
-                ports += (LinkPort(s, "out", kind), LinkPort(d, "in", kind))
-        return ports
+        src, dst = (t.src.gpus, t.dst.gpus) if shards else (t.src.gpus[:1], t.dst.gpus[:1])
+        return [p for pair in shard_ports(src, dst, self.gpus_per_node) for p in pair]
 
     def _occupy(self, t: MigrationTask, seconds: float, now: float, *, shards: bool) -> float:
         """When a transfer of ``seconds`` on its own, started now, ends: after
