@@ -1276,7 +1276,7 @@ class Controller:
             # nothing moves, the controller may release the source, and that
             # release must reach its worker after this call (Ray keeps order)
             let_go = src.handle.release.remote(t.id) if src.alive else None
-            if t.done:  # the client left, or its last token came, while it moved
+            if t.done:  # the client left while it moved
                 await self._call_quietly(dst.handle.abort.remote(t.id))
             t.instance = dst_iid
             dst.pending[t.id] = Pending(
