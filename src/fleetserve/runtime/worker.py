@@ -1230,9 +1230,10 @@ class Worker:
         """Give the engine's weights and arena back; True once it sleeps.
 
         The controller releases a worker when its view shows no request there,
-        but calls cross on the way: a request can still be on the engine (a
-        submit or a move that was sent before the release and arrives first).
-        Such a worker sleeps as soon as its last request left, looked at every
+        but that view is as old as the worker's last report and calls cross on
+        the way: a request can still be on the engine when the release arrives
+        (seen in CI: one paused for a move, until the move's release). Such a
+        worker sleeps as soon as its last request left, looked at every
         ``SLEEP_RETRY_S``; an activation received meanwhile wins (False: it
         stays awake, and active). Before, the release was refused for good and
         the worker kept its weights while inactive."""
