@@ -65,8 +65,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# how often a worker released with requests still on it looks whether they left
+# how often a worker released with requests still on it looks whether they left,
+# and after how long it logs that they did not
 SLEEP_RETRY_S = 0.05
+SLEEP_WARN_S = 60.0
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -1238,11 +1240,21 @@ class Worker:
         stays awake, and active). Before, the release was refused for good and
         the worker kept its weights while inactive."""
         gen = self._activations
+        waited = 0.0
         while True:
             if await self._call(self.core.deactivate):
                 return True
             if self._stopped or self._activations != gen:
                 return False
+            if waited < SLEEP_WARN_S <= waited + SLEEP_RETRY_S:  # once: a request that never leaves
+                held = await self._call(lambda: sorted(self.core.engine.requests))
+                logger.warning(
+                    "worker %d: released %.0f s ago but requests %s are still here",
+                    self.core.spec.worker_id,
+                    SLEEP_WARN_S,
+                    held,
+                )
+            waited += SLEEP_RETRY_S
             await asyncio.sleep(SLEEP_RETRY_S)
 
     async def check_integrity(self) -> None:
