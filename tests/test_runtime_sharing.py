@@ -262,16 +262,22 @@ def test_serve_engines_read_the_simulators_engine_keys() -> None:
     assert core.deactivate() and core.snapshot().asleep
 
 
-def test_a_released_worker_sleeps_once_its_last_request_left() -> None:
+def test_a_released_worker_sleeps_once_its_last_request_left(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A release can reach a worker before the call that takes its last
     request away (a move's release of the source, an abort): the worker
     sleeps as soon as that request left, and an activation that comes
-    meanwhile wins (it stays awake). Found in CI: Mell released a move's
-    source between the move's end and the source letting the request go."""
+    meanwhile wins (it stays awake). Found in CI: Mell released a worker
+    while a request paused for a move was still on it, and it kept its
+    weights. A release that waits too long logs the requests that stay."""
     from fleetserve.runtime import cluster
+    from fleetserve.runtime import worker as worker_mod
     from fleetserve.runtime.engine.sampling import SamplingParams
     from fleetserve.runtime.worker import SLEEP_RETRY_S, Worker
 
+    # a release still waiting after SLEEP_WARN_S says which requests stay
+    monkeypatch.setattr(worker_mod, "SLEEP_WARN_S", 1.5 * SLEEP_RETRY_S)
     data: dict[str, Any] = {"serve": {"workers": 1, "gpu_memory_mb": 48, "models": [A]}}
     cfg = config_from_dict(serve_config_dict(data))
     (spec,) = cluster.worker_specs(cfg, cluster.served_models(cfg))
@@ -299,6 +305,8 @@ def test_a_released_worker_sleeps_once_its_last_request_left() -> None:
             w._thread.shutdown(wait=True)
 
     assert asyncio.run(scenario()) == (True, True, True, True)
+    warned = [r.getMessage() for r in caplog.records if "still here" in r.getMessage()]
+    assert warned and "[1]" in warned[0]
 
 
 # ------------------------------------------------------------------ end to end
