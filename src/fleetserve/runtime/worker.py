@@ -1240,13 +1240,14 @@ class Worker:
         stays awake, and active). Before, the release was refused for good and
         the worker kept its weights while inactive."""
         gen = self._activations
-        waited = 0.0
+        warn_at: float | None = time.monotonic() + SLEEP_WARN_S
         while True:
             if await self._call(self.core.deactivate):
                 return True
             if self._stopped or self._activations != gen:
                 return False
-            if waited < SLEEP_WARN_S <= waited + SLEEP_RETRY_S:  # once: a request that never leaves
+            if warn_at is not None and time.monotonic() >= warn_at:  # a request that never leaves
+                warn_at = None
                 held = await self._call(lambda: sorted(self.core.engine.requests))
                 logger.warning(
                     "worker %d: released %.0f s ago but requests %s are still here",
@@ -1254,7 +1255,6 @@ class Worker:
                     SLEEP_WARN_S,
                     held,
                 )
-            waited += SLEEP_RETRY_S
             await asyncio.sleep(SLEEP_RETRY_S)
 
     async def check_integrity(self) -> None:

@@ -63,8 +63,9 @@ Modelling choices:
 * Link contention (``migration.link_contention``, on by default): each GPU
   has four link ports (:class:`~fleetserve.policy.mechanism.LinkPort`: out
   and in, of its intra-node and of its network link; full duplex). A
-  transfer occupies the ports of every GPU pair its shards cross (the
-  pairing of :func:`~fleetserve.policy.mechanism.link_charges`; token ids
+  transfer occupies the ports of every GPU pair its shards cross
+  (:func:`~fleetserve.policy.mechanism.shard_ports`, the pairing the
+  adaptive mechanism's budgets use; token ids
   cross the first pair only) from its start to its end, and a port carries
   one transfer at a time, in the order transfers start: a transfer begins
   when all its ports are free, so two moves out of one GPU take twice as long
@@ -488,7 +489,7 @@ class Migrations:
 
     def _ports(self, t: MigrationTask, shards: bool) -> list[LinkPort]:
         """The link ports a transfer of ``t`` crosses: each GPU pair of its
-        shards (``shards``: KV, paired as ``link_charges`` pairs them), or the
+        shards (``shards``: KV, paired by ``shard_ports``), or the
         first pair only (token ids); a pair within one GPU crosses none."""
         src, dst = (t.src.gpus, t.dst.gpus) if shards else (t.src.gpus[:1], t.dst.gpus[:1])
         return [p for pair in shard_ports(src, dst, self.gpus_per_node) for p in pair]

@@ -103,7 +103,7 @@ def _job_py(
         t0 = blk * bs
         nxt = tab[b, blk + 1, h] if blk + 1 < nblk else page
         for r in range(min(bs, length - t0)):  # key rows first in a page
-            for e in range(0, d, _LINE):  # the next block's key rows (see _job_py)
+            for e in range(0, d, _LINE):  # the next block's key rows (see above)
                 _prefetch(kv, nxt, r, e)
             for j in range(g):
                 dot = np.float32(0.0)
