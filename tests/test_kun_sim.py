@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.costmodel import CostModel
+from fleetserve.costmodel.params import EfficiencyParams
 from fleetserve.costmodel.pipeline import PipelineCost
 from fleetserve.costmodel.transfer import Link
 from fleetserve.errors import ConfigError, UnknownNameError
@@ -393,6 +394,136 @@ def test_prefill_micro_batch_and_decode_round_parts() -> None:
         rnd, b_busy = pc.decode_round(b, b * 700.0)
         assert rnd == pytest.approx(pc.decode_time(b, b * 700.0), rel=1e-12)
         assert 0 < b_busy <= rnd
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.sampled_from([(48,), (24, 24), (12, 12, 12, 12), (30, 18)]),
+    batch=st.integers(1, 256),
+    ctx=st.integers(1, 6000),
+    moved=st.floats(0, 1.0),
+    src=st.integers(0, 3),
+    dst=st.integers(0, 3),
+)
+def test_remote_reads_move_work_between_stages(
+    stages: tuple[int, ...], batch: int, ctx: int, moved: float, src: int, dst: int
+) -> None:
+    """Remote attention's limiting cases (``moved_kv``): no reads moved is the
+    round without them, bit for bit; a replica reads them as context; within a
+    pipeline the reads move from the owner's stage to the source's, so the
+    critical path stays and the busy time of the stage that gains them grows by
+    their HBM time (on balanced stages the busiest stage never gets faster)."""
+    cost = CostModel().bind(get_model(MODEL), get_gpu(GPU), 1)
+    pc = PipelineCost(cost, list(stages), Link(25e9, 30e-6))
+    k = len(stages)
+    total = float(batch * ctx)
+    plain = pc.decode_round(batch, total)
+    assert pc.decode_round(batch, total, moved_kv=[0.0] * k) == plain
+    x = moved * total  # never more than the batch reads
+    if k == 1:
+        assert pc.decode_round(batch, total, moved_kv=[x]) == pc.decode_round(batch, total + x)
+        return
+    src, dst = src % k, dst % k
+    shift = [0.0] * k
+    shift[src] += x
+    shift[dst] -= x
+    rnd, busy = pc.decode_round(batch, total, moved_kv=shift)
+    if len(set(stages)) == 1:  # balanced stages: moving work never evens them out
+        assert busy >= plain[1] - 1e-12
+    read = cost.kv_read_s(batch, x)
+    assert busy <= plain[1] + read + 1e-12
+    if src != dst and stages[src] == max(stages):  # the busiest stage gains them all
+        assert busy == pytest.approx(plain[1] + read, rel=1e-9, abs=1e-12)
+    # the critical path does not change: the round is it or the busiest stage
+    assert busy <= rnd <= max(plain[0], busy) + 1e-12
+    with pytest.raises(ValueError, match="one count per stage"):
+        pc.decode_round(batch, total, moved_kv=[0.0] * (k + 1))
+
+
+def test_kv_read_is_the_kv_part_of_a_decode_memory_traffic() -> None:
+    ops = set()
+    for params in (EfficiencyParams(), None):  # the roofline form, the calibrated per-op form
+        cost = CostModel(params).bind(get_model(MODEL), get_gpu(GPU), 1)
+        ops.add(cost.params.per_operation)
+        for b in (1, 8, 64):
+            diff = cost.decode_memory_s(b, 5000.0) - cost.decode_memory_s(b, 0.0)
+            assert cost.kv_read_s(b, 5000.0) == pytest.approx(diff, rel=1e-9)
+    assert ops == {False, True}
+
+
+def test_a_lone_victims_source_stage_reads_its_kv_until_the_pieces_arrive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One long request on one of two replicas, then a burst: at the drop it is
+    the only victim, so until its KV for the other stage's layers has crossed,
+    the stage it came from runs that attention (+ its KV x 24 / 48 layers) and
+    the owner does not (the same, negative). At the live restore it goes back to
+    one replica, which does not read the half of its KV still on the other
+    one until it has crossed. With ``remote_reads`` off nothing is counted."""
+    spec = [(0.0, 6000, 2000)] + [(2.0 + 0.01 * i, 500, 40) for i in range(80)]
+    wl = _reqs(spec)
+    seen: dict[bool, list[tuple[list[float], int]]] = {}
+    orig = KunSimulator._moved_kv
+
+    def spy(self: KunSimulator, exe: Any) -> list[float] | None:
+        out = orig(self, exe)
+        if out is not None:
+            victim = self.seqs[0]
+            assert victim is not None
+            seen[self.remote_reads].append((out, victim.kv_tokens))
+        return out
+
+    monkeypatch.setattr(KunSimulator, "_moved_kv", spy)
+    for rr in (False, True):
+        seen[rr] = []
+        settings = KunSettings(pressure="kunserve", exchange="live")
+        sim = _sim(
+            wl, "kunserve", settings=settings, kv_tokens=12000, network_gbps=10, remote_reads=rr
+        )
+        sim.run()
+        assert sim.drops >= 1
+    assert not seen[False]
+    pipeline = [(moved, kv) for moved, kv in seen[True] if len(moved) == 2]
+    replicas = [(moved[0], kv) for moved, kv in seen[True] if len(moved) == 1]
+    assert pipeline  # the drop's exchange
+    for moved, kv in pipeline:
+        assert sorted(moved) == [-kv / 2, kv / 2]
+    # the live restore: its replica no longer reads the half of its KV that is
+    # still on the other one (which has no request of its own to decode here)
+    assert replicas
+    for x, kv in replicas:
+        assert x == -kv / 2
+
+
+def test_restored_replicas_read_each_others_remote_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two long requests, one per replica, then a burst: after the drop and the
+    live restore each goes back to its own replica, whose GPU reads its own
+    half of the other's KV until that half has crossed (+) and no longer reads
+    its own request's half still on the other one (-): a replica's count is
+    the sum of the pieces still pending."""
+    spec = [(0.0, 6000, 2000), (0.01, 3000, 2000)] + [(2.0 + 0.01 * i, 500, 40) for i in range(80)]
+    calls: list[tuple[tuple[int, ...], list[float], int, int]] = []
+    orig = KunSimulator._moved_kv
+
+    def spy(self: KunSimulator, exe: Any) -> list[float] | None:
+        out = orig(self, exe)
+        if out is not None and exe.k == 1:
+            a, b = self.seqs[0], self.seqs[1]
+            assert a is not None and b is not None
+            calls.append((exe.members, out, a.kv_tokens, b.kv_tokens))
+        return out
+
+    monkeypatch.setattr(KunSimulator, "_moved_kv", spy)
+    settings = KunSettings(pressure="kunserve", exchange="live")
+    sim = _sim(_reqs(spec), "kunserve", settings=settings, kv_tokens=12000, network_gbps=10)
+    sim.run()
+    assert sim.restores >= 1 and calls
+    signs = set()
+    for members, (x,), kv0, kv1 in calls:
+        mine, other = (kv0, kv1) if members == (0,) else (kv1, kv0)
+        assert x in {(other - mine) / 2, -mine / 2, other / 2}, (members, x, kv0, kv1)
+        signs.add(x > 0)
+    assert signs == {True, False}
 
 
 def _long_prompts(n: int, prompt: int = 6000, out: int = 2) -> list[Request]:

@@ -479,6 +479,11 @@ class KunConfigSection:
         network_gbps: per-GPU network bandwidth (None: the GPU's).
         gpus_per_node: GPUs per server (None: the GPU's); KunServe's testbed
             has one GPU per server.
+        remote_reads: remote attention during a live exchange or restore
+            reads the victims' KV on the GPU that still holds it, which then
+            does that work instead of the layers' owner
+            (:mod:`fleetserve.costmodel.pipeline`); False: every layer's
+            attention is priced as if local (the model before session 23).
         exchange, live_restore, strategy, static_stages, horizon_s, window_s,
             monitor_interval_s, restore_threshold, restore_min_s,
             restore_from, max_batch_slowdown, swap_max_out: override the
@@ -498,6 +503,7 @@ class KunConfigSection:
     spare_instances: int = 0
     network_gbps: float | None = None
     gpus_per_node: int | None = None
+    remote_reads: bool = True
     exchange: str | None = None
     live_restore: bool | None = None
     strategy: str | None = None

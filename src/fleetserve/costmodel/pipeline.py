@@ -33,6 +33,27 @@ a)``. For ``k = 1`` the round is exactly the replica's iteration time.
 ``extra_j`` is time a micro-batch spends on anything else on its critical
 path (remote-attention round trips of KunServe's live KV exchange).
 
+*Remote attention moves work between GPUs.* While a request's KV for some
+layers still lies on another GPU (KunServe's live exchange and live
+restore), that GPU runs the request's attention for those layers: it reads
+that KV, and the GPU that owns the layers does not. ``moved_kv[s]`` counts
+these reads per stage, in KV tokens of the whole model (token-layers divided
+by ``L``): positive for the reads stage ``s`` runs for layers it does not
+own, negative for its own layers' reads that run elsewhere. Each stage's
+busy time changes by :meth:`~fleetserve.costmodel.roofline.InstanceCost.kv_read_s`
+of its count (never below 0)::
+
+    busy_s = sum_j (o + f_s c_j) + kv_read(moved_kv[s])
+
+Within one pipeline the counts sum to 0 (the work moves, it is not added),
+so a micro-batch's critical path is unchanged; what changes is the busiest
+stage: right after a merge each source still reads its own victims' KV for
+every layer. A replica (``k = 1``) reads ``ctx_total + moved_kv[0]`` tokens
+(through the roofline, like any context). A remote read runs on the
+source GPU between its own kernels, at its full HBM bandwidth (attention
+over a long context is memory-bound); its time counts from the next round
+the source starts, not within a round already in flight.
+
 Micro-batching choices: decode requests are split into ``m`` near-equal
 groups, the KV context divided in proportion; prompts (never split, no
 chunked prefill) go to ``m`` bins by longest-processing-time first.
@@ -105,10 +126,17 @@ class PipelineCost:
         return max(lat, busy)
 
     def decode_round(
-        self, batch: int, ctx_total: float, extra_s: float = 0.0, share: float = 1.0
+        self,
+        batch: int,
+        ctx_total: float,
+        extra_s: float = 0.0,
+        share: float = 1.0,
+        moved_kv: Sequence[float] | None = None,
     ) -> tuple[float, float]:
         """One decode round alone: ``(round time, busiest stage's busy time)``
-        (arguments as :meth:`decode_time`, which is its first value).
+        (arguments as :meth:`decode_time`, which is its first value;
+        ``moved_kv``, one count per stage: remote attention, see the module
+        docstring).
 
         Their ratio is the share of the busiest stage the round keeps busy,
         which :class:`~fleetserve.sim.contention.BandwidthSharing` divides
@@ -117,7 +145,11 @@ class PipelineCost:
         """
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if moved_kv is not None and len(moved_kv) != self.k:
+            raise ValueError(f"moved_kv needs one count per stage ({self.k}), got {len(moved_kv)}")
         if self.k == 1:
+            if moved_kv is not None:
+                ctx_total = max(ctx_total + moved_kv[0], 0.0)
             t = self.cost.decode_time_scalar(batch, ctx_total, share) + extra_s
             return t, t
         m = min(self.k, batch)
@@ -135,7 +167,14 @@ class PipelineCost:
             path = k * o + c + (k - 1) * self.hop_time(b)
             lat = max(lat, path + extra_s if first else path)
             first = False
-        busy = m * o + max(self._frac) * sum_c
+        if moved_kv is None:
+            busy = m * o + max(self._frac) * sum_c
+        else:
+            read = self.cost.kv_read_s
+            busy = m * o + max(
+                max(f * sum_c + read(batch, x), 0.0)
+                for f, x in zip(self._frac, moved_kv, strict=True)
+            )
         return max(lat, busy), busy
 
     def prefill_micro_batch(self, prompt_lens: Sequence[int]) -> tuple[float, float]:

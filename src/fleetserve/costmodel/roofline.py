@@ -527,6 +527,16 @@ class InstanceCost:
             return scale * (self._m_w + kv + batch * self._m_elem)
         return scale * (self._m_w + batch * self._m_kv + float(ctx_total) * self._m_kv)
 
+    def kv_read_s(self, batch: int, tokens: float) -> float:
+        """Seconds of HBM traffic of reading ``tokens`` KV tokens (all layers)
+        within a decode iteration of ``batch`` sequences: the KV-read part of
+        :meth:`decode_memory_s` (``decode_memory_s(b, x) - decode_memory_s(b,
+        0)``, the decode batch scale included). KunServe's remote attention
+        moves such reads from one GPU to another (:mod:`fleetserve.costmodel.pipeline`);
+        negative ``tokens`` are reads a GPU no longer does."""
+        scale = self.params.decode_scale(batch) if self._scaled else 1.0
+        return scale * float(tokens) * (self._m_kva if self._op else self._m_kv)
+
     def decode_memory(
         self, batch: int, ctx_total: npt.NDArray[np.number[Any]]
     ) -> npt.NDArray[np.float64]:

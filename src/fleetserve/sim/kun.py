@@ -93,7 +93,9 @@ runtime's controller calls too; the simulator shows it its executors
    at a time per link, victims in arrival order). ``live``: victims keep
    decoding, with attention for layers not yet moved run on the source
    (remote attention: per such layer, the query and new K/V go out and the
-   attention output comes back, on the critical path of the iteration),
+   attention output comes back, on the critical path of the iteration; the
+   source GPU reads that KV instead of the layers' owner, so the work moves
+   between the stages' busy times, see :meth:`KunSimulator._moved_kv`),
    and KV chunks yield the link to activations. The chunk size is what fits
    the gap between two activation transfers (``bandwidth x gap``, from the
    cost model's round time: the profiled gap of the paper), so the chunks
@@ -550,6 +552,7 @@ class KunSimulator:
         kv_tokens: int | None = None,
         network_gbps: float | None = None,
         gpus_per_node: int | None = None,
+        remote_reads: bool = True,
         cost: CostModel | None = None,
         seed: int = 0,
         max_num_seqs: int = 256,
@@ -598,6 +601,7 @@ class KunSimulator:
                     f"request {r.id} is for model {r.model!r}; this deployment serves {spec.name}"
                 )
         self.tp = tp
+        self.remote_reads = bool(remote_reads)
         self.n = instances + spare_instances  # every instance, active or not
         self.active = [m < instances for m in range(self.n)]
         self.active_since: dict[int, float] = dict.fromkeys(range(instances), 0.0)
@@ -634,6 +638,9 @@ class KunSimulator:
         self.reloading = [0] * n  # bytes of a reload in flight
         self.corr = [0] * n
         self.pend_in = [0] * n  # token-layers committed to pieces not reserved yet
+        # live pieces by source instance: the remote attention each instance runs
+        # for requests decoding elsewhere (empty sets are removed)
+        self.live_src: dict[int, set[Piece]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.watermark = watermark
@@ -1225,7 +1232,8 @@ class KunSimulator:
         exe.inflight = B
         ctx = exe.sum_base + B * exe.steps + B
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
-        t, busy = exe.pcost.decode_round(B, ctx, extra)
+        moved = self._moved_kv(exe) if self.live_src and self.remote_reads else None
+        t, busy = exe.pcost.decode_round(B, ctx, extra, moved_kv=moved)
         if exe.live_pieces:
             hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
             share = 1.0 - min(0.95, (hop + extra) / t)
@@ -1241,6 +1249,28 @@ class KunSimulator:
             self._retime(exe, now, _DECODE_JOB)
         else:
             self._push_iter(exe, now + t)
+
+    def _moved_kv(self, exe: Executor) -> list[float] | None:
+        """Per stage of ``exe``, the KV (tokens of the whole model) its GPU reads
+        for remote attention, less what other GPUs read for its own layers
+        (:mod:`fleetserve.costmodel.pipeline`): a live piece's request, while it
+        decodes, has its attention for the piece's layers run on the piece's
+        source over its current KV. None when no member takes part."""
+        stage = {m: i for i, m in enumerate(exe.members)}
+        tl = [0] * exe.k
+        touched = False
+        for m, i in stage.items():
+            for p in self.live_src.get(m, ()):
+                if p.seq.state == "running":
+                    tl[i] += p.layers * p.seq.kv_tokens
+                    touched = True
+        for p in exe.live_pieces:
+            if not p.cancelled and p.seq.state == "running":
+                tl[stage[p.dst]] -= p.layers * p.seq.kv_tokens
+                touched = True
+        if not touched:
+            return None
+        return [x / self.L for x in tl]
 
     def _remote_overhead(self, exe: Executor) -> float:
         """Remote-attention round trips of live victims, per iteration: for each
@@ -1372,6 +1402,7 @@ class KunSimulator:
             s.pieces.append(p)
             if p.live:
                 exe.live_pieces.add(p)
+                self.live_src.setdefault(p.src, set()).add(p)
             self._enqueue_transfer(self._chan(p.src, p.dst), self._piece_transfer(p, exe), now)
 
     def _piece_transfer(self, p: Piece, exe: Executor) -> Transfer:
@@ -1393,6 +1424,7 @@ class KunSimulator:
             s = p.seq
             s.pieces.remove(p)
             exe.live_pieces.discard(p)
+            self._unlive(p)
             if not s.pieces and s.state == "stalled":
                 exe.stalled.pop(s.id)
                 s.state = "transit"
@@ -1422,7 +1454,16 @@ class KunSimulator:
                 p.transfer.cancelled = True
             if exe is not None:
                 exe.live_pieces.discard(p)
+            self._unlive(p)
         s.pieces = []
+
+    def _unlive(self, p: Piece) -> None:
+        """``p`` no longer runs remote attention on its source."""
+        at = self.live_src.get(p.src)
+        if at is not None:
+            at.discard(p)
+            if not at:
+                del self.live_src[p.src]
 
     def _untrack(self, exe: Executor, s: KSeq, now: float) -> None:
         if s.tracked_since is None:
@@ -2043,6 +2084,9 @@ class KunSimulator:
             if s3 is not None and s3.state == "transit" and s3.id not in seen:
                 place(s3, "in transit")
         assert members_seen == {m for m in range(self.n) if self.active[m]}
+        live = {p for e in self.execs.values() for p in e.live_pieces}
+        assert {p for at in self.live_src.values() for p in at} == live, "live pieces by source"
+        assert all(self.live_src.values()), "an empty set of live pieces is kept"
         assert corr == self.corr, (corr, self.corr)
         assert pend == self.pend_in, (pend, self.pend_in)
         for m in range(self.n):

@@ -86,6 +86,7 @@ def _simulator(
         kv_tokens=kc.kv_tokens,
         network_gbps=kc.network_gbps,
         gpus_per_node=kc.gpus_per_node,
+        remote_reads=kc.remote_reads,
         cost=cost,
         seed=cfg.seed,
         max_num_seqs=cfg.engine.max_num_seqs,
