@@ -18,6 +18,11 @@ peaked:
 
 ``C`` is read from the run's note (``... capped to N KV tokens ...``).
 
+Since session 23 every single-model run's ``summary.json`` has the prompt-only
+count's maximum over samples as ``gpus.lower_bound_large`` (and
+``gpus.lower_bound`` takes the larger bound at each sample); this script still
+shows the counts at the peak and the estimate with generated tokens.
+
 Run: ``.venv/bin/python benchmarks/mell_peak_bound.py results/s22/mell``.
 """
 

@@ -30,7 +30,7 @@ from fleetserve.metrics import (
     write_run,
 )
 from fleetserve.metrics.plots import _downsample, plot_timeseries
-from fleetserve.metrics.summary import gpu_step
+from fleetserve.metrics.summary import gpu_step, large_request_counts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -188,7 +188,65 @@ def test_summary_gpus() -> None:
     assert g["gpu_hours"] == pytest.approx(41 / 3600)
     # demand / 100 bytes per GPU: ceil of 0, 1.5, 2.5, 4.01, 1 -> max 5
     assert g["lower_bound"] == 5
+    assert g["lower_bound_kv"] == 5
+    assert g["lower_bound_large"] is None  # no instance capacity: not the single-model world
     assert summarize(make_result(kv_bytes_per_gpu=None))["gpus"]["lower_bound"] is None
+
+
+def test_large_requests_bound_the_gpus_at_each_sample() -> None:
+    """Prompts of 10 tokens on instances of 19 tokens (2 GPUs each): every
+    request is large. In flight at t = 0, 5, 10, 15, 20 (rejected ones left
+    out; request 7 never finishes): 1, 2, 2, 1, 1 -> x 2 GPUs. The combined
+    bound takes the larger of the two at each sample: KV 0, 2, 3, 5, 1."""
+    res = make_result()
+    res.instance_kv_tokens = 19
+    res.config["cluster"] = {"tp": 2}
+    assert large_request_counts(res.records, res.timeseries.t, 19) == [1, 2, 2, 1, 1]
+    g = summarize(res)["gpus"]
+    assert g["lower_bound_large"] == 4
+    assert g["lower_bound_kv"] == 5
+    assert g["lower_bound"] == 5  # max over samples of (2, 4, 4, 5, 2)
+    res.instance_kv_tokens = 20  # a prompt of exactly half is not large
+    assert large_request_counts(res.records, res.timeseries.t, 20) == [0] * 5
+    assert summarize(res)["gpus"]["lower_bound_large"] == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.floats(0, 50),
+            st.one_of(st.none(), st.floats(0, 50)),
+            st.integers(1, 100),
+            st.sampled_from(["finished", "rejected", "unfinished"]),
+        ),
+        max_size=30,
+    ),
+    times=st.lists(st.floats(0, 60), min_size=1, max_size=10),
+    cap=st.integers(1, 150),
+)
+def test_large_request_counts_match_a_scan(
+    reqs: list[tuple[float, float | None, int, str]], times: list[float], cap: int
+) -> None:
+    records = []
+    for i, (arrival, dur, prompt, status) in enumerate(reqs):
+        finish = None if dur is None or status != "finished" else arrival + dur
+        rec = _rec(i, "a", arrival, status, finish=finish)
+        rec.prompt_tokens = prompt
+        records.append(rec)
+    got = large_request_counts(records, sorted(times), cap)
+    want = [
+        sum(
+            1
+            for r in records
+            if r.status != "rejected"
+            and r.prompt_tokens * 2 > cap
+            and r.arrival_s <= t
+            and (r.finish_s is None or r.finish_s > t)
+        )
+        for t in sorted(times)
+    ]
+    assert got == want
 
 
 def test_gpu_peak_ties_and_mean_over_span() -> None:
@@ -306,7 +364,14 @@ def test_all_rejected_is_strict_json() -> None:
     assert s["normalized_latency"] is None
     assert all(v == 0.0 for v in s["slo_attainment"].values())
     assert s["kv_utilization"]["mean"] is None
-    assert s["gpus"] == {"peak": 0, "mean": 0.0, "gpu_hours": 0.0, "lower_bound": None}
+    assert s["gpus"] == {
+        "peak": 0,
+        "mean": 0.0,
+        "gpu_hours": 0.0,
+        "lower_bound": None,
+        "lower_bound_kv": None,
+        "lower_bound_large": None,
+    }
     assert s["requests"]["rejected_reasons"] == {"no_gpu": 8}
     assert s["throughput_rps"] == 0.0
 

@@ -158,6 +158,10 @@ class RunResult:
         end_s: run time at which the run ended.
         kv_bytes_per_gpu: KV capacity of one GPU for single-model runs (None
             when models differ), used for ``gpus.lower_bound``.
+        instance_kv_tokens: KV capacity of one instance in tokens where every
+            instance has the same and a request's KV never spans instances
+            (the single-model world; None elsewhere), used for
+            ``gpus.lower_bound_large``.
         config: the resolved configuration (plain JSON-able dict).
         sim_wall_s: wall-clock seconds the simulation took (sim only).
         sim_events: events processed (sim only).
@@ -180,3 +184,4 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     aborted_migrations: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    instance_kv_tokens: int | None = None

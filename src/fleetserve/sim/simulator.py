@@ -591,10 +591,11 @@ class Simulator:
             if s is not None and s.record.status == "unfinished":
                 s.record.generated = s.generated
         kv_per_gpu: int | None = None
+        instance_kv: int | None = None
         if len(self.specs) == 1:
             ((m, spec),) = self.specs.items()
-            kv_per_gpu = self.blocks[m] * self.cfg.cluster.block_size * spec.kv_bytes_per_token
-            kv_per_gpu //= self.cfg.cluster.tp
+            instance_kv = self.blocks[m] * self.cfg.cluster.block_size
+            kv_per_gpu = instance_kv * spec.kv_bytes_per_token // self.cfg.cluster.tp
         cfg: dict[str, Any] = self.cfg.to_dict()
         # resolved, and still a valid config
         cfg["policy"] = {k: v for k, v in self.policy_names.items() if k != "mechanism"}
@@ -623,6 +624,7 @@ class Simulator:
             migrations=self.mig.records,
             end_s=end_s,
             kv_bytes_per_gpu=kv_per_gpu,
+            instance_kv_tokens=instance_kv,
             config=cfg,
             sim_wall_s=wall_s,
             sim_events=self.n_events,
