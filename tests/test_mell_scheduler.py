@@ -271,3 +271,43 @@ def test_an_update_beyond_a_fixed_pool_is_held_not_fatal() -> None:
     assert sched.stats.cap_holds > 0
     assert summarize(res)["mell"]["cap_holds"] == sched.stats.cap_holds
     assert summarize(res)["gpus"]["peak"] <= 3
+
+
+def _headroom_run(h: int, reqs: list[Request]) -> dict[str, Any]:
+    """A run with ``mell.headroom_blocks = h`` whose packer sizes are checked
+    after every epoch: each request's blocks plus h, capped at C."""
+    sim = Simulator(config(migration={"epoch_s": 2.0}, mell={"headroom_blocks": h}), reqs)
+    sched = sim.migration
+    assert isinstance(sched, MellScheduler) and sched.headroom == h
+    checked = []
+    plan = sched.plan
+
+    def watch(state: Any, now: float, rng: np.random.Generator) -> list[Any]:
+        actions = plan(state, now, rng)
+        for view in state.instances.values():
+            p = sched.models[MODEL].packer
+            for seq in view.seqs():
+                blocks = max(1, -(-seq.demand_tokens // BS))
+                assert p.size[seq.id] == min(CAP, blocks + h), (seq.id, blocks, h)
+                checked.append(seq.id)
+        return actions
+
+    sched.plan = watch  # type: ignore[method-assign]
+    res = sim.run()
+    assert_all_finished(res)
+    assert checked
+    return summarize(res)
+
+
+def test_headroom_packs_every_request_larger_and_keeps_the_invariants() -> None:
+    """``mell.headroom_blocks`` = h: after every epoch each request's size in
+    the packer is its blocks plus h (capped at C), so a bin packed to C holds
+    h blocks per request less than C; every simulator invariant holds and
+    everything finishes. On a growth-heavy run (long epochs) the headroom
+    leaves GPUs room: fewer preemptions than without it, on more GPUs."""
+    reqs = workload(120, 20.0, seed=6, pmax=300, omax=600)
+    plain, roomy = _headroom_run(0, reqs), _headroom_run(4, reqs)
+    assert roomy["requests"]["preemptions"] < plain["requests"]["preemptions"]
+    assert roomy["gpus"]["gpu_hours"] > plain["gpus"]["gpu_hours"]
+    with pytest.raises(ConfigError, match="headroom_blocks"):
+        config(mell={"headroom_blocks": -1})

@@ -320,6 +320,10 @@ class MellConfig:
             nothing, and the instance preempts (recomputes) as vLLM does. False
             (the default) also repairs such overflows by moving smaller requests
             out (this implementation's extension; ``fleetserve.policy.mell``).
+        headroom_blocks: blocks the packer adds to every request's size (capped
+            at ``C``), so that a GPU it packs full still has room for its
+            requests' growth until the next epochs' moves are done (an
+            extension, not in the paper; 0, the default, is Mell as published).
     """
 
     batching: bool = True
@@ -327,11 +331,14 @@ class MellConfig:
     w_free: float = 1.0
     w_distance: float = 1.0
     strict_update: bool = False
+    headroom_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("w_requests", "w_free", "w_distance"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"mell.{name} must be >= 0")
+        if self.headroom_blocks < 0:
+            raise ConfigError(f"mell.headroom_blocks must be >= 0, got {self.headroom_blocks}")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,14 @@ has the request on, if the request is not there. Meanwhile the packer's
 view differs from the instances' by the requests in flight; memory is
 still never over-committed (the simulator checks every reservation).
 
+**Headroom (an extension, off by default).** With ``mell.headroom_blocks``
+= ``h`` > 0 the packer sees every request as ``h`` blocks larger than it is
+(capped at ``C``), in Allocates and Updates alike. A GPU it packs full then
+holds ``h`` blocks per request less than ``C``: room for the growth until the
+next epochs' moves are done, so fewer moves find their destination full
+(refused starts) and fewer GPUs preempt, at the cost of GPUs. The paper packs
+exact sizes (``h = 0``).
+
 **Pool cap.** Mell needs an elastic pool. An arrival whose allocation would
 open a GPU beyond ``cluster.max_gpus`` is departed again (an ordinary
 Depart) and stays held until GPUs free up; an Update that needs a GPU beyond
@@ -181,6 +189,8 @@ class MellScheduler(MigrationPolicy):
         strict_update: Update only on a class change or an L-request's
             overflow (Fig. 10, Algorithm 1); a T/S/M request overflowing its
             GPU within its class is only resized (``mell.strict_update``).
+        headroom_blocks: blocks added to every request's size (module
+            docstring; ``mell.headroom_blocks``).
     """
 
     def __init__(
@@ -191,10 +201,14 @@ class MellScheduler(MigrationPolicy):
         w_free: float = 1.0,
         w_distance: float = 1.0,
         strict_update: bool = False,
+        headroom_blocks: int = 0,
         **params: Any,
     ) -> None:
         super().__init__(**params)
+        if headroom_blocks < 0:
+            raise ConfigError(f"mell.headroom_blocks must be >= 0, got {headroom_blocks}")
         self.interval_s = interval_s
+        self.headroom = int(headroom_blocks)
         self.batching = batching
         self.strict_update = strict_update
         self.weights = {"w_requests": w_requests, "w_free": w_free, "w_distance": w_distance}
@@ -222,6 +236,7 @@ class MellScheduler(MigrationPolicy):
             w_free=m.w_free,
             w_distance=m.w_distance,
             strict_update=m.strict_update,
+            headroom_blocks=m.headroom_blocks,
         )
 
     # ------------------------------------------------------------------ hooks
@@ -278,7 +293,7 @@ class MellScheduler(MigrationPolicy):
                 if not seq.migrating:
                     located[seq.id] = iid
                 p = ms_view.packer
-                size = min(p.C, max(1, blocks_for(seq.demand_tokens, state.block_size)))
+                size = self._size(p, seq.demand_tokens, state.block_size)
                 if size == p.size[seq.id]:
                     continue
                 if p.needs_update(seq.id, size):
@@ -316,7 +331,7 @@ class MellScheduler(MigrationPolicy):
             for i, req in enumerate(waiting):
                 ms = self._model(state, req.model)
                 p = ms.packer
-                size = min(p.C, max(1, blocks_for(req.prompt_tokens, state.block_size)))
+                size = self._size(p, req.prompt_tokens, state.block_size)
                 before = len(p.new_bins)
                 res = p.allocate(req.id, size)
                 if len(p.new_bins) > before and not self._room(state, freed):
@@ -333,6 +348,10 @@ class MellScheduler(MigrationPolicy):
         return actions
 
     # ---------------------------------------------------------------- helpers
+    def _size(self, p: MellPacker, tokens: int, block_size: int) -> int:
+        """A request's size in the packer: its blocks plus the headroom, in ``[1, C]``."""
+        return min(p.C, max(1, blocks_for(tokens, block_size)) + self.headroom)
+
     def _model(self, state: ClusterState, model: str) -> _ModelState:
         ms = self.models.get(model)
         if ms is None:
