@@ -243,6 +243,22 @@ class StagedCost:
         self.pipeline = pipeline
         self.model = pipeline.cost.model
 
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages ``k`` (its virtual engines)."""
+        return self.pipeline.k
+
+    def prefill_lane(self, prompt_lens: Sequence[int]) -> tuple[float, float]:
+        """Whole prompts as one micro-batch through every stage, beside the other
+        jobs: ``(latency, busiest stage's busy time)``
+        (:meth:`PipelineCost.prefill_micro_batch`)."""
+        return self.pipeline.prefill_micro_batch([int(x) for x in prompt_lens])
+
+    def decode_round(self, batch: int, ctx_total: float) -> tuple[float, float]:
+        """One decode round: ``(round time, busiest stage's busy time)``
+        (:meth:`PipelineCost.decode_round`)."""
+        return self.pipeline.decode_round(batch, float(ctx_total))
+
     def prefill_time(self, prompt_lens: Sequence[int], share: float = 1.0) -> float:
         """One prefill round over whole prompts."""
         return self.pipeline.prefill_time([int(x) for x in prompt_lens], share)

@@ -46,7 +46,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BandwidthSharing", "bandwidth_shares", "beside_copies"]
+__all__ = [
+    "WAITING_WEIGHT",
+    "BandwidthSharing",
+    "bandwidth_shares",
+    "beside_copies",
+    "decode_weight",
+]
+
+WAITING_WEIGHT = 1e-3
+"""A pipeline's decode round's weight while every virtual engine prefills."""
+
+
+def decode_weight(stages: int, lanes: int) -> float:
+    """The weight of a ``stages``-stage pipeline's decode round in the division
+    of its stages' time (:class:`BandwidthSharing`, weighted) while ``lanes``
+    prefill micro-batches run beside it, each weighing one: the virtual
+    engines not prefilling (vLLM's pipeline-parallel engine runs one
+    micro-batch per virtual engine); with every engine prefilling the
+    decodes wait (:data:`WAITING_WEIGHT`, vLLM's prefill-first engines)."""
+    return max(float(stages - lanes), WAITING_WEIGHT)
 
 
 def beside_copies(times: Any, memory_s: Any, copy_load: float) -> Any:

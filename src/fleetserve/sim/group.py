@@ -29,6 +29,22 @@ preempted (KV freed, back to the head of the queue, recomputed later). The
 layout never over-commits (its check/commit pairs), and
 :meth:`SharingGroup.check_integrity` checks that every request is in exactly
 one place.
+
+Pipelined groups (KunServe's drop, :mod:`fleetserve.sim.multi_burst`) under a
+temporal scheduler run *prefill lanes* beside their decode round, as vLLM's
+pipeline-parallel engine does with its virtual engines (and as the KunServe
+world, :mod:`fleetserve.sim.kun`, models it): at a decode round's boundary
+(no decode job in flight) the scheduler is asked as usual, but a prefill job
+it starts is one micro-batch crossing the stages
+(:meth:`~fleetserve.costmodel.pipeline.StagedCost.prefill_lane`) and does not
+hold the group: it is asked again, for more prefill lanes (up to one per
+stage) and then the decode round. Lanes run on across rounds; a request
+they prefill joins the decode batch at the next round's boundary. The jobs
+in flight divide the stages' time (:class:`~fleetserve.sim.contention.BandwidthSharing`,
+weighted: each lane one, the decode round the stages not prefilling,
+:func:`~fleetserve.sim.contention.decode_weight`), re-timed at every start
+and end. Before session 23 such a group prefilled as a round of its own (a
+decode waited for it), as a replica does.
 """
 
 from __future__ import annotations
@@ -42,9 +58,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
-from fleetserve.sim.contention import BandwidthSharing
+from fleetserve.sim.contention import BandwidthSharing, decode_weight
 
 if TYPE_CHECKING:
+    from fleetserve.costmodel.pipeline import StagedCost
     from fleetserve.metrics.records import RequestRecord
     from fleetserve.sim.kvlayout import KVLayout
     from fleetserve.workload.request import Request
@@ -189,11 +206,15 @@ class SharingGroup:
         self.waiting: dict[str, deque[GSeq]] = {m: deque() for m in self._models}
         self.running: dict[str, dict[int, GSeq]] = {m: {} for m in self._models}
         self.jobs: dict[int, tuple[Job, list[GSeq], float, float]] = {}  # token -> job
-        self._busy: set[tuple[str, str]] = set()
+        self._busy: dict[tuple[str, str], int] = {}  # (model, phase) -> jobs in flight
         self._next_token = 0
         self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
-        self.macro = macro_steps and not scheduler.spatial
-        self._bw = BandwidthSharing() if contention and scheduler.spatial else None
+        # a pipelined group under a temporal scheduler: prefill lanes (module docstring)
+        self.stages = max((getattr(c, "stages", 1) for c in self.costs.values()), default=1)
+        self.lanes = self.stages > 1 and not scheduler.spatial
+        self.macro = macro_steps and not scheduler.spatial and not self.lanes
+        spatial_bw = contention and scheduler.spatial
+        self._bw = BandwidthSharing() if spatial_bw or self.lanes else None
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
         self._state = _StateView(self)  # what the scheduler reads
         self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
@@ -274,7 +295,9 @@ class SharingGroup:
     def schedule(self, now: float) -> list[tuple[float, int]]:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
         sched = self.scheduler
-        if self.state != "live" or (not sched.spatial and self.jobs):
+        if self.state != "live" or (not sched.spatial and self.jobs and not self.lanes):
+            return self._retimed(now, [])
+        if self.lanes and self._decoding():  # lanes start at a decode round's boundary
             return self._retimed(now, [])
         started: list[tuple[float, int]] = []
         while True:
@@ -292,7 +315,7 @@ class SharingGroup:
                 )
             # a decode job whose requests were all preempted started nothing:
             # ask again (each such round preempts a request, so this ends)
-            if ran or not jobs:
+            if not jobs or (ran and not (self.lanes and not self._decoding())):
                 break
         if self.jobs and self._busy_since is None:
             self._busy_since = now
@@ -329,10 +352,28 @@ class SharingGroup:
             return True
         return False
 
+    def _decoding(self) -> bool:
+        """Whether a decode job is in flight."""
+        return any(ph == DECODE for _, ph in self._busy)
+
+    def lanes_in_flight(self) -> int:
+        """Prefill jobs in flight (a pipelined group's lanes)."""
+        return sum(n for (_, ph), n in self._busy.items() if ph == PREFILL)
+
+    def _reweigh(self) -> None:
+        """A pipelined group's decode round: its weight for the lanes now in flight."""
+        assert self._bw is not None
+        w = decode_weight(self.stages, self.lanes_in_flight())
+        for token, (job, _, _, _) in self.jobs.items():
+            if job.phase == DECODE:
+                self._bw.set_weight(token, w)
+
     def _start(self, job: Job, now: float) -> tuple[float, int] | None:
         m = job.model
-        if (m, job.phase) in self._busy:
+        if (m, job.phase) in self._busy and not (self.lanes and job.phase == PREFILL):
             raise RuntimeError(f"group {self.id}: a {job.phase} job of {m} is already running")
+        if self.lanes:
+            return self._start_lane(job, now)
         share = job.share
         if not 0.0 < share <= self.free_share + _EPS:
             raise RuntimeError(
@@ -380,13 +421,45 @@ class SharingGroup:
             self._bw.add(token, now, cost, traffic)
         return (now + cost, token)
 
+    def _start_lane(self, job: Job, now: float) -> tuple[float, int] | None:
+        """A pipelined group's job (module docstring): a prefill lane, or the
+        decode round; the stages' time is divided among the jobs in flight
+        (they hold no compute share)."""
+        assert self._bw is not None
+        m = job.model
+        cost = cast("StagedCost", self.costs[m])
+        if job.phase == PREFILL:
+            if self.lanes_in_flight() >= self.stages:
+                raise RuntimeError(f"group {self.id}: every stage already has a prefill lane")
+            seqs = self._admitted(job)
+            ids = set(job.seqs)
+            self.waiting[m] = deque(s for s in self.waiting[m] if s.id not in ids)
+            alone, busy = cost.prefill_lane([s.prompt_tokens + s.generated for s in seqs])
+            weight = 1.0
+        else:
+            run = self.running[m]
+            seqs = [run[i] for i in job.seqs]
+            if any(s.in_job for s in seqs):
+                raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
+            seqs = self._grow_decode(m, seqs)
+            if not seqs:
+                return None
+            ctx = sum(s.kv_tokens for s in seqs)
+            alone, busy = cost.decode_round(len(seqs), float(ctx))
+            weight = decode_weight(self.stages, self.lanes_in_flight())
+        token = self._register(Job(m, job.phase, tuple(x.id for x in seqs), 1.0), seqs, now, 0.0)
+        self._bw.add(token, now, alone, busy, weight)
+        self._reweigh()
+        return (now + alone, token)
+
     def _register(self, job: Job, seqs: list[GSeq], now: float, share: float) -> int:
         for s in seqs:
             s.in_job = True
         token = self._next_token
         self._next_token += 1
         self.jobs[token] = (job, seqs, now, share)
-        self._busy.add((job.model, job.phase))
+        key = (job.model, job.phase)
+        self._busy[key] = self._busy.get(key, 0) + 1
         self.held_share += share
         return token
 
@@ -495,8 +568,6 @@ class SharingGroup:
         entry = self.jobs.pop(token, None)
         if entry is None:
             return []
-        if self._bw is not None:
-            self._bw.remove(token)
         job, seqs, start, share = entry
         ends = self._ends.pop(token, None)
         if ends is not None and len(ends) > 1:  # a macro job: all but its last iteration
@@ -508,7 +579,14 @@ class SharingGroup:
                 s.generated += k - 1
                 s.kv_tokens += k - 1
             start = prev
-        self._busy.discard((job.model, job.phase))
+        key = (job.model, job.phase)
+        self._busy[key] -= 1
+        if not self._busy[key]:
+            del self._busy[key]
+        if self._bw is not None:
+            self._bw.remove(token)
+            if self.lanes:
+                self._reweigh()
         self.held_share = max(0.0, self.held_share - share)
         if not self.jobs and self._busy_since is not None:
             self.busy_s += now - self._busy_since
@@ -630,7 +708,10 @@ class _StateView:
         return self._g.jobs_in_flight
 
     def waiting(self, model: str) -> Sequence[GSeq]:
-        return self._g.waiting[model]
+        g = self._g
+        if g.lanes and g.lanes_in_flight() >= g.stages:  # every stage has a lane
+            return ()
+        return g.waiting[model]
 
     def ready(self, model: str) -> Sequence[GSeq]:
         return self._g.ready(model)

@@ -184,7 +184,7 @@ from fleetserve.policy.kunserve import (
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView, Victim
 from fleetserve.sim.admission import context_note, context_reason
-from fleetserve.sim.contention import BandwidthSharing
+from fleetserve.sim.contention import BandwidthSharing, decode_weight
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
@@ -196,7 +196,6 @@ logger = logging.getLogger(__name__)
 
 IDLE, PREFILL, DECODE = 0, 1, 2
 _DECODE_JOB = 0  # a pipeline's decode round in its stage sharing (lanes are 1, 2, ...)
-_WAITING_WEIGHT = 1e-3  # the decode round's weight while every virtual engine prefills
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
 
 
@@ -278,7 +277,9 @@ class Executor:
         self.accepting = True
         self.restoring = False
         self.reload_left: set[int] = set()
-        self.live_pieces: set[Piece] = set()
+        # pieces keyed in insertion order (not a set: iteration must not depend on
+        # object addresses, or float sums and event order vary between builds)
+        self.live_pieces: dict[Piece, None] = {}
         self.tracked: dict[int, KSeq] = {}
         self.mig_ready: list[KSeq] = []
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
@@ -640,7 +641,7 @@ class KunSimulator:
         self.pend_in = [0] * n  # token-layers committed to pieces not reserved yet
         # live pieces by source instance: the remote attention each instance runs
         # for requests decoding elsewhere (empty sets are removed)
-        self.live_src: dict[int, set[Piece]] = {}
+        self.live_src: dict[int, dict[Piece, None]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.watermark = watermark
@@ -1122,10 +1123,9 @@ class KunSimulator:
 
     @staticmethod
     def _decode_weight(exe: Executor) -> float:
-        """The decode round's weight in the stages' division: the virtual
-        engines not prefilling (``k`` - lanes), each lane weighing one; with
-        every engine prefilling the decodes wait (vLLM's prefill-first engines)."""
-        return max(float(exe.k - len(exe.lanes)), _WAITING_WEIGHT)
+        """The decode round's weight in the stages' division
+        (:func:`~fleetserve.sim.contention.decode_weight`)."""
+        return decode_weight(exe.k, len(exe.lanes))
 
     def _on_lane_end(self, exe: Executor, job: int, now: float) -> None:
         """A pipeline's prefill micro-batch ends: first tokens; the requests
@@ -1240,7 +1240,7 @@ class KunSimulator:
             # KV chunk = what fits the gap between activation transfers
             self._chunk_sum += share * t * self.net_link.bandwidth_Bps
             self._chunk_n += 1
-            for ch in {self._chan(p.src, p.dst) for p in exe.live_pieces}:
+            for ch in dict.fromkeys(self._chan(p.src, p.dst) for p in exe.live_pieces):
                 self._push_xfer(ch, ch.set_share(share, now))
         exe.phase = DECODE
         exe.version += 1
@@ -1401,8 +1401,8 @@ class KunSimulator:
                 self.pend_in[p.dst] += tl
             s.pieces.append(p)
             if p.live:
-                exe.live_pieces.add(p)
-                self.live_src.setdefault(p.src, set()).add(p)
+                exe.live_pieces[p] = None
+                self.live_src.setdefault(p.src, {})[p] = None
             self._enqueue_transfer(self._chan(p.src, p.dst), self._piece_transfer(p, exe), now)
 
     def _piece_transfer(self, p: Piece, exe: Executor) -> Transfer:
@@ -1423,7 +1423,7 @@ class KunSimulator:
             self.corr[p.src] -= p.token_layers
             s = p.seq
             s.pieces.remove(p)
-            exe.live_pieces.discard(p)
+            exe.live_pieces.pop(p, None)
             self._unlive(p)
             if not s.pieces and s.state == "stalled":
                 exe.stalled.pop(s.id)
@@ -1453,7 +1453,7 @@ class KunSimulator:
             if p.transfer is not None:
                 p.transfer.cancelled = True
             if exe is not None:
-                exe.live_pieces.discard(p)
+                exe.live_pieces.pop(p, None)
             self._unlive(p)
         s.pieces = []
 
@@ -1461,7 +1461,7 @@ class KunSimulator:
         """``p`` no longer runs remote attention on its source."""
         at = self.live_src.get(p.src)
         if at is not None:
-            at.discard(p)
+            at.pop(p, None)
             if not at:
                 del self.live_src[p.src]
 
