@@ -60,6 +60,14 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session23.json.gz: against session22.json.gz, every single-model and KunServe
+# run gained gpus.lower_bound_kv and lower_bound_large, and lower_bound is now
+# the larger of the two per sample (changed in the 10 Azure runs of Mell's grid
+# and the 5 compare runs); KunServe's remote attention reads the victims' KV on
+# its source GPU (kunserve.remote_reads; the 19 KunServe runs with a live
+# exchange or live restore differ; docs/reproduce-kunserve.md); the multi-LLM
+# world's pipelined groups run prefill lanes (fleet/runs/bursty/fleet, the one
+# quick run with a drop: P99 TPOT 1.47 -> 1.31 s; docs/reproduce-fleet.md);
 # session22.json.gz: migrations' transfers share their GPUs' link ports
 # (migration.link_contention, issue 22 item 2): 20 runs differ from
 # session19.json.gz, Mell's mell and mell-nobatch (16), llumnix (3) and the
@@ -93,7 +101,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session22.json.gz
+	  --check benchmarks/fingerprints/session23.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
