@@ -22,7 +22,9 @@ Drop (:class:`~fleetserve.policy.actions.DropLayers`). The source groups
 stop starting jobs (a macro job is cut after its iteration in flight) but
 still take requests; once none has a job in flight they become one
 pipelined group: GPUs in stage order, each service's job times from
-:class:`~fleetserve.costmodel.pipeline.StagedCost` (one pipeline round), and
+:class:`~fleetserve.costmodel.pipeline.StagedCost` (a decode round; under a
+temporal scheduler prefills run as lanes beside it, see
+:mod:`fleetserve.sim.group`), and
 one KV pool of ``sum_i K_i + dropped weight bytes`` (``K_i`` = member
 ``i``'s KV as a replica). The pool is one layout, so the KV of a token is
 assumed spread over the stages in proportion to their layers (it is, up to
