@@ -20,6 +20,7 @@ from fleetserve.cluster.state import ClusterState, InstanceView, SeqView
 from fleetserve.config import SimConfig, config_from_dict
 from fleetserve.costmodel import DEFAULT_PARAMS, CostModel
 from fleetserve.costmodel.transfer import intra_node_link, transfer_time
+from fleetserve.errors import FleetserveError
 from fleetserve.metrics import summarize
 from fleetserve.metrics.records import RunResult
 from fleetserve.policy import (
@@ -450,6 +451,32 @@ def test_abort_when_the_destination_has_no_room() -> None:
     assert res.migrations == []
 
 
+def test_a_move_waits_for_room_when_asked() -> None:
+    """``migration.wait_for_room_s``: the destination holds a request that
+    finishes soon. Without waiting the move aborts at once; with a long
+    enough wait it starts as soon as that request has left (at the
+    destination's boundary, not at a later epoch) and completes; with a wait
+    too short it aborts once the wait is over."""
+    reqs = [Request(0, MODEL, 0.0, 30000, 300), Request(1, MODEL, 0.0, 30000, 20)]
+    out = {}
+    for wait in (0.0, 0.05, 30.0):
+        script = when(decoding(0, 2), [Migrate(0, 1, "kv")])
+        res, _ = run_script(fixed(2, migration={"wait_for_room_s": wait}), reqs, script)
+        assert_all_finished(res)
+        out[wait] = res
+    assert out[0.0].records[0].aborted_migrations == 1 and out[0.0].migrations == []
+    assert out[0.05].records[0].aborted_migrations == 1 and out[0.05].migrations == []
+    done = out[30.0]
+    assert done.records[0].aborted_migrations == 0
+    assert [(m.request_id, m.src, m.dst) for m in done.migrations] == [(0, 0, 1)]
+    assert done.records[0].instance == 1
+    # it started once request 1 had left: it completed after that, well within the wait
+    finish_1 = done.records[1].finish_s
+    assert finish_1 is not None and finish_1 < done.migrations[0].time_s < finish_1 + 5.0
+    with pytest.raises(FleetserveError, match="wait_for_room_s"):
+        fixed(2, migration={"wait_for_room_s": -1.0})
+
+
 def test_abort_when_the_destination_fills_up_between_stages() -> None:
     """The move starts when the first stage barely fits on the destination,
     whose own request keeps growing during the slow cross-node stage: the
@@ -735,6 +762,7 @@ request_lists = st.lists(
     defer=st.booleans(),
     chunked=st.booleans(),
     seed=st.integers(0, 2**16),
+    wait=st.sampled_from([0.0, 0.3]),
 )
 def test_random_migrations_keep_invariants(
     items: list[tuple[float, int, int]],
@@ -743,6 +771,7 @@ def test_random_migrations_keep_invariants(
     defer: bool,
     chunked: bool,
     seed: int,
+    wait: float,
 ) -> None:
     """Random workloads, random moves each epoch (random requests, random
     destinations, random modes, new instances by ref, deferred dispatch):
@@ -772,7 +801,12 @@ def test_random_migrations_keep_invariants(
     c = cfg(
         cluster=cluster,
         policy=policy,
-        migration={"mechanism": mechanism, "epoch_s": 0.2, "max_stages": 3},
+        migration={
+            "mechanism": mechanism,
+            "epoch_s": 0.2,
+            "max_stages": 3,
+            "wait_for_room_s": wait,
+        },
         engine={"chunked_prefill": chunked, "max_batched_tokens": 512 * scale},
         seed=seed,
     )

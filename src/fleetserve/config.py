@@ -280,6 +280,11 @@ class MigrationConfig:
             they start (:class:`fleetserve.sim.migration.Migrations`); False:
             concurrent transfers each get the whole link (the model before
             session 22).
+        wait_for_room_s: a KV move whose destination has no room for its
+            first stage waits up to this long (retried at the destination's
+            iteration boundaries and at each epoch) before it aborts; 0 (the
+            default): it aborts at once and the migration policy re-plans
+            (:mod:`fleetserve.sim.migration`).
     """
 
     mechanism: str | None = None
@@ -290,9 +295,14 @@ class MigrationConfig:
     final_blocks: int = 1
     copy_contention: bool = True
     link_contention: bool = True
+    wait_for_room_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "epoch_s", "link_share", "compute_share", "max_stages", "final_blocks")
+        if not self.wait_for_room_s >= 0:
+            raise ConfigError(
+                f"migration.wait_for_room_s must be >= 0, got {self.wait_for_room_s!r}"
+            )
         if self.mechanism is not None and self.mechanism not in MECHANISMS:
             raise ConfigError(
                 f"migration.mechanism must be one of {', '.join(MECHANISMS)}, "

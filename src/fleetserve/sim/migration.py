@@ -20,7 +20,15 @@ KV transfer of a running request (Llumnix's live migration)::
   reservation may only take blocks that are free as of now, beyond the
   growth of the iteration in flight and the admission watermark
   (:meth:`Instance.can_reserve`), and it truncates the destination's decode
-  segment so the next boundary re-plans with less memory. No room: abort.
+  segment so the next boundary re-plans with less memory. No room: abort —
+  unless no KV was sent yet and ``migration.wait_for_room_s`` is above 0: the
+  move then *waits* (the request decodes on at its source) and is retried at
+  each of the destination's iteration boundaries (after its finished requests
+  left, before it admits new ones) and at each epoch, until the first stage
+  fits or the wait has lasted ``wait_for_room_s`` (then it aborts as before,
+  and the migration policy is told). A move planned into a GPU whose own
+  requests are still on their way out thus starts when they have left, not
+  at the next epoch.
 * Once at most ``final_blocks`` blocks of KV are left to send (or
   ``max_stages`` stages ran), *stop and copy*: the destination reserves the
   rest (what the request will hold after the source's iteration in flight),
@@ -134,6 +142,7 @@ DETACHING = "detaching"  # leaves the source's batch at its next iteration bound
 FINAL_COPY = "final_copy"  # kv: detached, the rest of its KV in flight
 ATTACHING = "attaching"  # kv: copied, joins the destination at its next boundary
 TRANSIT = "transit"  # token ids in flight
+WAITING = "waiting"  # kv: no room for its first stage yet, retried (wait_for_room_s)
 DONE = "done"
 ABORTED = "aborted"
 
@@ -179,6 +188,7 @@ class MigrationTask:
         "src_ref",
         "stages",
         "t_detach",
+        "wait_since",
     )
 
     def __init__(self, seq: Seq, src: Instance, dst: Instance, mode: str, link: Link) -> None:
@@ -200,6 +210,7 @@ class MigrationTask:
         self.head = False
         self.src_ref = False
         self.dst_ref = False
+        self.wait_since: float | None = None  # WAITING: when its first refusal was
 
 
 class Migrations:
@@ -373,6 +384,12 @@ class Migrations:
         if need <= 0:
             return True
         if not t.dst.can_reserve(need):
+            wait = self.cfg.wait_for_room_s
+            if t.sent == 0 and wait > 0 and (t.wait_since is None or now - t.wait_since < wait):
+                if t.wait_since is None:
+                    t.wait_since = now
+                t.phase = WAITING
+                return False
             when = "before any KV was sent" if t.sent == 0 else "after KV was sent"
             self._abort(t, f"destination {t.dst.id} has no room for {need} blocks, {when}", now, ev)
             return False
@@ -424,14 +441,35 @@ class Migrations:
         leaving it, attach requests arriving."""
         ev: list[Event] = []
         for t in list(self._out.get(inst.id, ())):
-            if t.phase in (STAGE, DETACHING) and t.seq.record.status == "finished":
+            if t.phase in (STAGE, DETACHING, WAITING) and t.seq.record.status == "finished":
                 self._abort(t, "the request finished on the source", now, ev)
             elif t.phase == DETACHING:
                 self._detach(t, now, ev)
         for t in list(self._in.get(inst.id, ())):
             if t.phase == ATTACHING:
                 self._attach(t, now)
+            elif t.phase == WAITING:
+                self._retry(t, now, ev)
         return ev
+
+    def retry_waiting(self, now: float) -> list[Event]:
+        """Each epoch: every waiting move starts if its destination has room
+        now, or aborts once it has waited ``wait_for_room_s``."""
+        ev: list[Event] = []
+        for tasks in list(self._in.values()):
+            for t in list(tasks):
+                if t.phase == WAITING:
+                    self._retry(t, now, ev)
+        return ev
+
+    def _retry(self, t: MigrationTask, now: float, ev: list[Event]) -> None:
+        """Try a waiting move's first stage again (:meth:`_next_stage`)."""
+        seq = t.seq
+        if seq.record.status == "finished":
+            self._abort(t, "the request finished on the source", now, ev)
+            return
+        t.phase = STAGE
+        self._next_stage(t, now, ev)
 
     def after_schedule(self, inst: Instance, now: float) -> list[Event]:
         """``inst`` preempted requests that were migrating out: abort their moves."""
@@ -585,8 +623,10 @@ class Migrations:
             assert abs(inst.copy_load - load) < 1e-9, (iid, inst.copy_load, load)
             for t in out:
                 assert t.src is inst and t.seq.mig is t
-                if t.phase in (STAGE, DETACHING):
+                if t.phase in (STAGE, DETACHING, WAITING):
                     assert t.seq.running and t.seq.inst is inst
+                if t.phase == WAITING:
+                    assert t.sent == 0 and t.reserved == 0 and t.wait_since is not None
             for t in into:
                 assert t.dst is inst and t.seq.mig is t
                 assert t.reserved <= blocks_for(max(t.sent, t.final_kv), self.block_size)

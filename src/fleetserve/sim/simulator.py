@@ -450,6 +450,8 @@ class Simulator:
         mechanism picks; schedule the next epoch while anything is left to do."""
         caused: list[Event] = []
         refs: dict[int, int] = {}
+        if self.mig.cfg.wait_for_room_s > 0:  # moves waiting for room: start, or give up
+            caused += self.mig.retry_waiting(now)
         for action in self.migration.plan(self.state, now, self.rng):
             caused += self._apply_plan_action(action, refs, now)
         if self._loading:
