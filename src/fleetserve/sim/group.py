@@ -678,6 +678,9 @@ class SharingGroup:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
         assert self.held_share <= 1.0 + 1e-6, self.held_share
+        if self.lanes:  # a pipeline: a lane per stage at most, one decode round
+            assert self.lanes_in_flight() <= self.stages, self.lanes_in_flight()
+            assert sum(n for (_, ph), n in self._busy.items() if ph == DECODE) <= 1
         if self._bw is not None:
             assert self._bw.tokens() == set(self.jobs), (self._bw.tokens(), set(self.jobs))
         for m in self._models:
