@@ -275,12 +275,6 @@ def kv_utilization_mean(ts: TimeSeries) -> float | None:
     return _finite(float(np.mean(vals))) if vals else None
 
 
-def gpu_lower_bound(ts: TimeSeries, kv_bytes_per_gpu: int) -> int | None:
-    """Max over samples of ``ceil(kv_demand_bytes / kv_bytes_per_gpu)``; None without samples."""
-    per = kv_demand_gpus(ts, kv_bytes_per_gpu)
-    return max(per) if per else None
-
-
 def kv_demand_gpus(ts: TimeSeries, kv_bytes_per_gpu: int) -> list[int] | None:
     """Per sample, ``ceil(kv_demand_bytes / kv_bytes_per_gpu)``; None when the
     capacity is not positive."""

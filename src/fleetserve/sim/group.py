@@ -315,7 +315,8 @@ class SharingGroup:
                 )
             # a decode job whose requests were all preempted started nothing:
             # ask again (each such round preempts a request, so this ends)
-            if not jobs or (ran and not (self.lanes and not self._decoding())):
+            # a pipeline's lane does not hold the group: ask again until the decode round
+            if not jobs or (ran and (not self.lanes or self._decoding())):
                 break
         if self.jobs and self._busy_since is None:
             self._busy_since = now
@@ -381,24 +382,15 @@ class SharingGroup:
                 f"{self.free_share:.3f} free"
             )
         share = min(share, 1.0)
-        run = self.running[m]
         if job.phase == PREFILL:
-            seqs = self._admitted(job)
-            ids = set(job.seqs)
-            q = self.waiting[m]
-            if len(ids) == len(q):
-                q.clear()
-            else:
-                self.waiting[m] = deque(s for s in q if s.id not in ids)
+            seqs = self._take_prefill(job)
             lens = [s.prompt_tokens + s.generated for s in seqs]
             cost = self.costs[m].prefill_time(lens, share)
             traffic = 0.0
             if self._bw is not None:
                 traffic = self.costs[m].prefill_memory_s(lens)
         else:
-            seqs = [run[i] for i in job.seqs]
-            if any(s.in_job for s in seqs):
-                raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
+            seqs = self._decode_seqs(job)
             ends = self._macro_ends(m, seqs, now) if self.macro else None
             if ends is not None:
                 for s in seqs:
@@ -431,17 +423,11 @@ class SharingGroup:
         if job.phase == PREFILL:
             if self.lanes_in_flight() >= self.stages:
                 raise RuntimeError(f"group {self.id}: every stage already has a prefill lane")
-            seqs = self._admitted(job)
-            ids = set(job.seqs)
-            self.waiting[m] = deque(s for s in self.waiting[m] if s.id not in ids)
+            seqs = self._take_prefill(job)
             alone, busy = cost.prefill_lane([s.prompt_tokens + s.generated for s in seqs])
             weight = 1.0
         else:
-            run = self.running[m]
-            seqs = [run[i] for i in job.seqs]
-            if any(s.in_job for s in seqs):
-                raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
-            seqs = self._grow_decode(m, seqs)
+            seqs = self._grow_decode(m, self._decode_seqs(job))
             if not seqs:
                 return None
             ctx = sum(s.kv_tokens for s in seqs)
@@ -451,6 +437,25 @@ class SharingGroup:
         self._bw.add(token, now, alone, busy, weight)
         self._reweigh()
         return (now + alone, token)
+
+    def _take_prefill(self, job: Job) -> list[GSeq]:
+        """A prefill job's requests (admitted through the budget), out of the queue."""
+        seqs = self._admitted(job)
+        ids = set(job.seqs)
+        q = self.waiting[job.model]
+        if len(ids) == len(q):
+            q.clear()
+        else:
+            self.waiting[job.model] = deque(s for s in q if s.id not in ids)
+        return seqs
+
+    def _decode_seqs(self, job: Job) -> list[GSeq]:
+        """A decode job's running requests (none of them may be in a job)."""
+        run = self.running[job.model]
+        seqs = [run[i] for i in job.seqs]
+        if any(s.in_job for s in seqs):
+            raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
+        return seqs
 
     def _register(self, job: Job, seqs: list[GSeq], now: float, share: float) -> int:
         for s in seqs:

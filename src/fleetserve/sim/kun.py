@@ -640,7 +640,7 @@ class KunSimulator:
         self.corr = [0] * n
         self.pend_in = [0] * n  # token-layers committed to pieces not reserved yet
         # live pieces by source instance: the remote attention each instance runs
-        # for requests decoding elsewhere (empty sets are removed)
+        # for requests decoding elsewhere (an instance with none has no entry)
         self.live_src: dict[int, dict[Piece, None]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -2086,7 +2086,7 @@ class KunSimulator:
         assert members_seen == {m for m in range(self.n) if self.active[m]}
         live = {p for e in self.execs.values() for p in e.live_pieces}
         assert {p for at in self.live_src.values() for p in at} == live, "live pieces by source"
-        assert all(self.live_src.values()), "an empty set of live pieces is kept"
+        assert all(self.live_src.values()), "an instance without live pieces has an entry"
         assert corr == self.corr, (corr, self.corr)
         assert pend == self.pend_in, (pend, self.pend_in)
         for m in range(self.n):
