@@ -31,10 +31,15 @@ class Seq:
     arrival_s: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 100
+    re_prefilling: bool = False  # holds KV and has tokens, but its re-prefill runs
 
     @property
     def demand_tokens(self) -> int:
         return max(self.kv_tokens, self.prompt_tokens + self.generated)
+
+    @property
+    def decoding(self) -> bool:
+        return self.kv_tokens > 0 and self.generated > 0 and not self.re_prefilling
 
 
 @dataclass
@@ -194,6 +199,7 @@ def test_moves_the_running_request_with_fewest_kv_tokens() -> None:
             Seq(13, 16, migrating=False, generated=0),  # still prefilling
             Seq(14, 0),  # waiting
             Seq(15, 32),  # same size as 12: higher id
+            Seq(16, 16, generated=3, re_prefilling=True),  # preempted, re-prefilling
         ],
     )
     dst = inst(2, 400, [16])

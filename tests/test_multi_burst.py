@@ -235,7 +235,7 @@ def _drive(g: Any, reqs: list[Request]) -> dict[int, list[float]]:
     import heapq
 
     from fleetserve.metrics.records import RequestRecord
-    from fleetserve.sim.group import GSeq
+    from fleetserve.sim.seq import Seq
 
     heap: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload)
     n = 0
@@ -245,9 +245,7 @@ def _drive(g: Any, reqs: list[Request]) -> dict[int, list[float]]:
                 r.arrival_s,
                 n,
                 0,
-                GSeq(
-                    r, RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
-                ),
+                Seq(r, RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)),
             )
         )
         n += 1

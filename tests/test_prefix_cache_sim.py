@@ -30,8 +30,9 @@ from fleetserve.policy import MIGRATION, Migrate
 from fleetserve.policy.base import MigrationPolicy
 from fleetserve.policy.catalog import check_world
 from fleetserve.sim.build import build_workload
-from fleetserve.sim.instance import Instance, Seq
+from fleetserve.sim.instance import Instance
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
+from fleetserve.sim.seq import Seq
 from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_gpu, get_model
 from fleetserve.workload import load_trace, scale_lengths

@@ -53,6 +53,13 @@ class SeqView(Protocol):
         """Whether a migration of this request is in flight."""
         ...
 
+    @property
+    def decoding(self) -> bool:
+        """Whether it holds KV and is past its (re)prefill, so it decodes
+        (a request re-prefilling after a preemption holds KV and has generated
+        tokens, but is not decoding yet)."""
+        ...
+
 
 class InstanceView(Protocol):
     """One serving instance (a model on a GPU or a tensor-parallel GPU group)."""

@@ -30,7 +30,9 @@ migration half, following Llumnix (Sun et al., OSDI'24) and its public scheduler
   whose source is strictly less free than its destination. Instances of
   different models are never paired.
 * **Which request.** Among the source's running requests (holding KV and past
-  their prefill: ``kv_tokens > 0`` and ``generated > 0``) that are not
+  their (re)prefill: ``decoding``; before session 24 ``kv_tokens > 0 and
+  generated > 0``, which also let a request re-prefilling after a preemption
+  through, a move the mechanism then refused) that are not
   migrating, the cheapest to move: the fewest KV tokens (ties: lowest request
   id) whose move passes the checks below (Llumnix's short-job-first
   selection). One move per pair per epoch.
@@ -100,7 +102,7 @@ def freeness_after(inst: InstanceView, delta_blocks: int, delta_requests: int) -
 
 
 def _running(seq: SeqView) -> bool:
-    return seq.kv_tokens > 0 and seq.generated > 0 and not seq.migrating
+    return seq.decoding and not seq.migrating
 
 
 @MIGRATION.register("llumnix")

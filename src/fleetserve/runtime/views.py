@@ -47,6 +47,10 @@ class Pending:
     def migrating(self) -> bool:
         return False
 
+    @property
+    def decoding(self) -> bool:
+        return False
+
 
 @dataclass(slots=True)
 class _Moving:

@@ -115,6 +115,7 @@ class SeqSnap:
     demand_tokens: int
     migrating: bool
     running: bool
+    decoding: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -824,6 +825,7 @@ class WorkerCore:
                     demand_tokens=r.demand_tokens,
                     migrating=r.migrating,
                     running=r.status == "running",
+                    decoding=r.decoding,
                 )
             )
         if self.group is not None:
@@ -841,6 +843,7 @@ class WorkerCore:
                         demand_tokens=len(gr.tokens),
                         migrating=False,
                         running=gr.n_cached > 0,
+                        decoding=0 < gr.n_cached >= len(gr.tokens) - 1,
                     )
                 )
         held_pages = pool.weight_pages()

@@ -59,12 +59,11 @@ import numpy.typing as npt
 
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 from fleetserve.sim.contention import BandwidthSharing, decode_weight
+from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
     from fleetserve.costmodel.pipeline import StagedCost
-    from fleetserve.metrics.records import RequestRecord
     from fleetserve.sim.kvlayout import KVLayout
-    from fleetserve.workload.request import Request
 
 _EPS = 1e-9
 _MACRO_MAX = 512  # iterations per macro job at most
@@ -91,35 +90,6 @@ class JobCost(Protocol):
     def decode_memory_s(self, batch: int, ctx_total: float) -> float: ...
 
 
-class GSeq:
-    """A request in a sharing group (implements ``GroupSeq``)."""
-
-    __slots__ = (
-        "arrival_s",
-        "generated",
-        "group",
-        "id",
-        "in_job",
-        "kv_tokens",
-        "model",
-        "output_tokens",
-        "prompt_tokens",
-        "record",
-    )
-
-    def __init__(self, req: Request, record: RequestRecord) -> None:
-        self.id = req.id
-        self.model = req.model
-        self.arrival_s = req.arrival_s
-        self.prompt_tokens = req.prompt_tokens
-        self.output_tokens = req.output_tokens
-        self.record = record
-        self.generated = 0
-        self.kv_tokens = 0
-        self.in_job = False
-        self.group: SharingGroup | None = None
-
-
 class _GroupBudget:
     """Admission of prompts into one prefill job: memory (layout and quota),
     running-batch room, and the token budget (a lone prompt may exceed it)."""
@@ -134,26 +104,27 @@ class _GroupBudget:
         self.taken = 0
 
     def fits(self, s: GroupSeq) -> bool:
-        seq = cast(GSeq, s)  # the scheduler got it from this group's state
+        seq = cast(Seq, s)  # the scheduler got it from this group's state
         g = self.group
         if self.model is None:
             self.seqs_left = g.max_num_seqs - len(g.running[seq.model])
         elif seq.model != self.model:
             return False  # one service per job
-        n = seq.prompt_tokens + seq.generated
+        n = seq.prompt_tokens + seq.gen_saved
         if seq.in_job or self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
             return False
         return g.can_hold(seq, n)
 
     def take(self, s: GroupSeq) -> None:
-        seq = cast(GSeq, s)
+        seq = cast(Seq, s)
         g = self.group
-        n = seq.prompt_tokens + seq.generated
+        n = seq.prompt_tokens + seq.gen_saved
         if self.model is None:
             self.model = seq.model
             self.tokens_left = g.max_batched_tokens
         g.layout.grow(seq.id, seq.model, n)
-        seq.kv_tokens = n
+        seq.kv_saved = n
+        seq.state = PREFILLING
         seq.in_job = True  # leaves the queue when its prefill job starts
         g._taken[seq.id] = seq
         self.seqs_left -= 1
@@ -203,12 +174,12 @@ class SharingGroup:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self._models = tuple(sorted(costs))
-        self.waiting: dict[str, deque[GSeq]] = {m: deque() for m in self._models}
-        self.running: dict[str, dict[int, GSeq]] = {m: {} for m in self._models}
-        self.jobs: dict[int, tuple[Job, list[GSeq], float, float]] = {}  # token -> job
+        self.waiting: dict[str, deque[Seq]] = {m: deque() for m in self._models}
+        self.running: dict[str, dict[int, Seq]] = {m: {} for m in self._models}
+        self.jobs: dict[int, tuple[Job, list[Seq], float, float]] = {}  # token -> job
         self._busy: dict[tuple[str, str], int] = {}  # (model, phase) -> jobs in flight
         self._next_token = 0
-        self._taken: dict[int, GSeq] = {}  # admitted by the budget, job not started yet
+        self._taken: dict[int, Seq] = {}  # admitted by the budget, job not started yet
         # a pipelined group under a temporal scheduler: prefill lanes (module docstring)
         self.stages = max((getattr(c, "stages", 1) for c in self.costs.values()), default=1)
         self.lanes = self.stages > 1 and not scheduler.spatial
@@ -244,7 +215,7 @@ class SharingGroup:
     def jobs_in_flight(self) -> int:
         return len(self.jobs)
 
-    def ready(self, model: str) -> Sequence[GSeq]:
+    def ready(self, model: str) -> Sequence[Seq]:
         run = self.running[model]
         if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
             return list(run.values())
@@ -268,7 +239,7 @@ class SharingGroup:
         return len(self.waiting[model]) + len(self.running[model])
 
     # --------------------------------------------------------------- memory
-    def can_hold(self, seq: GSeq, tokens: int) -> bool:
+    def can_hold(self, seq: Seq, tokens: int) -> bool:
         """Whether ``seq`` can hold ``tokens`` tokens now (pool and quota)."""
         lay = self.layout
         if not lay.can_grow(seq.id, seq.model, tokens):
@@ -282,9 +253,10 @@ class SharingGroup:
         return self.scheduler.kv_allows(m, used, extra, others)
 
     # -------------------------------------------------------------- actions
-    def enqueue(self, seq: GSeq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
+    def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
         """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
-        seq.group = self
+        seq.inst = self
+        seq.state = WAITING
         if head:
             self.waiting[seq.model].appendleft(seq)
         else:
@@ -384,7 +356,7 @@ class SharingGroup:
         share = min(share, 1.0)
         if job.phase == PREFILL:
             seqs = self._take_prefill(job)
-            lens = [s.prompt_tokens + s.generated for s in seqs]
+            lens = [s.prompt_tokens + s.gen_saved for s in seqs]
             cost = self.costs[m].prefill_time(lens, share)
             traffic = 0.0
             if self._bw is not None:
@@ -394,14 +366,14 @@ class SharingGroup:
             ends = self._macro_ends(m, seqs, now) if self.macro else None
             if ends is not None:
                 for s in seqs:
-                    s.kv_tokens += 1  # as a single step: the first token's KV
+                    s.kv_saved += 1  # as a single step: the first token's KV
                 token = self._register(Job(m, DECODE, job.seqs, 1.0), seqs, now, 1.0)
                 self._ends[token] = ends
                 return (float(ends[-1]), token)
             seqs = self._grow_decode(m, seqs)
             if not seqs:
                 return None
-            ctx = sum(s.kv_tokens for s in seqs)
+            ctx = sum(s.kv_saved for s in seqs)
             cost = self.costs[m].decode_time_scalar(len(seqs), float(ctx), share)
             traffic = 0.0
             if self._bw is not None:
@@ -424,13 +396,13 @@ class SharingGroup:
             if self.lanes_in_flight() >= self.stages:
                 raise RuntimeError(f"group {self.id}: every stage already has a prefill lane")
             seqs = self._take_prefill(job)
-            alone, busy = cost.prefill_lane([s.prompt_tokens + s.generated for s in seqs])
+            alone, busy = cost.prefill_lane([s.prompt_tokens + s.gen_saved for s in seqs])
             weight = 1.0
         else:
             seqs = self._grow_decode(m, self._decode_seqs(job))
             if not seqs:
                 return None
-            ctx = sum(s.kv_tokens for s in seqs)
+            ctx = sum(s.kv_saved for s in seqs)
             alone, busy = cost.decode_round(len(seqs), float(ctx))
             weight = decode_weight(self.stages, self.lanes_in_flight())
         token = self._register(Job(m, job.phase, tuple(x.id for x in seqs), 1.0), seqs, now, 0.0)
@@ -438,7 +410,7 @@ class SharingGroup:
         self._reweigh()
         return (now + alone, token)
 
-    def _take_prefill(self, job: Job) -> list[GSeq]:
+    def _take_prefill(self, job: Job) -> list[Seq]:
         """A prefill job's requests (admitted through the budget), out of the queue."""
         seqs = self._admitted(job)
         ids = set(job.seqs)
@@ -449,7 +421,7 @@ class SharingGroup:
             self.waiting[job.model] = deque(s for s in q if s.id not in ids)
         return seqs
 
-    def _decode_seqs(self, job: Job) -> list[GSeq]:
+    def _decode_seqs(self, job: Job) -> list[Seq]:
         """A decode job's running requests (none of them may be in a job)."""
         run = self.running[job.model]
         seqs = [run[i] for i in job.seqs]
@@ -457,7 +429,7 @@ class SharingGroup:
             raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
         return seqs
 
-    def _register(self, job: Job, seqs: list[GSeq], now: float, share: float) -> int:
+    def _register(self, job: Job, seqs: list[Seq], now: float, share: float) -> int:
         for s in seqs:
             s.in_job = True
         token = self._next_token
@@ -468,7 +440,7 @@ class SharingGroup:
         self.held_share += share
         return token
 
-    def _macro_ends(self, model: str, seqs: list[GSeq], now: float) -> np.ndarray | None:
+    def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> np.ndarray | None:
         """End times of the decode iterations this batch may run as one job
         (None: step by step).
 
@@ -483,11 +455,11 @@ class SharingGroup:
         and the iteration ends are the running sum of the same iteration times
         as step by step, so results equal a step-by-step run.
         """
-        k = min(min(s.output_tokens - s.generated for s in seqs), _MACRO_MAX)
+        k = min(min(s.output_tokens - s.gen_saved for s in seqs), _MACRO_MAX)
         if k <= 1:
             return None
         b = len(seqs)
-        base = sum(s.kv_tokens for s in seqs)
+        base = sum(s.kv_saved for s in seqs)
         ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
         ends = np.cumsum(np.concatenate(([now], self.costs[model].decode_time(b, ctxs))))[1:]
         k = self.scheduler.stable_iterations(self._state, model, seqs, ends.tolist(), now)
@@ -495,11 +467,11 @@ class SharingGroup:
             return None
         lay = self.layout
         for i, s in enumerate(seqs):
-            if not self.can_hold(s, s.kv_tokens + k):
+            if not self.can_hold(s, s.kv_saved + k):
                 for x in seqs[:i]:  # undo: step by step allocates as it goes
-                    lay.shrink(x.id, x.kv_tokens)
+                    lay.shrink(x.id, x.kv_saved)
                 return None
-            lay.grow(s.id, s.model, s.kv_tokens + k)
+            lay.grow(s.id, s.model, s.kv_saved + k)
         return ends[:k]
 
     def truncate(self, now: float) -> list[tuple[float, int]]:
@@ -520,10 +492,10 @@ class SharingGroup:
                 # give back the KV allocated ahead for the iterations cut off:
                 # the blocks are then exactly those of a step-by-step run
                 for s in entry[1]:
-                    self.layout.shrink(s.id, s.kv_tokens + j)
+                    self.layout.shrink(s.id, s.kv_saved + j)
         return out
 
-    def _admitted(self, job: Job) -> list[GSeq]:
+    def _admitted(self, job: Job) -> list[Seq]:
         """The requests of a prefill job: taken through the budget (KV allocated)."""
         out = []
         for rid in job.seqs:
@@ -533,7 +505,7 @@ class SharingGroup:
             out.append(s)
         return out
 
-    def _grow_decode(self, model: str, seqs: list[GSeq]) -> list[GSeq]:
+    def _grow_decode(self, model: str, seqs: list[Seq]) -> list[Seq]:
         """Grow each request of a decode job by one token, preempting victims
         of ``model`` when that does not fit; the requests left in the job."""
         lay = self.layout
@@ -541,10 +513,10 @@ class SharingGroup:
         i = 0
         while i < len(job):
             s = job[i]
-            want = s.kv_tokens + 1
+            want = s.kv_saved + 1
             if self.can_hold(s, want):
                 lay.grow(s.id, s.model, want)
-                s.kv_tokens = want
+                s.kv_saved = want
                 i += 1
                 continue
             cands = [x for x in self.running[model].values() if not x.in_job]
@@ -559,15 +531,16 @@ class SharingGroup:
                     i -= 1
         return job
 
-    def _preempt(self, s: GSeq) -> None:
+    def _preempt(self, s: Seq) -> None:
         self.layout.free(s.id)
         del self.running[s.model][s.id]
-        s.kv_tokens = 0
+        s.kv_saved = 0
+        s.state = WAITING
         s.record.preemptions += 1
         self.preemptions += 1
         self.waiting[s.model].appendleft(s)
 
-    def complete(self, token: int, now: float) -> list[GSeq]:
+    def complete(self, token: int, now: float) -> list[Seq]:
         """End job ``token`` at ``now``; returns the requests that finished
         (none for a token superseded by :meth:`truncate`)."""
         entry = self.jobs.pop(token, None)
@@ -581,8 +554,8 @@ class SharingGroup:
             self.scheduler.on_job_ends(job, seqs, done_ends, start)
             prev = done_ends[-1]
             for s in seqs:
-                s.generated += k - 1
-                s.kv_tokens += k - 1
+                s.gen_saved += k - 1
+                s.kv_saved += k - 1
             start = prev
         key = (job.model, job.phase)
         self._busy[key] -= 1
@@ -596,23 +569,25 @@ class SharingGroup:
         if not self.jobs and self._busy_since is not None:
             self.busy_s += now - self._busy_since
             self._busy_since = None
-        done: list[GSeq] = []
-        live: list[GSeq] = []
+        done: list[Seq] = []
+        live: list[Seq] = []
         run = self.running[job.model]
         for s in seqs:
             s.in_job = False
-            s.generated += 1
+            s.gen_saved += 1
             rec = s.record
             if job.phase == PREFILL:
                 run[s.id] = s
+                s.state = RUNNING
                 if rec.first_token_s is None:
                     rec.first_token_s = now
-            if s.generated >= s.output_tokens:
+            if s.gen_saved >= s.output_tokens:
                 self.layout.free(s.id)
                 del run[s.id]
+                s.state = DONE
                 rec.status = "finished"
                 rec.finish_s = now
-                rec.generated = s.generated
+                rec.generated = s.gen_saved
                 rec.instance = self.id
                 done.append(s)
                 self.scheduler.on_finish(s)
@@ -622,16 +597,16 @@ class SharingGroup:
         return done
 
     # ------------------------------------------------------------- handover
-    def take_waiting(self) -> list[GSeq]:
+    def take_waiting(self) -> list[Seq]:
         """Remove and return every queued request (they hold no KV)."""
         out = [s for m in self._models for s in self.waiting[m]]
         for m in self._models:
             self.waiting[m].clear()
         for s in out:
-            s.group = None
+            s.inst = None
         return out
 
-    def take_running(self) -> list[GSeq]:
+    def take_running(self) -> list[Seq]:
         """Remove every running request (no job may be in flight), freeing its
         KV; ``kv_tokens`` keeps the token count its KV held (what a migration
         moves)."""
@@ -641,19 +616,21 @@ class SharingGroup:
         for s in out:
             self.layout.free(s.id)
             del self.running[s.model][s.id]
-            s.group = None
+            s.inst = None
+            s.state = TRANSIT
         return out
 
-    def adopt(self, seq: GSeq, now: float) -> bool:
+    def adopt(self, seq: Seq, now: float) -> bool:
         """Take a migrated request with its KV (``seq.kv_tokens`` tokens) into
         the running set; False (nothing changed) when it does not fit. The
         scheduler sees it as a new arrival (its per-request state, e.g. DB's
         budget, starts afresh here)."""
-        if seq.kv_tokens <= 0 or not self.can_hold(seq, seq.kv_tokens):
+        if seq.kv_saved <= 0 or not self.can_hold(seq, seq.kv_saved):
             return False
-        self.layout.grow(seq.id, seq.model, seq.kv_tokens)
+        self.layout.grow(seq.id, seq.model, seq.kv_saved)
         self.running[seq.model][seq.id] = seq
-        seq.group = self
+        seq.inst = self
+        seq.state = RUNNING
         self.scheduler.on_arrival(seq, now)
         return True
 
@@ -665,19 +642,20 @@ class SharingGroup:
         seen: set[int] = set()
         for m in self._models:
             for s in self.waiting[m]:
-                assert s.id not in seen and not s.in_job and s.kv_tokens == 0, s.id
+                assert s.id not in seen and not s.in_job and s.kv_saved == 0, s.id
+                assert s.state == WAITING and s.inst is self, s.id
                 assert not lay.holds(s.id), s.id
                 seen.add(s.id)
             for rid, s in self.running[m].items():
-                assert rid == s.id and s.id not in seen, s.id
+                assert rid == s.id and s.id not in seen and s.state == RUNNING, s.id
                 # a macro job allocates its segment's KV ahead: held >= cached
-                assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_tokens, s.id
+                assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_saved, s.id
                 seen.add(s.id)
         for job, ss, _, _ in self.jobs.values():
             for s in ss:
                 assert s.in_job, s.id
                 if job.phase == PREFILL:  # admitted: KV held, not yet running
-                    assert s.id not in seen and lay.holds(s.id), s.id
+                    assert s.id not in seen and lay.holds(s.id) and s.state == PREFILLING, s.id
                     seen.add(s.id)
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
@@ -715,13 +693,13 @@ class _StateView:
     def jobs_in_flight(self) -> int:
         return self._g.jobs_in_flight
 
-    def waiting(self, model: str) -> Sequence[GSeq]:
+    def waiting(self, model: str) -> Sequence[Seq]:
         g = self._g
         if g.lanes and g.lanes_in_flight() >= g.stages:  # every stage has a lane
             return ()
         return g.waiting[model]
 
-    def ready(self, model: str) -> Sequence[GSeq]:
+    def ready(self, model: str) -> Sequence[Seq]:
         return self._g.ready(model)
 
     def busy(self, model: str, phase: str) -> bool:

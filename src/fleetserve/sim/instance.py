@@ -108,17 +108,16 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.sim import seq as sq
 from fleetserve.sim.contention import beside_copies
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
+from fleetserve.sim.seq import Seq
 
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
     from fleetserve.costmodel import InstanceCost
-    from fleetserve.metrics.records import RequestRecord
-    from fleetserve.sim.migration import MigrationTask
     from fleetserve.sim.prefix_cache import Entry
-    from fleetserve.workload.request import Request
 
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
 
@@ -130,107 +129,6 @@ class SimClock:
 
     def __init__(self) -> None:
         self.now = 0.0
-
-
-class Seq:
-    """A request's state on an instance (implements ``SeqView``)."""
-
-    __slots__ = (
-        "arrival_s",
-        "base",
-        "finish_step",
-        "gen_saved",
-        "hash_tokens",
-        "hashes",
-        "id",
-        "in_prefill",
-        "inst",
-        "mig",
-        "model",
-        "output_tokens",
-        "prefilled",
-        "prompt_tokens",
-        "pub",
-        "record",
-        "refs",
-        "running",
-        "shared",
-        "stall_from",
-    )
-
-    def __init__(self, req: Request, record: RequestRecord) -> None:
-        self.id = req.id
-        self.model = req.model
-        self.arrival_s = req.arrival_s
-        self.prompt_tokens = req.prompt_tokens
-        self.output_tokens = req.output_tokens
-        self.record = record
-        self.inst: Instance | None = None
-        self.running = False
-        self.gen_saved = 0  # tokens generated, valid while not running
-        self.base = 0  # kv = base + inst.steps while running
-        self.finish_step = 0  # inst.steps at which it finishes, while running
-        self.prefilled = 0  # tokens of the current (re)prefill done (chunked prefill)
-        self.in_prefill = False  # admitted, (re)prefill not completed
-        self.mig: MigrationTask | None = None  # the migration in flight, if any
-        self.stall_from: float | None = None  # token move: detach time, until next token
-        # prefix caching (see the module docstring): the prompt's block ids, the
-        # cache entries referenced (None: none, the plain accounting), the KV
-        # blocks they hold, the next prompt block to publish
-        self.hashes = req.prefix_blocks
-        self.hash_tokens = req.prefix_block_tokens or 0
-        self.refs: list[Entry] | None = None
-        self.shared = 0
-        self.pub = 0
-
-    @property
-    def generated(self) -> int:
-        """Output tokens generated so far, as of ``clock.now``."""
-        inst = self.inst
-        if self.running and inst is not None:
-            return self.base + inst.decode_steps - self.prompt_tokens + 1
-        return self.gen_saved
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV tokens held as of ``clock.now`` (see the module docstring).
-
-        Running: ``base + steps`` plus the in-flight iteration's token, the
-        count ``used_blocks`` allocates for; (re)prefilling: the whole
-        prompt + generated (allocated at admission); detached for a KV
-        migration's final copy: the KV being copied; waiting, in transit: 0.
-        """
-        inst = self.inst
-        if self.running and inst is not None:
-            return self.base + inst.kv_steps()
-        if self.in_prefill:
-            return self.prompt_tokens + self.gen_saved
-        mig = self.mig
-        if mig is not None:
-            return mig.held_tokens
-        return 0
-
-    @property
-    def demand_tokens(self) -> int:
-        """``max(kv_tokens, prompt + generated)`` (Mell's request size)."""
-        inst = self.inst
-        if self.running and inst is not None:
-            # Both terms from one lookup: with d = decode_steps - steps,
-            # prompt + generated = base + steps + d + 1 and kv_tokens is the same
-            # while an iteration is in flight (base + steps + d + 1), one less
-            # once the segment is over.
-            return self.base + inst.decode_steps + 1
-        return max(self.kv_tokens, self.prompt_tokens + self.generated)
-
-    @property
-    def migrating(self) -> bool:
-        """Whether a migration of this request is in flight."""
-        return self.mig is not None
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Tokens a (re)prefill must process: prompt plus everything generated."""
-        return self.prompt_tokens + self.gen_saved
 
 
 class _Budget(AdmissionBudget):
@@ -492,6 +390,7 @@ class Instance:
         Returns the time of a new iteration-end event, if any.
         """
         seq.inst = self
+        seq.state = sq.WAITING
         if head:
             self.waiting.appendleft(seq)
         else:
@@ -578,6 +477,7 @@ class Instance:
         self.waiting.remove(seq)
         self.reserved_blocks -= blocks_for(seq.prefill_tokens, self.block_size)
         seq.inst = None
+        seq.state = sq.TRANSIT
         if self._logs:
             self._changed()
         return self.truncate(now)
@@ -594,12 +494,14 @@ class Instance:
         Returns:
             The KV tokens it held.
         """
-        assert self.phase == IDLE and seq.running and self.running.get(seq.id) is seq
+        assert self.phase == IDLE and seq.bound and self.running.get(seq.id) is seq
         bs = self.block_size
         del self.running[seq.id]
         kv = seq.base + self.steps
         seq.gen_saved = kv - seq.prompt_tokens + 1
-        seq.running = False
+        seq.bound = False
+        seq.state = sq.TRANSIT
+        seq.kv_saved = kv if keep_blocks else 0
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
         if keep_blocks:
@@ -632,7 +534,8 @@ class Instance:
         """Start running ``s`` holding ``kv`` tokens (``generated = kv - prompt + 1``)."""
         base = kv - self.steps
         s.base = base
-        s.running = True
+        s.bound = True
+        s.state = sq.RUNNING
         s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
         self.running[s.id] = s
         self._hist[base % self.block_size] += 1
@@ -687,7 +590,8 @@ class Instance:
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
             self.used += blocks_for(n, bs)
-            s.in_prefill = True
+            s.state = sq.PREFILLING
+            s.kv_saved = n
             lens.append(n)
         self._prefill = list(admitted)
         self.phase = PREFILL
@@ -710,7 +614,8 @@ class Instance:
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
             hit = self._admit_cached(s, n, hits)
-            s.in_prefill = True
+            s.state = sq.PREFILLING
+            s.kv_saved = n
             lens.append(n)
             work.append((n - hit, hit))
             any_hit = any_hit or hit > 0
@@ -826,7 +731,8 @@ class Instance:
             for s in admitted_c:
                 total = s.prompt_tokens + s.gen_saved
                 s.prefilled = self._admit_cached(s, total, cached.hits)
-                s.in_prefill = True
+                s.state = sq.PREFILLING
+                s.kv_saved = total
                 self._prefilling.append(s)
                 n = min(total - s.prefilled, left)
                 chunks.append((s, n))
@@ -846,7 +752,8 @@ class Instance:
                 total = s.prompt_tokens + s.gen_saved
                 self.used += blocks_for(total, bs)
                 s.prefilled = 0
-                s.in_prefill = True
+                s.state = sq.PREFILLING
+                s.kv_saved = total
                 self._prefilling.append(s)
                 n = min(total, left)
                 chunks.append((s, n))
@@ -909,7 +816,9 @@ class Instance:
         del self.running[seq.id]
         kv = seq.base + self.steps
         seq.gen_saved = kv - seq.prompt_tokens + 1
-        seq.running = False
+        seq.bound = False
+        seq.state = sq.WAITING
+        seq.kv_saved = 0
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
         if seq.refs is None:
@@ -946,7 +855,9 @@ class Instance:
             for s in self._finishing.due(steps, running):
                 del running[s.id]
                 kv = s.base + steps
-                s.running = False
+                s.bound = False
+                s.state = sq.DONE
+                s.kv_saved = 0
                 s.gen_saved = s.output_tokens
                 self._hist[s.base % bs] -= 1
                 self._sum_base -= s.base
@@ -976,7 +887,6 @@ class Instance:
         kv = s.prompt_tokens + s.gen_saved
         gen = s.gen_saved + 1
         rec = s.record
-        s.in_prefill = False
         if rec.first_token_s is None:
             rec.first_token_s = now
         if s.stall_from is not None:  # a token migration's stall ends with this token
@@ -990,6 +900,8 @@ class Instance:
             else:
                 self._free(s, kv)
             s.gen_saved = gen
+            s.state = sq.DONE
+            s.kv_saved = 0
             done.append(s)
             return
         self._run(s, kv)
@@ -1009,7 +921,7 @@ class Instance:
             holders = [*self.running.values(), *self.prefilling(), *self._holding.values()]
             kv_blocks += self.pcache.check(holders, self.total_blocks - self.used)
             for s in self._holding.values():
-                assert s.refs and not s.running and s.mig is not None, s.id
+                assert s.refs and s.state == sq.TRANSIT and s.mig is not None, s.id
         else:
             assert not self._holding
             for s in (*self.running.values(), *self.prefilling()):
@@ -1030,13 +942,15 @@ class Instance:
         assert len(ids_w) == len(self.waiting)
         assert not (ids_w & ids_r) and not (ids_w & ids_p) and not (ids_r & ids_p)
         for s in self.running.values():
-            assert s.running and s.inst is self and not s.in_prefill
+            assert s.bound and s.state == sq.RUNNING and s.inst is self
             assert s.base + self.steps <= s.prompt_tokens + s.output_tokens - 1
             assert s.demand_tokens == max(s.kv_tokens, s.prompt_tokens + s.generated), s.id
         for s in self.prefilling():
-            assert s.in_prefill and s.inst is self and not s.running
+            assert s.state == sq.PREFILLING and s.inst is self and not s.bound
+            assert s.kv_saved == s.prefill_tokens, s.id
         for s in self.waiting:
-            assert s.inst is self and not s.running and not s.in_prefill and s.mig is None
+            assert s.inst is self and s.state == sq.WAITING and not s.bound and s.mig is None
+            assert s.kv_saved == 0, s.id
             assert s.refs is None and s.shared == 0, s.id
         if self.phase == IDLE:
             assert not self.preempted_migrating

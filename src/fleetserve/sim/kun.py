@@ -188,7 +188,8 @@ from fleetserve.sim.contention import BandwidthSharing, decode_weight
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kun_parts import Channel, KSeq, Piece, Transfer, WaitQueue
+from fleetserve.sim.kun_parts import Channel, Piece, Transfer, WaitQueue
+from fleetserve.sim.seq import Seq
 from fleetserve.spec import GpuSpec, get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
@@ -212,12 +213,12 @@ class _KunBudget(AdmissionBudget):
         self.tokens_left = tokens
         self.taken = 0
 
-    def fits(self, seq: KSeq) -> bool:  # type: ignore[override]
-        need = seq.need_tokens()
+    def fits(self, seq: Seq) -> bool:  # type: ignore[override]
+        need = seq.prefill_tokens
         return need <= self.room and self.slots > 0 and (not self.taken or need <= self.tokens_left)
 
-    def take(self, seq: KSeq) -> None:  # type: ignore[override]
-        need = seq.need_tokens()
+    def take(self, seq: Seq) -> None:  # type: ignore[override]
+        need = seq.prefill_tokens
         self.room -= need
         self.slots -= 1
         self.tokens_left -= need
@@ -253,17 +254,17 @@ class Executor:
         self.sim = sim
         self.created_s = now
         self.waiting = WaitQueue()
-        self.running: dict[int, KSeq] = {}
-        self.stalled: dict[int, KSeq] = {}
-        self.prefill: list[KSeq] = []  # being prefilled (every lane's, on a pipeline)
-        self.pending_attach: list[KSeq] = []
+        self.running: dict[int, Seq] = {}
+        self.stalled: dict[int, Seq] = {}
+        self.prefill: list[Seq] = []  # being prefilled (every lane's, on a pipeline)
+        self.pending_attach: list[Seq] = []
         self.lanes: dict[int, _Lane] = {}  # prefill micro-batches in flight (k > 1)
-        self.prefilled: list[KSeq] = []  # prefilled during a decode round; join after it
+        self.prefilled: list[Seq] = []  # prefilled during a decode round; join after it
         self.stage = BandwidthSharing()  # the stages' time among the jobs in flight (k > 1)
         self.next_lane = 1
         self.timers: dict[int, float] = {}  # job -> time of its end event (k > 1)
         self.retime_due = False  # a job ended and the others are not re-timed yet
-        self.swapped: deque[KSeq] = deque()
+        self.swapped: deque[Seq] = deque()
         self.swap_out_busy = False
         self.swap_in_busy = False
         self.steps = 0
@@ -280,8 +281,8 @@ class Executor:
         # pieces keyed in insertion order (not a set: iteration must not depend on
         # object addresses, or float sums and event order vary between builds)
         self.live_pieces: dict[Piece, None] = {}
-        self.tracked: dict[int, KSeq] = {}
-        self.mig_ready: list[KSeq] = []
+        self.tracked: dict[int, Seq] = {}
+        self.mig_ready: list[Seq] = []
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
         self.max_batch = sim.max_num_seqs
         self.last_end = now
@@ -431,7 +432,7 @@ class Executor:
 
     @property
     def kv_head_tokens(self) -> int:
-        return self.waiting[0].need_tokens() if self.waiting else 0
+        return self.waiting[0].prefill_tokens if self.waiting else 0
 
     @property
     def kv_queued_tokens(self) -> int:
@@ -442,23 +443,30 @@ class Executor:
         return self.capacity_tokens()
 
     # -------------------------------------------------------------- requests
-    def run(self, s: KSeq, kv: int) -> None:
+    def kv_steps(self) -> int:
+        """A bound request holds ``base + kv_steps()`` KV tokens."""
+        return self.steps
+
+    # -------------------------------------------------------------- requests
+    def run(self, s: Seq, kv: int) -> None:
         """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
         s.base = kv - self.steps
         s.state = "running"
-        s.exe = self
-        s.finish_step = self.steps + (s.req.output_tokens - (kv - s.prompt + 1))
+        s.bound = True
+        s.inst = self
+        s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
         self.running[s.id] = s
         self.sum_base += s.base
         self.finishing.add(s.finish_step, s.id)
 
-    def unrun(self, s: KSeq) -> int:
+    def unrun(self, s: Seq) -> int:
         """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
         del self.running[s.id]
         kv = s.base + self.steps
         self.sum_base -= s.base
-        s.gen = kv - s.prompt + 1
-        s.tokens = kv
+        s.bound = False
+        s.gen_saved = kv - s.prompt_tokens + 1
+        s.kv_saved = kv
         return kv
 
 
@@ -466,7 +474,7 @@ class Executor:
 class _Lane:
     """A prefill micro-batch in flight on a pipelined executor."""
 
-    seqs: list[KSeq]
+    seqs: list[Seq]
 
 
 class _Merge:
@@ -680,7 +688,7 @@ class KunSimulator:
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.requests
         ]
-        self.seqs: list[KSeq | None] = [None] * len(self.requests)
+        self.seqs: list[Seq | None] = [None] * len(self.requests)
         self.exe_of: list[Executor | None] = [None] * n
         self.execs: dict[int, Executor] = {}
         self._next_eid = 0
@@ -893,7 +901,7 @@ class KunSimulator:
         self._on_xfer_end(ch, now)
         return self._caused()
 
-    def _ev_attach(self, payload: KSeq, now: float) -> list[Event]:
+    def _ev_attach(self, payload: Seq, now: float) -> list[Event]:
         self._on_attach(payload, now)
         return self._caused()
 
@@ -962,7 +970,7 @@ class KunSimulator:
             )
             self.n_done += 1
             return
-        s = KSeq(req, rec)
+        s = Seq(req, rec)
         self.seqs[req.id] = s
         exe = self._choose_executor(req, now)
         if exe is None:
@@ -991,9 +999,9 @@ class KunSimulator:
             return None
         raise RuntimeError(f"unexpected dispatch action {action!r}")
 
-    def _enqueue(self, s: KSeq, exe: Executor, now: float) -> None:
+    def _enqueue(self, s: Seq, exe: Executor, now: float) -> None:
         s.state = "waiting"
-        s.exe = exe
+        s.inst = exe
         exe.waiting.append(s)
         self._schedule(exe, now)
 
@@ -1038,7 +1046,7 @@ class KunSimulator:
         if exe.phase == IDLE:
             self._attach_pending(exe)
             for s in exe.prefilled:
-                n = s.need_tokens()
+                n = s.prefill_tokens
                 exe.static -= n
                 exe.run(s, n)
             exe.prefilled.clear()
@@ -1076,39 +1084,40 @@ class KunSimulator:
     def _attach_pending(self, exe: Executor) -> None:
         """At a boundary: requests whose KV has arrived join the running batch."""
         for s in exe.pending_attach:
-            exe.static -= s.tokens
-            exe.run(s, s.tokens)
+            exe.static -= s.kv_saved
+            exe.run(s, s.kv_saved)
         exe.pending_attach.clear()
 
     @staticmethod
-    def _take_admitted(exe: Executor, admitted: list[KSeq]) -> list[int]:
+    def _take_admitted(exe: Executor, admitted: list[Seq]) -> list[int]:
         """Take ``admitted`` (the head of the queue) into prefill, holding
         their KV; the tokens each prefills."""
         for _ in admitted:
             exe.waiting.popleft()
         lens = []
         for s in admitted:
-            n = s.need_tokens()
+            n = s.prefill_tokens
             exe.static += n
             s.state = "prefill"
+            s.kv_saved = n
             lens.append(n)
         return lens
 
-    def _first_token(self, exe: Executor, s: KSeq, now: float) -> bool:
+    def _first_token(self, exe: Executor, s: Seq, now: float) -> bool:
         """``s``'s prefill ended: its first token; a request of one output
         token finishes (its KV freed). Whether it finished."""
         rec = s.record
         if rec.first_token_s is None:
             rec.first_token_s = now
         s.last_tok_s = now
-        if s.gen + 1 < s.req.output_tokens:
+        if s.gen_saved + 1 < s.output_tokens:
             return False
-        exe.static -= s.need_tokens()
-        s.gen = s.req.output_tokens
+        exe.static -= s.prefill_tokens
+        s.gen_saved = s.output_tokens
         self._finish(exe, s, now)
         return True
 
-    def _start_lane(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
+    def _start_lane(self, exe: Executor, admitted: list[Seq], now: float) -> None:
         """Start one prefill micro-batch of ``admitted`` on a pipeline."""
         lens = self._take_admitted(exe, admitted)
         exe.prefill.extend(admitted)
@@ -1155,9 +1164,9 @@ class KunSimulator:
         """The head of the queue has a batch slot but not the memory."""
         room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
         slots = self._cap(exe) - exe.num_running
-        return slots > 0 and exe.waiting[0].need_tokens() > room
+        return slots > 0 and exe.waiting[0].prefill_tokens > room
 
-    def _admit(self, exe: Executor) -> list[KSeq]:
+    def _admit(self, exe: Executor) -> list[Seq]:
         """The batching policy's admissions from the queue, within the
         executor's limits (:class:`_KunBudget`)."""
         budget = _KunBudget(
@@ -1167,7 +1176,7 @@ class KunSimulator:
         )
         return self.batching.admit(exe, exe.waiting, budget)  # type: ignore[return-value]
 
-    def _start_prefill(self, exe: Executor, admitted: list[KSeq], now: float) -> None:
+    def _start_prefill(self, exe: Executor, admitted: list[Seq], now: float) -> None:
         lens = self._take_admitted(exe, admitted)
         exe.prefill = admitted
         exe.phase = PREFILL
@@ -1178,10 +1187,10 @@ class KunSimulator:
         """``exe`` as the pressure reaction reads it."""
         return PressureView(
             room_tokens=exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
-            head_tokens=exe.waiting[0].need_tokens() if exe.waiting else 0,
+            head_tokens=exe.waiting[0].prefill_tokens if exe.waiting else 0,
             running=list(exe.running.values()),
             swapped=tuple(s.id for s in exe.swapped),
-            swapped_tokens=tuple(s.tokens for s in exe.swapped),
+            swapped_tokens=tuple(s.kv_saved for s in exe.swapped),
             swap_out_busy=exe.swap_out_busy,
             swap_in_busy=exe.swap_in_busy,
         )
@@ -1190,7 +1199,7 @@ class KunSimulator:
         """The batching policy's victim choice on ``exe``."""
         return lambda among: self.batching.victim(exe, among)
 
-    def _seq(self, rid: int) -> KSeq:
+    def _seq(self, rid: int) -> Seq:
         s = self.seqs[rid]
         assert s is not None, rid
         return s
@@ -1199,7 +1208,7 @@ class KunSimulator:
         """The queue's head does not fit: apply the pressure reaction's steps
         (:meth:`PressureReaction.head_blocked`); whether it freed KV. Requests
         whose KV was dropped go to the tail of the queue, newest last."""
-        dropped: list[KSeq] = []
+        dropped: list[Seq] = []
         while True:
             action = self.reaction.head_blocked(self._pview(exe), self._victim_of(exe))
             if action is None:
@@ -1296,17 +1305,17 @@ class KunSimulator:
             )
         return total
 
-    def _evict(self, exe: Executor, s: KSeq, now: float) -> None:
+    def _evict(self, exe: Executor, s: Seq, now: float) -> None:
         """Free running ``s``'s KV (it will be recomputed); the caller queues it."""
         self._cancel_pieces(s)
         self._cancel_migration(s)
         exe.unrun(s)
-        s.tokens = 0
+        s.kv_saved = 0
         s.state = "waiting"
         s.record.preemptions += 1
         self._untrack(exe, s, now)
 
-    def _preempt(self, exe: Executor, s: KSeq, now: float) -> None:
+    def _preempt(self, exe: Executor, s: Seq, now: float) -> None:
         """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
         self._evict(exe, s, now)
         exe.waiting.appendleft(s)
@@ -1316,7 +1325,7 @@ class KunSimulator:
         if exe.phase == PREFILL:
             for s in exe.prefill:
                 if not self._first_token(exe, s, now):
-                    n = s.need_tokens()
+                    n = s.prefill_tokens
                     exe.static -= n
                     exe.run(s, n)
             exe.prefill = []
@@ -1330,7 +1339,7 @@ class KunSimulator:
             steps = exe.steps
             for fin in exe.finishing.due(steps, exe.running):
                 exe.unrun(fin)
-                fin.gen = fin.req.output_tokens
+                fin.gen_saved = fin.output_tokens
                 self._finish(exe, fin, now)
             if exe.tracked:
                 for s in list(exe.tracked.values()):
@@ -1350,14 +1359,14 @@ class KunSimulator:
         if exe.retime_due and exe.id in self.execs:
             self._retime(exe, now)
 
-    def _finish(self, exe: Executor, s: KSeq, now: float) -> None:
+    def _finish(self, exe: Executor, s: Seq, now: float) -> None:
         self._cancel_pieces(s)
         self._cancel_migration(s)
         s.state = "done"
-        s.tokens = 0
+        s.kv_saved = 0
         rec = s.record
         rec.finish_s = now
-        rec.generated = s.req.output_tokens
+        rec.generated = s.output_tokens
         rec.status = "finished"
         rec.instance = exe.id
         self._untrack(exe, s, now)
@@ -1379,14 +1388,14 @@ class KunSimulator:
             if ch.cur is None and ch.queue:
                 self._push_xfer(ch, ch.try_start(now))
 
-    def _on_attach(self, s: KSeq, now: float) -> None:
-        exe = s.exe
+    def _on_attach(self, s: Seq, now: float) -> None:
+        exe = s.inst
         assert exe is not None
         exe.pending_attach.append(s)
         self._schedule(exe, now)
 
     # ------------------------------------------------------------- KV pieces
-    def _add_pieces(self, s: KSeq, exe: Executor, pieces: list[Piece], now: float) -> None:
+    def _add_pieces(self, s: Seq, exe: Executor, pieces: list[Piece], now: float) -> None:
         """Register ``s``'s pieces (proportional accounting corrected) and queue
         them on their sources' links."""
         self.mem_version += 1
@@ -1436,12 +1445,12 @@ class KunSimulator:
         p.transfer = tr
         return tr
 
-    def _cancel_pieces(self, s: KSeq) -> None:
+    def _cancel_pieces(self, s: Seq) -> None:
         """``s`` leaves (finished, preempted): its pending pieces are void."""
         # A piece not reserved still has its destination's negative correction
         # (and commitment); a reserved one is net zero there. Either way the
         # source no longer holds it. A copy in flight runs to its end.
-        exe = s.exe
+        exe = s.inst
         if s.pieces:
             self.mem_version += 1
         for p in s.pieces:
@@ -1465,7 +1474,7 @@ class KunSimulator:
             if not at:
                 del self.live_src[p.src]
 
-    def _untrack(self, exe: Executor, s: KSeq, now: float) -> None:
+    def _untrack(self, exe: Executor, s: Seq, now: float) -> None:
         if s.tracked_since is None:
             return
         exe.tracked.pop(s.id, None)
@@ -1484,7 +1493,7 @@ class KunSimulator:
         )
         s.tracked_since = None
 
-    def _track(self, exe: Executor, s: KSeq, now: float, last_tok: float, kind: str) -> None:
+    def _track(self, exe: Executor, s: Seq, now: float, last_tok: float, kind: str) -> None:
         s.tracked_since = now
         s.track_kind = kind
         s.max_gap_s = 0.0
@@ -1600,8 +1609,8 @@ class KunSimulator:
         for m, (lo, hi) in new.ranges.items():
             for layer in range(lo, hi):
                 new_owner[layer] = m
-        waiting: list[KSeq] = []
-        victims: list[tuple[KSeq, int, dict[tuple[int, int], int], float]] = []
+        waiting: list[Seq] = []
+        victims: list[tuple[Seq, int, dict[tuple[int, int], int], float]] = []
         for e in mg.olds:
             waiting.extend(e.waiting)
             owner = old_owner[e.id]
@@ -1614,19 +1623,19 @@ class KunSimulator:
                 kv = e.unrun(s)
                 victims.append((s, kv, moves, e.last_end))
             assert not e.stalled and not e.prefill and not e.pending_attach and not e.prefilled
-        waiting.sort(key=lambda s: (s.req.arrival_s, s.id))
+        waiting.sort(key=lambda s: (s.arrival_s, s.id))
         for s in waiting:
-            s.exe = new
+            s.inst = new
             new.waiting.append(s)
-        victims.sort(key=lambda v: (v[0].req.arrival_s, v[0].id))
+        victims.sort(key=lambda v: (v[0].arrival_s, v[0].id))
         for s, kv, moves, last_end in victims:
             pieces = [Piece(s, a, b, n, kv, live) for (a, b), n in sorted(moves.items())]
             if live or not pieces:
                 new.run(s, kv)
             else:
                 s.state = "stalled"
-                s.exe = new
-                s.tokens = kv
+                s.inst = new
+                s.kv_saved = kv
                 new.static += kv
                 new.stalled[s.id] = s
             if pieces:
@@ -1705,7 +1714,7 @@ class KunSimulator:
         # assign running requests: largest KV first, to the member with most room
         room = {m: self.cap_tl(m) // self.L for m in e.members}
         wm = {m: int(self.watermark * room[m]) for m in e.members}
-        take: dict[int, list[tuple[KSeq, int]]] = {m: [] for m in e.members}
+        take: dict[int, list[tuple[Seq, int]]] = {m: [] for m in e.members}
         for s in sorted(e.running.values(), key=lambda s: (-s.kv_tokens, s.id)):
             kv = s.kv_tokens
             m = max(e.members, key=lambda m: (room[m] - wm[m], -m))
@@ -1736,7 +1745,7 @@ class KunSimulator:
         self.mem_events.append({"t": now, "event": "restore", "group": list(e.members)})
         self._update_pipe_clock(now)
         for s in waiting:
-            exe = self._choose_executor(s.req, now)
+            exe = self._choose_executor(self.requests[s.id], now)
             assert exe is not None
             self._enqueue(s, exe, now)
         for new in news.values():
@@ -1758,7 +1767,7 @@ class KunSimulator:
                     waiting=tuple(s.id for s in e.waiting),
                     max_batch=e.max_batch,
                     free_tokens=max(0, e.room_tokens() - e.waiting_tokens()),
-                    waiting_tokens=tuple(s.need_tokens() for s in e.waiting),
+                    waiting_tokens=tuple(s.prefill_tokens for s in e.waiting),
                 )
             )
         touched: set[int] = set()
@@ -1767,7 +1776,7 @@ class KunSimulator:
             assert s is not None and s.state == "waiting"
             a, b = self.execs[src], self.execs[dst]
             a.waiting.remove(s)
-            s.exe = b
+            s.inst = b
             b.waiting.append(s)
             touched.add(dst)
         for eid in sorted(touched):
@@ -1775,7 +1784,7 @@ class KunSimulator:
             self._schedule(e, now)
 
     # ------------------------------------------------------------------ swap
-    def _swap_out(self, exe: Executor, s: KSeq, now: float) -> None:
+    def _swap_out(self, exe: Executor, s: Seq, now: float) -> None:
         kv = exe.unrun(s)
         s.state = "stalled"
         exe.stalled[s.id] = s
@@ -1802,7 +1811,7 @@ class KunSimulator:
             return
         s = exe.swapped.popleft()
         assert s.id == action.request_id, (s.id, action)
-        kv = s.tokens
+        kv = s.kv_saved
         exe.static += kv
         s.state = "transit"
         exe.swap_in_busy = True
@@ -1825,7 +1834,7 @@ class KunSimulator:
             if s is None or dst is None or s.state != "running" or s.mig is not None:
                 self.llumnix.on_move_aborted(action.request_id)
                 continue
-            src = s.exe
+            src = s.inst
             assert src is not None
             kv = s.kv_tokens
             wm = int(self.watermark * dst.capacity_tokens())
@@ -1837,7 +1846,7 @@ class KunSimulator:
             mig = _Migration(src, dst, kv)
             s.mig = mig
 
-            def on_done(t: float, s: KSeq = s, mig: _Migration = mig) -> None:
+            def on_done(t: float, s: Seq = s, mig: _Migration = mig) -> None:
                 if s.mig is not mig:
                     return
                 mig.ready = True
@@ -1858,7 +1867,7 @@ class KunSimulator:
         ready, exe.mig_ready = exe.mig_ready, []
         for s in ready:
             mig = s.mig
-            if mig is None or s.state != "running" or s.exe is not exe:
+            if mig is None or s.state != "running" or s.inst is not exe:
                 continue
             dst = mig.dst
             kv = s.kv_tokens
@@ -1871,7 +1880,7 @@ class KunSimulator:
             exe.unrun(s)
             dst.static += delta
             s.state = "transit"
-            s.exe = dst
+            s.inst = dst
             s.mig = None
             stall = transfer_time(delta * self.kv_tok_bytes / self.tp, self.net_link)
             s.record.migrations += 1
@@ -1881,7 +1890,7 @@ class KunSimulator:
             )
             self._out.append((now + stall, ATTACH, s))
 
-    def _cancel_migration(self, s: KSeq) -> None:
+    def _cancel_migration(self, s: Seq) -> None:
         mig = s.mig
         if mig is None:
             return
@@ -2007,7 +2016,7 @@ class KunSimulator:
         executor, every arrived request in exactly one place."""
         seen: dict[int, str] = {}
 
-        def place(s: KSeq, where: str) -> None:
+        def place(s: Seq, where: str) -> None:
             assert s.id not in seen, f"request {s.id} in {seen[s.id]} and {where}"
             seen[s.id] = where
 
@@ -2032,23 +2041,25 @@ class KunSimulator:
             t = 0
             for s in e.running.values():
                 place(s, f"running on {e.id}")
-                assert s.state == "running" and s.exe is e
+                assert s.state == "running" and s.bound and s.inst is e
                 kv = s.base + e.steps
-                assert kv <= s.prompt + s.req.output_tokens - 1
+                assert kv <= s.prompt_tokens + s.output_tokens - 1
                 t += kv
             for s in e.prefill:
                 place(s, f"prefill on {e.id}")
-                t += s.need_tokens()
+                assert s.state == "prefill" and s.kv_saved == s.prefill_tokens, s.id
+                t += s.prefill_tokens
             for s in e.stalled.values():
                 place(s, f"stalled on {e.id}")
-                t += s.tokens
+                t += s.kv_saved
             for s in e.pending_attach:
                 place(s, f"attaching to {e.id}")
-                t += s.tokens
+                t += s.kv_saved
             for s in e.prefilled:
                 place(s, f"prefilled on {e.id}")
                 assert e.phase != IDLE, f"executor {e.id}: prefilled requests not joined"
-                t += s.need_tokens()
+                assert s.state == "prefill" and s.kv_saved == s.prefill_tokens, s.id
+                t += s.prefill_tokens
             assert sorted(id(s) for lane in e.lanes.values() for s in lane.seqs) == sorted(
                 map(id, e.prefill)
             ) or (e.k == 1 and not e.lanes), f"executor {e.id}: lanes and prefill list differ"
@@ -2057,8 +2068,8 @@ class KunSimulator:
             assert set(e.timers) == e.stage.tokens(), (e.timers, e.stage.tokens())
             for s in e.waiting:
                 place(s, f"waiting on {e.id}")
-                assert s.state == "waiting" and not s.pieces
-            assert e.waiting.tokens == sum(s.need_tokens() for s in e.waiting), e.id
+                assert s.state == "waiting" and not s.pieces and not s.bound and s.kv_saved == 0
+            assert e.waiting.tokens == sum(s.prefill_tokens for s in e.waiting), e.id
             for s in e.swapped:
                 place(s, f"swapped from {e.id}")
             for s in e.running.values():
@@ -2070,8 +2081,8 @@ class KunSimulator:
                     continue
                 if s2.mig is not None and s2.mig.dst is e:
                     reserved += s2.mig.tokens
-                if s2.state == "transit" and s2.exe is e and s2 not in e.pending_attach:
-                    reserved += s2.tokens
+                if s2.state == "transit" and s2.inst is e and s2 not in e.pending_attach:
+                    reserved += s2.kv_saved
             assert e.T() == t + reserved + e.inflight, (e.id, e.T(), t, reserved, e.inflight)
             for s in [*e.running.values(), *e.stalled.values(), *e.pending_attach]:
                 for p in s.pieces:

@@ -4,7 +4,6 @@ What a stack does under memory pressure, and the KunServe knobs, are its
 :class:`~fleetserve.policy.pressure.KunSettings` (the stack's ``burst`` in
 :data:`~fleetserve.policy.catalog.STACKS`).
 
-* :class:`KSeq`: one request's state.
 * :class:`Channel`: one link direction of one instance (its network NIC or its
   PCIe link to host memory) carrying transfers one at a time, FIFO, at a rate
   that live KV exchange may lower while activations use the link.
@@ -22,115 +21,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fleetserve.costmodel.transfer import Link
 
 if TYPE_CHECKING:
-    from fleetserve.metrics.records import RequestRecord
-    from fleetserve.sim.kun import Executor
-    from fleetserve.workload.request import Request
-
-
-class KSeq:
-    """A request's state in the KunServe simulator (implements ``SeqView``).
-
-    While running on an executor its KV holds ``base + executor.steps``
-    tokens (all running requests grow by one token per decode iteration);
-    otherwise ``tokens`` holds the count (0 while waiting without KV).
-
-    ``state``: ``waiting`` (queued, no KV), ``prefill`` (admitted, its
-    (re)prefill in flight), ``running``, ``stalled`` (holds KV on an executor
-    but does not decode: a blocking-exchange victim, or a swap-out in flight),
-    ``transit`` (its KV is on the way to an executor: swap-in, the last copy
-    of a migration), ``host`` (swapped out), ``done``.
-    """
-
-    __slots__ = (
-        "base",
-        "exe",
-        "finish_step",
-        "gen",
-        "id",
-        "last_tok_s",
-        "max_gap_s",
-        "mig",
-        "n_gaps",
-        "pieces",
-        "prompt",
-        "record",
-        "req",
-        "state",
-        "sum_gap_s",
-        "tokens",
-        "track_kind",
-        "tracked_since",
-    )
-
-    def __init__(self, req: Request, record: RequestRecord) -> None:
-        self.id = req.id
-        self.req = req
-        self.record = record
-        self.prompt = req.prompt_tokens
-        self.exe: Executor | None = None
-        self.state = "new"
-        self.base = 0
-        self.finish_step = 0
-        self.gen = 0  # generated tokens while not running
-        self.tokens = 0  # KV tokens held while not running
-        self.pieces: list[Piece] = []  # KV pieces still to cross (exchange / restore)
-        self.mig: Any = None  # a Llumnix migration in flight
-        self.last_tok_s = 0.0
-        self.max_gap_s = 0.0
-        self.sum_gap_s = 0.0
-        self.n_gaps = 0
-        self.tracked_since: float | None = None  # victim: when its exchange began
-        self.track_kind = ""  # "exchange" or "restore"
-
-    # --- SeqView ----------------------------------------------------------
-    @property
-    def model(self) -> str:
-        return self.req.model
-
-    @property
-    def arrival_s(self) -> float:
-        return self.req.arrival_s
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prompt
-
-    @property
-    def output_tokens(self) -> int:
-        return self.req.output_tokens
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV tokens held now."""
-        if self.state == "running":
-            exe = self.exe
-            assert exe is not None
-            return self.base + exe.steps
-        return self.tokens
-
-    @property
-    def generated(self) -> int:
-        """Output tokens generated so far."""
-        if self.state == "running":
-            return self.kv_tokens - self.prompt + 1
-        return self.gen
-
-    @property
-    def demand_tokens(self) -> int:
-        return max(self.kv_tokens, self.prompt + self.generated)
-
-    @property
-    def migrating(self) -> bool:
-        return self.mig is not None
-
-    def need_tokens(self) -> int:
-        """KV tokens a (re)prefill of it allocates."""
-        return self.prompt + self.gen
+    from fleetserve.sim.seq import Seq
 
 
 @dataclass(slots=True, eq=False)
@@ -140,7 +36,7 @@ class Piece:
     request's attention for those layers runs on ``src`` (live) or the request
     stalls (blocking)."""
 
-    seq: KSeq
+    seq: Seq
     src: int
     dst: int
     layers: int
@@ -244,7 +140,7 @@ class Channel:
         return tr
 
 
-class WaitQueue(deque["KSeq"]):
+class WaitQueue(deque["Seq"]):
     """An executor's queue, and the KV tokens its requests need together
     (:attr:`tokens`, what every monitor interval reads), kept as requests
     come and go instead of summed again each time. A queued request's need
@@ -255,37 +151,37 @@ class WaitQueue(deque["KSeq"]):
         super().__init__()
         self.tokens = 0
 
-    def append(self, s: KSeq) -> None:
+    def append(self, s: Seq) -> None:
         super().append(s)
-        self.tokens += s.need_tokens()
+        self.tokens += s.prefill_tokens
 
-    def appendleft(self, s: KSeq) -> None:
+    def appendleft(self, s: Seq) -> None:
         super().appendleft(s)
-        self.tokens += s.need_tokens()
+        self.tokens += s.prefill_tokens
 
-    def extend(self, items: Iterable[KSeq]) -> None:
+    def extend(self, items: Iterable[Seq]) -> None:
         for s in items:
             self.append(s)
 
-    def extendleft(self, items: Iterable[KSeq]) -> None:
+    def extendleft(self, items: Iterable[Seq]) -> None:
         for s in items:
             self.appendleft(s)
 
-    def pop(self, i: int = -1, /) -> KSeq:
+    def pop(self, i: int = -1, /) -> Seq:
         if i != -1:
             raise TypeError("WaitQueue: pop takes the last request only")
         s = super().pop()
-        self.tokens -= s.need_tokens()
+        self.tokens -= s.prefill_tokens
         return s
 
-    def popleft(self) -> KSeq:
+    def popleft(self) -> Seq:
         s = super().popleft()
-        self.tokens -= s.need_tokens()
+        self.tokens -= s.prefill_tokens
         return s
 
-    def remove(self, s: KSeq) -> None:
+    def remove(self, s: Seq) -> None:
         super().remove(s)
-        self.tokens -= s.need_tokens()
+        self.tokens -= s.prefill_tokens
 
     def clear(self) -> None:
         super().clear()
@@ -297,5 +193,5 @@ class WaitQueue(deque["KSeq"]):
     def __setitem__(self, i: object, s: object) -> None:
         raise TypeError("WaitQueue: requests are not replaced in place")
 
-    def insert(self, i: int, s: KSeq) -> None:
+    def insert(self, i: int, s: Seq) -> None:
         raise TypeError("WaitQueue: requests join at either end")

@@ -124,8 +124,10 @@ from fleetserve.policy.mechanism import (
     PendingMove,
     shard_ports,
 )
+from fleetserve.sim import seq as sq
 from fleetserve.sim.events import ITER_END, TRANSFER, Event
-from fleetserve.sim.instance import IDLE, Instance, Seq
+from fleetserve.sim.instance import IDLE, Instance
+from fleetserve.sim.seq import Seq
 
 if TYPE_CHECKING:
     from fleetserve.config import MigrationConfig
@@ -160,7 +162,6 @@ class MigrationTask:
         reserved: blocks reserved on ``dst`` (kv).
         held: blocks the source still holds after the detach (kv, final copy;
             its private blocks, without the cache entries it references).
-        held_tokens: KV tokens of a detached request (kv, after the detach).
         final_kv: KV tokens the request will hold when detached (kv).
         bytes: bytes sent so far, all stages.
         stages: live copy stages started (kv).
@@ -176,7 +177,6 @@ class MigrationTask:
         "final_kv",
         "head",
         "held",
-        "held_tokens",
         "link",
         "load",
         "mode",
@@ -201,7 +201,6 @@ class MigrationTask:
         self.sent = 0
         self.reserved = 0
         self.held = 0
-        self.held_tokens = 0
         self.final_kv = 0
         self.bytes = 0
         self.stages = 0
@@ -306,10 +305,10 @@ class Migrations:
                 del self.pending[rid]
                 continue
             src = seq.inst
-            if src is None or seq.mig is not None or seq.in_prefill:
+            if src is None or seq.mig is not None or seq.state == sq.PREFILLING:
                 continue
             dst, mode = fifo[0]
-            kv_bytes = src.cost.kv_bytes(seq.kv_tokens) if seq.running else 0
+            kv_bytes = src.cost.kv_bytes(seq.kv_tokens) if seq.bound else 0
             tokens = seq.prompt_tokens + seq.generated
             move = PendingMove(seq.id, src.id, dst.id, src.gpus, dst.gpus, kv_bytes, tokens, mode)
             offered.append(move)
@@ -337,7 +336,7 @@ class Migrations:
         task = MigrationTask(seq, src, dst, mode, self.link(src, dst))
         seq.mig = task
         self._ref(task, dst=True)
-        if not seq.running:  # waiting: no KV; token ids only
+        if not seq.bound:  # waiting: no KV; token ids only
             task.mode = "token"
             task.head = seq.gen_saved > 0
             _iter_end(src, src.remove_waiting(seq, now), ev)
@@ -494,7 +493,6 @@ class Migrations:
         kv = src.detach(seq, keep_blocks=True)
         assert kv == t.final_kv, (kv, t.final_kv)
         t.held = blocks_for(kv, self.block_size) - seq.shared  # its private blocks
-        t.held_tokens = kv
         tokens = kv - t.sent
         cost = src.cost
         t.bytes += cost.kv_bytes(tokens)
@@ -505,7 +503,7 @@ class Migrations:
         ev.append((end, TRANSFER, (t, FINAL_COPY)))
 
     def _attach(self, t: MigrationTask, now: float) -> None:
-        t.dst.attach(t.seq, t.held_tokens, t.reserved)
+        t.dst.attach(t.seq, t.seq.kv_saved, t.reserved)
         t.reserved = 0
         assert t.t_detach is not None
         t.seq.record.migration_stall_s += now - t.t_detach
@@ -522,7 +520,6 @@ class Migrations:
         )
         seq.mig = None
         t.phase = DONE
-        t.held_tokens = 0
         self._unref(t, dst=True)
 
     def _ports(self, t: MigrationTask, shards: bool) -> list[LinkPort]:
@@ -624,7 +621,7 @@ class Migrations:
             for t in out:
                 assert t.src is inst and t.seq.mig is t
                 if t.phase in (STAGE, DETACHING, WAITING):
-                    assert t.seq.running and t.seq.inst is inst
+                    assert t.seq.bound and t.seq.inst is inst
                 if t.phase == WAITING:
                     assert t.sent == 0 and t.reserved == 0 and t.wait_since is not None
             for t in into:

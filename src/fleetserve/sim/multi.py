@@ -84,11 +84,12 @@ from fleetserve.sim.events import (
     SAMPLE,
     Event,
 )
-from fleetserve.sim.group import GSeq, JobCost, SharingGroup
+from fleetserve.sim.group import JobCost, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.sim.migration import TOKEN_ID_BYTES
 from fleetserve.sim.multi_burst import BurstControl, check_burst
+from fleetserve.sim.seq import Seq
 from fleetserve.spec import get_gpu
 from fleetserve.spec.memory import group_kv_bytes, min_tp
 from fleetserve.spec.types import GpuSpec
@@ -440,7 +441,7 @@ class MultiSimulator:
         self.replacements: list[dict[str, Any]] = []
         self.migrations: list[MigrationRecord] = []
         self._job_end: dict[tuple[int, int], float] = {}
-        self._in_transit: dict[int, GSeq] = {}
+        self._in_transit: dict[int, Seq] = {}
         self.recomputed_after_move = 0
         self.n_done = 0
         self.timeseries = TimeSeries(config.sample_interval_s)
@@ -585,7 +586,7 @@ class MultiSimulator:
         self._on_ready(payload, now)
         return self._caused()
 
-    def _ev_migrated(self, payload: tuple[SharingGroup, GSeq, str], now: float) -> list[Event]:
+    def _ev_migrated(self, payload: tuple[SharingGroup, Seq, str], now: float) -> list[Event]:
         dst, moved, mode = payload
         self._on_migrated(dst, moved, mode, now)
         return self._caused()
@@ -628,10 +629,10 @@ class MultiSimulator:
             rec.reason = too_long
             self.n_done += 1
             return []
-        self._dispatch(GSeq(req, self.records[req.id]), now)
+        self._dispatch(Seq(req, self.records[req.id]), now)
         return self._caused()
 
-    def _dispatch(self, seq: GSeq, now: float, *, head: bool = False) -> None:
+    def _dispatch(self, seq: Seq, now: float, *, head: bool = False) -> None:
         """Queue ``seq`` (no KV) at the host of its service the dispatch policy
         picks among the live hosts (the loading ones when none is live);
         reject it if no host could ever hold it."""
@@ -796,7 +797,7 @@ class MultiSimulator:
         g.state = "stopped"
         self._stopped[g.id] = now
         self._release(g, now)
-        plan: list[tuple[GSeq, SharingGroup, PendingMove]] = []
+        plan: list[tuple[Seq, SharingGroup, PendingMove]] = []
         for seq in g.take_running():
             m = seq.model
             dst = min(
@@ -938,13 +939,13 @@ class MultiSimulator:
             self._idle_since[g.id] = now
             self._out.append((now + self.cfg.keepalive_s, IDLE_CHECK, (g, now)))
 
-    def _on_migrated(self, g: SharingGroup, seq: GSeq, mode: str, now: float) -> None:
+    def _on_migrated(self, g: SharingGroup, seq: Seq, mode: str, now: float) -> None:
         del self._in_transit[seq.id]
         g.incoming -= 1
         if mode == "token":
             # token ids arrived: the destination re-prefills them (a migration
             # by recomputation, not a preemption)
-            seq.kv_tokens = 0
+            seq.kv_saved = 0
             if g.state == "live":
                 seq.record.instance = g.id
                 self._push(g, g.enqueue(seq, now, head=True))
@@ -957,7 +958,7 @@ class MultiSimulator:
             return
         # no room for its KV (or its destination went away): recompute it
         self.recomputed_after_move += 1
-        seq.kv_tokens = 0
+        seq.kv_saved = 0
         seq.record.preemptions += 1
         self._dispatch(seq, now, head=True)
 

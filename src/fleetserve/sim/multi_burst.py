@@ -74,8 +74,9 @@ from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.events import GROUP_READY
 
 if TYPE_CHECKING:
-    from fleetserve.sim.group import GSeq, JobCost, SharingGroup
+    from fleetserve.sim.group import JobCost, SharingGroup
     from fleetserve.sim.multi import MultiSimulator
+    from fleetserve.sim.seq import Seq
 
 Signature = tuple[int, tuple[str, ...]]
 """``(tensor degree, hosted services)``: groups with one signature are buddies."""
@@ -297,8 +298,8 @@ class BurstControl:
         # where each member's KV is now: the grid range it held before the merge
         held_before: dict[int, tuple[int, int]] = {}
         kv_on: dict[int, float] = {}  # member id -> KV bytes of running requests it holds
-        waiting: list[GSeq] = []
-        running: list[GSeq] = []
+        waiting: list[Seq] = []
+        running: list[Seq] = []
         for src in merge.sources:
             pipe = self.pipes.pop(src.id, None)
             srcs = pipe.members if pipe is not None else (src,)
@@ -358,7 +359,7 @@ class BurstControl:
             seq.record.instance = pipe_g.id
             if not pipe_g.adopt(seq, now):  # cannot happen with a larger pool; kept safe
                 self.counts.recomputed += 1
-                seq.kv_tokens = 0
+                seq.kv_saved = 0
                 seq.record.preemptions += 1
                 pipe_g.enqueue(seq, now, head=True)
         for seq in sorted(waiting, key=lambda s: (s.arrival_s, s.id)):

@@ -50,7 +50,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleetserve.sim.instance import Seq
+    from fleetserve.sim.seq import Seq
 
 Key = tuple[int, int, int]
 """``(trace block tokens, block index, block id)`` of an entry."""

@@ -61,11 +61,12 @@ from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_poli
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
-from fleetserve.sim.instance import IDLE, Instance, Seq, SimClock
+from fleetserve.sim.instance import IDLE, Instance, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.pool import GpuPool
 from fleetserve.sim.prefix_cache import PrefixStats
+from fleetserve.sim.seq import Seq
 from fleetserve.sim.usage import UsageTotals
 from fleetserve.spec import ModelSpec, get_model
 from fleetserve.spec.memory import kv_capacity_blocks

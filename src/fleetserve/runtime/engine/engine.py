@@ -161,6 +161,11 @@ class EngineRequest:
         return self.status == PAUSED
 
     @property
+    def decoding(self) -> bool:
+        # past its (re)prefill: every token but the newest is cached
+        return self.status == RUNNING and 0 < self.n_cached >= len(self.tokens) - 1
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
