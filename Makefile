@@ -61,6 +61,7 @@ bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine_decode.py
 	$(BIN)/python benchmarks/engine_migration.py
 	$(BIN)/python benchmarks/paged_kernel.py
+	$(BIN)/python benchmarks/engine_spatial.py
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.

@@ -442,6 +442,42 @@ def test_mell_activates_workers_under_load_and_releases_them(
             text = httpx.get(srv.url + "/metrics").text
 
 
+@pytest.mark.slow
+def test_a_worker_runs_adbs_jobs_at_once_on_their_shares_exactly() -> None:
+    """MuxServe's spatial sharing at runtime: one worker hosts both models with
+    two threads, and ADBS's prefill and decode jobs of one scheduling point run
+    at once, one thread each (``fleetserve_group_jobs_total{mode="at_once"}``);
+    every output equals the reference engine's."""
+    data = {
+        "serve": {
+            "workers": 1,
+            "gpu_memory_mb": 64,
+            "models": [A, B],
+            "threads_per_worker": 2,
+            "spatial_shares": True,
+        },
+        "policy": {"stack": "muxserve"},
+        "workload": {"synthetic_duration_s": 20.0, "length_scale": 0.1},
+    }
+    jobs = [(A, "Spatial shares", 20), (B, "of one worker's threads", 20)] * 3
+    with running_server(data) as srv:
+        info = httpx.get(srv.url + "/v1/cluster").json()
+        assert info["policies"]["batching"] == "adbs"
+        assert all(set(w["models"]) == {A, B} for w in info["workers"])
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            outs = list(ex.map(lambda j: _complete(srv.url, *j), jobs))
+        for (model, prompt, n), out in zip(jobs, outs, strict=True):
+            assert out["choices"][0]["text"] == reference_text(model, prompt, n)
+        deadline = time.monotonic() + 10
+        at_once = 0.0
+        while at_once < 1 and time.monotonic() < deadline:  # the last report may lag
+            metrics = httpx.get(srv.url + "/metrics").text
+            at_once = metric_value(metrics, "fleetserve_group_jobs_total", mode="at_once")
+            time.sleep(0.1)
+        assert at_once >= 1
+        assert metric_value(metrics, "fleetserve_group_jobs_total", mode="alone") >= 1
+
+
 def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:
     """The runtime runs a multi-LLM stack's group scheduler one job at a
     time: each part it does not run is listed (and logged when served), none
@@ -453,6 +489,10 @@ def test_what_the_runtime_does_not_run_of_a_stack_is_said() -> None:
     for words in ("elastic", "'adaptive'", "'kunserve'"):
         assert any(words in g for g in gaps), words
     assert any("spatial sharing ('adbs')" in g for g in runtime_gaps(get_stack("muxserve")))
+    on = runtime_gaps(get_stack("muxserve"), threads=2, spatial_shares=True)
+    assert on == []  # jobs at once on their shares
+    off = runtime_gaps(get_stack("muxserve"), threads=2)
+    assert len(off) == 1 and "serve.spatial_shares is off" in off[0]
 
 
 def test_the_runtime_replanner_is_the_simulators_search_on_a_window() -> None:

@@ -706,6 +706,11 @@ class ServeConfigSection:
         device: ``cpu`` (emulated GPUs) or ``cuda`` / ``cuda:N``.
         dtype: weights and KV element type.
         threads_per_worker: torch CPU threads of each worker.
+        spatial_shares: a worker hosting several models under a spatial
+            scheduler (MuxServe's ADBS) runs the jobs of one scheduling point
+            at once, each on its share of the worker's threads (needs 2 or
+            more); false (default): one after another on all threads, which
+            measured faster on a 2-core CPU (docs/runtime-parity.md).
         max_queue: the admission queue: most requests waiting for their first
             token, cluster-wide; one more gets 429 with ``Retry-After``.
         max_running: batch limit of each worker's engine.
@@ -758,6 +763,7 @@ class ServeConfigSection:
     device: str = "cpu"
     dtype: str = "float32"
     threads_per_worker: int = 1
+    spatial_shares: bool = False
     max_queue: int = 64
     max_running: int = 64
     max_batch_tokens: int = 4096

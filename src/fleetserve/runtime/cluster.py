@@ -262,6 +262,7 @@ def worker_specs(
             device=sv.device,
             dtype=sv.dtype,
             threads=sv.threads_per_worker,
+            spatial_shares=sv.spatial_shares,
             max_running=sv.max_running,
             max_batch_tokens=sv.max_batch_tokens,
             batching=batching,

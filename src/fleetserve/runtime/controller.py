@@ -232,6 +232,7 @@ class _Worker:
     held: dict[int, tuple[Report, float]] = field(default_factory=dict)  # came early
     prefix_seen: tuple[int, int] = (0, 0)  # its engine's prefix-cache counters, counted
     preempt_seen: int = 0  # its engine's preemptions, counted
+    group_jobs_seen: tuple[int, int] = (0, 0)  # its engine's group jobs (alone, at once), counted
 
 
 class Controller:
@@ -1341,6 +1342,11 @@ class Controller:
             old_p = w.preempt_seen if s.preemptions >= w.preempt_seen else 0
             m.preemptions.inc(s.preemptions - old_p)
             w.preempt_seen = s.preemptions
+        if s.group_jobs != w.group_jobs_seen:  # cumulative too
+            old_j = w.group_jobs_seen if s.group_jobs[0] >= w.group_jobs_seen[0] else (0, 0)
+            m.group_jobs.labels("alone").inc(max(0, s.group_jobs[0] - old_j[0]))
+            m.group_jobs.labels("at_once").inc(max(0, s.group_jobs[1] - old_j[1]))
+            w.group_jobs_seen = s.group_jobs
         m.kv_bytes.labels(k).set(s.kv_bytes_used)
         m.arena_bytes.labels(k).set(s.arena_bytes)
         m.weight_bytes.labels(k).set(s.weight_bytes)

@@ -160,6 +160,14 @@ class RuntimeMetrics:
             "Requests the workers' engines preempted (their KV freed, recomputed later)",
             registry=r,
         )
+        self.group_jobs = Counter(
+            "fleetserve_group_jobs_total",
+            "Jobs of the workers' group schedulers (several models on one worker), by how "
+            "they ran: alone (one after another, on all threads) or at_once (a spatial "
+            "scheduler's jobs of one scheduling point, each on its share of the threads)",
+            ["mode"],
+            registry=r,
+        )
         self.drops = Counter(
             "fleetserve_layer_drops_total",
             "KunServe: layers dropped from replicas to free memory for KV",

@@ -184,14 +184,23 @@ def sharing_stack(config: SimConfig) -> Stack | None:
     return stack
 
 
-def runtime_gaps(stack: Stack) -> list[str]:
+def runtime_gaps(stack: Stack, threads: int = 1, spatial_shares: bool = False) -> list[str]:
     """What the runtime does not run of multi-LLM ``stack`` (the simulator
-    does), one line each; logged as a warning when the stack is served, so a
-    difference between the two clocks is never silent. Runtime parity is
-    issue 24's work."""
+    does) with ``threads`` CPU threads a worker (``serve.threads_per_worker``)
+    and ``serve.spatial_shares``, one line each; logged as a warning when the
+    stack is served, so a difference between the two clocks is never silent.
+    Runtime parity is issue 24's work."""
     out = []
-    if BATCHING.get(stack.batching).spatial:
-        out.append(f"spatial sharing ({stack.batching!r}): a worker's jobs run one at a time")
+    if BATCHING.get(stack.batching).spatial and not spatial_shares:
+        out.append(
+            f"spatial sharing ({stack.batching!r}): serve.spatial_shares is off (the "
+            "default), so a worker's jobs run one at a time"
+        )
+    elif BATCHING.get(stack.batching).spatial and threads < 2:
+        out.append(
+            f"spatial sharing ({stack.batching!r}): with one thread a worker, its jobs run "
+            "one at a time (set serve.threads_per_worker: 2 or more to run them at once)"
+        )
     if stack.memory == "elastic":
         out.append("elastic groups: every worker keeps its weights loaded")
     if stack.mechanism != "kv":
@@ -345,7 +354,7 @@ def sharing_placement(
             f"stack {stack.name!r} places sharing groups with the simulator's placement; "
             "pass placer=fleetserve.sim.multi_build.history_placement"
         )
-    for gap in runtime_gaps(stack):
+    for gap in runtime_gaps(stack, config.serve.threads_per_worker, config.serve.spatial_shares):
         logger.warning("stack %s at runtime: not run: %s", stack.name, gap)
     pcfg = _placement_config(config, models, dict(sources or {}))
     gpu = placement_gpu(config)

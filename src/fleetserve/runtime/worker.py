@@ -94,6 +94,7 @@ class WorkerSpec:
     batching: str = "fcfs"
     services: tuple[tuple[str, ServiceStats], ...] = ()  # what a group scheduler reads
     chunked_prefill: bool = False  # engine.chunked_prefill
+    spatial_shares: bool = False  # serve.spatial_shares
     prefix_caching: bool = False  # engine.prefix_caching
     asleep: bool = False  # start without weights or arena (an elastic pool's inactive GPU)
     block_size: int = 16
@@ -148,6 +149,7 @@ class WorkerSnap:
     asleep: bool = False  # holds no weights and no arena (an inactive GPU)
     prefix_tokens: tuple[int, int] = (0, 0)  # prompt tokens admitted, of which cache hits
     preemptions: int = 0  # requests its engine preempted, cumulative
+    group_jobs: tuple[int, int] = (0, 0)  # group jobs run alone, at once (spatial), cumulative
     prefill: tuple[int, float] = (0, 0.0)  # prompt tokens computed, seconds of those steps
 
 
@@ -242,6 +244,7 @@ class WorkerCore:
             chunked_prefill=spec.chunked_prefill,
             prefix_caching=spec.prefix_caching,
             engine_id=spec.worker_id,
+            spatial_shares=spec.spatial_shares,
         )
         if spec.asleep:
             self.engine.sleep()
@@ -880,6 +883,7 @@ class WorkerCore:
             asleep=e.asleep,
             prefix_tokens=(e.prefix_queries, e.prefix_hits),
             preemptions=e.preemptions,
+            group_jobs=(e.group_jobs_alone, e.group_jobs_at_once),
             prefill=self._prefill,
         )
 

@@ -44,6 +44,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -464,6 +465,15 @@ class Engine:
               compiled kernel over 16-token head-wise pages is slower than the
               gather.
             - ``auto`` (default): ``paged`` where it can run, else ``gather``.
+        spatial_shares: a spatial group scheduler's jobs (ADBS: a prefill of
+            one model beside decodes of others, each on a ``share`` of the
+            compute units) run at once, each in its own thread with
+            ``floor(share * threads)`` intra-op threads (at least one) of the
+            engine thread's ``torch.get_num_threads()``; when those do not
+            add up (one thread, three jobs on two threads) or off (the
+            default: on a 2-core CPU it measured faster, docs/runtime-parity.md),
+            one after another on all threads. CPU only, not with
+            ``attention="flex"``.
     """
 
     def __init__(
@@ -483,6 +493,7 @@ class Engine:
         prefix_caching: bool = False,
         engine_id: int = 0,
         attention: str = "auto",
+        spatial_shares: bool = False,
     ) -> None:
         if not models:
             raise ConfigError("an engine needs at least one model")
@@ -516,6 +527,10 @@ class Engine:
         if prefix_caching and attention == "flex":
             raise ConfigError("prefix caching cannot run with attention 'flex' (one owner a page)")
         self.prefix_caching = prefix_caching
+        self.spatial_shares = spatial_shares and self.device.type == "cpu" and attention != "flex"
+        self._job_pool: ThreadPoolExecutor | None = None  # threads of jobs run at once
+        self.group_jobs_alone = 0  # group jobs run one after another, cumulative
+        self.group_jobs_at_once = 0  # group jobs run beside others on their shares
         self.prefix_queries = 0  # prompt tokens admitted (prefix caching)
         self.preemptions = 0  # requests preempted (recomputed later), cumulative
         self.prefix_hits = 0  # of which were read from cached blocks
@@ -959,6 +974,20 @@ class Engine:
         request samples, streams and checks its stop conditions. A request in
         ``chunks`` runs that many of its uncached tokens; one that leaves some
         uncached only caches them (a prompt chunk: nothing is sampled)."""
+        starts, lens, ids = self._forward_inputs(model, reqs, n_pre, out, chunks)
+        logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+        self._take_logits(model, reqs, n_pre, starts, lens, logits, out)
+
+    def _forward_inputs(
+        self,
+        model: str,
+        reqs: list[EngineRequest],
+        n_pre: int,
+        out: StepOutput,
+        chunks: Mapping[int, int] | None = None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """``(starts, lens, token ids)`` of a forward of ``reqs`` (see
+        :meth:`_run_forward`), recorded in ``out.forwards``."""
         starts = [r.n_cached for r in reqs]
         lens = [len(r.tokens) - r.n_cached for r in reqs]
         if chunks:
@@ -972,7 +1001,20 @@ class Engine:
                 sum(starts[n_pre:]) + len(reqs) - n_pre,
             )
         )
-        logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+        return starts, lens, ids
+
+    def _take_logits(
+        self,
+        model: str,
+        reqs: list[EngineRequest],
+        n_pre: int,
+        starts: list[int],
+        lens: list[int],
+        logits: torch.Tensor,
+        out: StepOutput,
+    ) -> None:
+        """After a forward (:meth:`_run_forward`): each request samples,
+        streams and checks its stop conditions, or caches its prompt chunk."""
         eos = self.models[model].cfg.eos_token_ids
         # requests whose logits are processed (logit_bias, min_tokens,
         # repetition_penalty) sample from their processed row
@@ -1129,23 +1171,14 @@ class Engine:
         budget = JobBudget(self, sched)
         jobs = sched.schedule(state, budget, self.clock())
         taken = budget.taken
-        prefills: list[EngineRequest] = []
-        decodes: list[EngineRequest] = []
         for job in jobs:
-            if job.phase == PREFILL:
-                reqs = self._start_prefill(job, taken)
-                prefills += reqs
-            elif job.phase == DECODE:
-                reqs = self._grow_decode(job, state, out)
-                decodes += reqs
-            else:
+            if job.phase not in (PREFILL, DECODE):
                 raise ValueError(f"job of unknown phase {job.phase!r}")
-            if not reqs:
-                continue
-            t0 = self.clock()
-            self._run_forward(job.model, reqs, len(reqs) if job.phase == PREFILL else 0, out)
-            t1 = self.clock()
-            sched.on_job_end(job, [r for r in reqs if r.status == RUNNING], t1 - t0, t1)
+        threads = self._job_threads(jobs) if sched.spatial else None
+        if threads is None:
+            prefills, decodes = self._jobs_one_by_one(jobs, taken, state, out)
+        else:
+            prefills, decodes = self._jobs_at_once(jobs, threads, taken, state, out)
         if taken:  # admitted through the budget but in no job: a scheduler defect
             raise RuntimeError(f"engine {self.engine_id}: {sorted(taken)} admitted, not run")
         self.running = [r for r in self.running if r.status == RUNNING]
@@ -1154,6 +1187,122 @@ class Engine:
         if not jobs:
             self._fail_unfittable(out)
         return out
+
+    def _jobs_one_by_one(
+        self, jobs: list[Job], taken: dict[int, EngineRequest], state: StateView, out: StepOutput
+    ) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """Run ``jobs`` in order, each on all threads; the requests prefilled
+        and decoded."""
+        sched = self.group
+        assert sched is not None
+        prefills: list[EngineRequest] = []
+        decodes: list[EngineRequest] = []
+        for job in jobs:
+            if job.phase == PREFILL:
+                reqs = self._start_prefill(job, taken)
+                prefills += reqs
+            else:
+                reqs = self._grow_decode(job, state, out)
+                decodes += reqs
+            if not reqs:
+                continue
+            t0 = self.clock()
+            self._run_forward(job.model, reqs, len(reqs) if job.phase == PREFILL else 0, out)
+            t1 = self.clock()
+            self.group_jobs_alone += 1
+            sched.on_job_end(job, [r for r in reqs if r.status == RUNNING], t1 - t0, t1)
+        return prefills, decodes
+
+    def _job_threads(self, jobs: list[Job]) -> list[int] | None:
+        """Intra-op threads of each job run at once on its share, or None
+        when they run one after another (see ``spatial_shares``)."""
+        if not self.spatial_shares or len(jobs) < 2:
+            return None
+        total = torch.get_num_threads()
+        threads = [max(1, int(job.share * total + 1e-9)) for job in jobs]
+        return threads if sum(threads) <= total else None
+
+    def _jobs_at_once(
+        self,
+        jobs: list[Job],
+        threads: list[int],
+        taken: dict[int, EngineRequest],
+        state: StateView,
+        out: StepOutput,
+    ) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """Run ``jobs`` at once, job ``i`` in a thread of its own with
+        ``threads[i]`` intra-op threads; the requests prefilled and decoded.
+
+        Every job's requests are set up first: the decode jobs grow (and
+        preempt the scheduler's victims among their model's running
+        requests), then the prefill jobs' requests join the batch, so that no
+        victim is a request another job is about to run (as in the simulated
+        group, where a request in a job in flight is no victim). The forwards
+        run at once: they read the models' weights, and write the new
+        tokens' KV into pages each request holds alone. Sampling, streaming
+        and finishing follow in the main thread, job by job in the order the
+        jobs ended, and each job's end is reported with its own measured
+        duration. The next scheduling point comes when the last job has
+        ended (the simulated group asks again as each one ends)."""
+        sched = self.group
+        assert sched is not None
+        reqs_of: list[list[EngineRequest]] = [[] for _ in jobs]
+        for i, job in enumerate(jobs):
+            if job.phase == DECODE:
+                reqs_of[i] = self._grow_decode(job, state, out)
+        for i, job in enumerate(jobs):
+            if job.phase == PREFILL:
+                reqs_of[i] = self._start_prefill(job, taken)
+        runs = []
+        for job, reqs, n in zip(jobs, reqs_of, threads, strict=True):
+            if reqs:
+                n_pre = len(reqs) if job.phase == PREFILL else 0
+                runs.append(
+                    (job, reqs, n_pre, n, self._forward_inputs(job.model, reqs, n_pre, out))
+                )
+        if self._job_pool is None:
+            self._job_pool = ThreadPoolExecutor(
+                max_workers=max(2, torch.get_num_threads()),
+                thread_name_prefix=f"engine{self.engine_id}-job",
+            )
+        futures = [
+            self._job_pool.submit(self._timed_forward, n, job.model, reqs, *inputs)
+            for job, reqs, _, n, inputs in runs
+        ]
+        wait(futures)  # every forward is over before anything else moves
+        results = [f.result() for f in futures]
+        order = sorted(range(len(runs)), key=lambda k: (results[k][2], k))
+        for k in order:
+            job, reqs, n_pre, _, (starts, lens, _ids) = runs[k]
+            logits, t0, t1 = results[k]
+            self._take_logits(job.model, reqs, n_pre, starts, lens, logits, out)
+            self.group_jobs_at_once += 1
+            sched.on_job_end(job, [r for r in reqs if r.status == RUNNING], t1 - t0, t1)
+        prefills = [
+            r for job, reqs in zip(jobs, reqs_of, strict=True) if job.phase == PREFILL for r in reqs
+        ]
+        decodes = [
+            r for job, reqs in zip(jobs, reqs_of, strict=True) if job.phase == DECODE for r in reqs
+        ]
+        return prefills, decodes
+
+    def _timed_forward(
+        self,
+        n_threads: int,
+        model: str,
+        reqs: list[EngineRequest],
+        starts: list[int],
+        lens: list[int],
+        ids: list[int],
+    ) -> tuple[torch.Tensor, float, float]:
+        """In a job's thread: its forward on ``n_threads`` intra-op threads
+        (the setting is the calling thread's own, as is the paged kernel's
+        split, which reads it); ``(logits, start, end)``."""
+        if torch.get_num_threads() != n_threads:  # a pool thread keeps its setting
+            torch.set_num_threads(n_threads)
+        t0 = self.clock()
+        logits = self.forward(model, [r.id for r in reqs], starts, lens, ids)
+        return logits, t0, self.clock()
 
     def _start_prefill(self, job: Job, taken: dict[int, EngineRequest]) -> list[EngineRequest]:
         """The requests of a prefill job, taken through the budget (KV allocated),

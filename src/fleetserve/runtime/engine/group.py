@@ -14,13 +14,16 @@ whom to admit and whom to preempt are the scheduler's.
 
 Where the engine differs from the simulated group, by construction:
 
-* **Jobs run one after another.** Every job returned at one scheduling point
-  runs to its end before the next scheduling point, on all of the engine's
-  threads: the view reports no job in flight and the whole compute share
-  free. A spatial scheduler (ADBS) gets what it asks for — a prefill of one
-  service and decode steps of the others at the same point — but the shares
-  are not emulated (the CPU engine has no SMs to partition; the runtime-parity
-  table of issue 24 lists spatial sharing as its own item).
+* **A scheduling point's jobs all end before the next point.** A temporal
+  scheduler names one job a point, which runs on all of the engine's threads.
+  A spatial scheduler (ADBS) names a prefill of one service and decode steps
+  of the others; the engine runs them at once, each in its own thread with
+  its share of the engine's intra-op threads (``Engine(spatial_shares=...)``:
+  the CPU's cores stand for the GPU's compute units), or one after another
+  when the shares do not give every job a thread. Either way the view
+  reports no job in flight and the whole compute share free: the next point
+  comes when the last job has ended, where the simulated group asks again as
+  each job ends.
 * **Time is measured.** ``now`` is the engine's clock (``time.monotonic``
   unless a test passes another) and a job's duration is the wall time of
   its forward and sampling, so MLFQ's quanta and DB's budgets count real
