@@ -121,16 +121,29 @@ async def _wait(cond: Any, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_burst_drops_layers_and_pipelines_exactly() -> None:
+@pytest.mark.parametrize("exchange", ["live", "blocking"])
+def test_burst_drops_layers_and_pipelines_exactly(
+    exchange: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A burst larger than both replicas' KV: the policy merges them into a
     2-stage group, the workers really drop layers (pages join the KV pool),
-    running requests' KV is exchanged, and every output equals the engine's
-    greedy reference — the activations crossed between the two workers."""
+    and every output equals the engine's greedy reference — the activations
+    crossed between the two workers. Blocking: the running requests' KV is
+    exchanged while they wait. Live: it stays on their origin worker, and
+    the other stage's layers run their attention there (remote attention
+    through the actors), so no request waits for a copy."""
     prompts = _prompts(24, 120)
     ref = _reference(prompts, 96)
+    remote_calls = 0
+    orig = Worker.stage_remote_attention
+
+    async def counted(self: Worker, *a: Any) -> Any:
+        nonlocal remote_calls
+        remote_calls += 1
+        return await orig(self, *a)
 
     async def main() -> None:
-        ctl, handles = await _start(_config())
+        ctl, handles = await _start(_config(exchange=exchange))
         try:
             cap0 = sum([(await h.worker.stage_pages())[1] for h in handles])
             ts = await _burst(ctl, prompts, 96)
@@ -152,13 +165,20 @@ def test_burst_drops_layers_and_pipelines_exactly() -> None:
             assert ctl.kun is not None
             ev = [x for x in ctl.kun.log if x["event"] == "drop"]
             assert ev and ev[0]["layers_dropped"] == 4
-            assert ev[0]["stall_s"] > 0  # the blocking exchange, timed
+            assert ev[0]["stall_s"] > 0  # the merge's pause, timed
+            if exchange == "live":
+                assert ev[0]["remote_attention"] >= 1 and ev[0]["kv_exchanged"] == 0
+                assert remote_calls > 0
+            else:
+                assert ev[0]["kv_exchanged"] >= 1 and ev[0]["remote_attention"] == 0
+                assert remote_calls == 0
             for h in handles:  # through the actor: its engine thread may be stepping
                 await h.worker.check_integrity()
             await _wait(lambda: all(not h.worker.core.stage_keys for h in handles))
         finally:
             await ctl.stop()
 
+    monkeypatch.setattr(Worker, "stage_remote_attention", counted)
     asyncio.run(main())
 
 
@@ -335,7 +355,8 @@ def test_kunserve_serves_one_model() -> None:
 
 def test_server_drops_are_in_metrics_and_texts_exact() -> None:
     """Through Ray and HTTP: a burst makes the policy drop layers (seen in
-    /metrics and /v1/cluster), the running requests' KV is exchanged, the
+    /metrics and /v1/cluster), the running requests keep decoding with remote
+    attention on their origin actor (the stack's live exchange), the
     activations cross between worker actors; once demand is low again the
     group restores while a few long requests still run (live restore: they
     move to the members), and every completion equals the engine's greedy
@@ -383,7 +404,7 @@ def test_server_drops_are_in_metrics_and_texts_exact() -> None:
         metrics = httpx.get(srv.url + "/metrics").text
         assert metric_value(metrics, "fleetserve_layer_drops_total") >= 2
         assert metric_value(metrics, "fleetserve_kun_actions_total", action="DropLayers") >= 1
-        assert metric_value(metrics, "fleetserve_kun_exchanged_requests_total", how="kv") >= 1
+        assert metric_value(metrics, "fleetserve_kun_exchanged_requests_total", how="remote") >= 1
         assert metric_value(metrics, "fleetserve_kun_exchange_stall_seconds_count") >= 1
         cl = httpx.get(srv.url + "/v1/cluster").json()
         assert cl["policies"]["pressure"] == "kunserve"

@@ -122,7 +122,12 @@ class StageWork:
 
     ``h`` is the previous stage's output (None on stage 0, which embeds
     ``ids``). ``free`` lists request keys whose tables this stage frees
-    first (finished or preempted requests).
+    first (finished or preempted requests). ``remote_owner``: the KV of this
+    stage's layers of these requests is still on that stage (a live
+    exchange's victims): their attention runs there, and no table is opened
+    here. ``grow_only``: only grow the tables of ``keys`` here to
+    ``starts + lens`` tokens (the victims' whole tables on their origin,
+    before a step's remote attention writes into them).
     """
 
     model: str
@@ -132,6 +137,8 @@ class StageWork:
     h: torch.Tensor | None = None
     ids: tuple[int, ...] = ()
     free: tuple[int, ...] = ()
+    remote_owner: int | None = None
+    grow_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,18 +162,39 @@ def free_stage_keys(engine: Engine, keys: Iterable[int], held: set[int]) -> int:
 
 
 @torch.inference_mode()
-def stage_forward(engine: Engine, role: StageRole, work: StageWork, held: set[int]) -> StageResult:
+def stage_forward(
+    engine: Engine,
+    role: StageRole,
+    work: StageWork,
+    held: set[int],
+    remote: RemoteFn | None = None,
+) -> StageResult:
     """Run this stage's layers on ``work`` (see the module docstring).
 
     Frees ``work.free`` first; then grows every request's table to cover its
     new tokens — all or nothing: when the pages are short nothing grows and
     the result is ``ok=False`` — and runs the layers of :attr:`StageRole.keep`.
-    ``held`` is the set of keys with a table here (kept up to date).
+    ``held`` is the set of keys with a table here (kept up to date). With
+    ``work.remote_owner`` set (another stage) the layers' attention runs
+    there through ``remote`` and nothing grows here.
     """
     pool = engine.pool
     free_stage_keys(engine, work.free, held)
-    layers = tuple(role.keep)
     ends = [s + n for s, n in zip(work.starts, work.lens, strict=True)]
+    if work.grow_only:
+        return StageResult(stage_grow(engine, work.keys, ends), None, pool.num_free)
+    owner = work.remote_owner
+    if owner is not None and owner != role.index and work.keys:
+        if remote is None:
+            raise ValueError(f"stage {role.index}: remote attention on stage {owner}, no way there")
+        batch = Batch.build(
+            work.model, list(work.keys), list(work.starts), list(work.lens), engine.device
+        )
+        h = engine.embed(work.model, list(work.ids)) if work.h is None else work.h.to(engine.device)
+        fns = {li: _remote_layer(remote, owner, work, li) for li in role.keep}
+        h = engine.run_layers(batch, h, role.keep, remote=fns)
+        return StageResult(True, h, pool.num_free)
+    layers = tuple(role.keep)
     need = 0
     for k, end in zip(work.keys, ends, strict=True):
         if not pool.has(k):
@@ -185,6 +213,47 @@ def stage_forward(engine: Engine, role: StageRole, work: StageWork, held: set[in
     h = engine.embed(work.model, list(work.ids)) if work.h is None else work.h.to(engine.device)
     h = engine.run_layers(batch, h, role.keep)
     return StageResult(True, h, pool.num_free)
+
+
+def _remote_layer(
+    remote: RemoteFn, owner: int, work: StageWork, layer: int
+) -> Callable[[Batch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def fn(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        a = remote(owner, work.model, work.keys, work.starts, work.lens, layer, q, k, v)
+        return a.to(q.device)
+
+    return fn
+
+
+def stage_grow(engine: Engine, keys: Iterable[int], ends: Iterable[int]) -> bool:
+    """Grow the tables of ``keys`` here to ``ends`` tokens, all or nothing."""
+    pool = engine.pool
+    pairs = list(zip(keys, ends, strict=True))
+    if sum(pool.pages_to_grow(k, e) for k, e in pairs) > pool.num_free:
+        return False
+    for k, e in pairs:
+        pool.grow(k, e)
+    return True
+
+
+@torch.inference_mode()
+def stage_remote_attention(
+    engine: Engine,
+    model: str,
+    keys: tuple[int, ...],
+    starts: tuple[int, ...],
+    lens: tuple[int, ...],
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """On a victim's origin stage: the attention of ``layer`` for requests
+    ``keys`` over the KV their tables hold here (grown beforehand by a
+    ``grow_only`` work: this touches their pages only, so it may run beside
+    the stage's own work on other requests)."""
+    batch = Batch.build(model, list(keys), list(starts), list(lens), engine.device)
+    return engine.remote_attention(batch, layer, q, k, v)
 
 
 def stage_import(
@@ -258,6 +327,23 @@ def join_chunks(chunks: Iterable[KVChunk]) -> KVChunk:
     )
 
 
+RemoteFn = Callable[
+    [
+        int,
+        str,
+        tuple[int, ...],
+        tuple[int, ...],
+        tuple[int, ...],
+        int,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+"""``(owner stage, model, keys, starts, lens, layer, q, k, v)`` -> the attention
+of ``layer`` computed on the owner stage (:func:`stage_remote_attention` there)."""
+
 Emit = Callable[[int, int, int, str], None]  # (request id, index, token, text piece)
 Finish = Callable[[int, str], None]  # (request id, reason)
 StageCall = Callable[[int, StageWork], Awaitable[StageResult]]
@@ -267,6 +353,8 @@ StageCall = Callable[[int, StageWork], Awaitable[StageResult]]
 class _Meta:
     arrival_s: float
     blocks: list[int] = field(default_factory=list)  # token-blocks of its table per stage
+    layers: list[int] = field(default_factory=list)  # layers its table holds per stage
+    origin: int | None = None  # a live exchange's victim: the stage holding all its KV
 
 
 class GroupRunner:
@@ -284,6 +372,11 @@ class GroupRunner:
         held: the keys with a table on this engine (shared with the worker).
         emit: called for each token a request streams.
         finish: called once when a request ends.
+        local: runs stage 0's work (default: here, in the caller's thread);
+            a worker runs it on its engine thread, off its event loop, so
+            that the loop serves the remote attention stages ask of it.
+        remote: the way to another stage's remote attention (a live
+            exchange's victims, :meth:`adopt` with ``origin``).
     """
 
     def __init__(
@@ -298,6 +391,8 @@ class GroupRunner:
         held: set[int],
         emit: Emit,
         finish: Finish,
+        local: Callable[[StageWork], Awaitable[StageResult]] | None = None,
+        remote: RemoteFn | None = None,
     ) -> None:
         if role.index != 0:
             raise ValueError("the group runner lives on stage 0")
@@ -322,6 +417,8 @@ class GroupRunner:
         self.steps = 0
         self._emit = emit
         self._finish_cb = finish
+        self._local = local
+        self.remote = remote
 
     # ------------------------------------------------------------ requests
     def add(
@@ -338,14 +435,29 @@ class GroupRunner:
             generator=request_generator(params, rid),
             detok=IncrementalDetokenizer(tok),
         )
-        self._insert(req, _Meta(arrival_s, [0] * len(self.role.stages)))
+        self._insert(req, self._fresh_meta(arrival_s))
 
-    def adopt(self, state: RequestState, n_cached: int, blocks: list[int]) -> None:
+    def _fresh_meta(self, arrival_s: float) -> _Meta:
+        k = len(self.role.stages)
+        return _Meta(arrival_s, [0] * k, list(self.stage_layers))
+
+    def adopt(
+        self,
+        state: RequestState,
+        n_cached: int,
+        blocks: list[int],
+        origin: int | None = None,
+    ) -> None:
         """A request that ran elsewhere continues here (a merge moved it).
 
         ``n_cached`` tokens of it are in the stages' tables (0: it is
-        recomputed), whose token-blocks per stage are ``blocks``.
+        recomputed), whose token-blocks per stage are ``blocks``. With
+        ``origin`` (a live exchange) its table on that stage holds every
+        layer's KV and it has none elsewhere: the other stages' layers run
+        their attention there (:class:`StageWork` ``remote_owner``).
         """
+        if origin is not None and n_cached == 0:
+            origin = None  # nothing cached: it prefills here like any request
         gen = torch.Generator(device="cpu")
         gen.set_state(state.generator_state)
         req = PipelineRequest(
@@ -360,7 +472,13 @@ class GroupRunner:
             text=state.text,
             held=state.held,
         )
-        self._insert(req, _Meta(state.arrival_s, list(blocks)))
+        meta = self._fresh_meta(state.arrival_s)
+        meta.blocks = list(blocks)
+        if origin is not None:
+            n = sum(self.stage_layers)
+            meta.layers = [n if j == origin else 0 for j in range(len(self.stage_layers))]
+            meta.origin = origin
+        self._insert(req, meta)
 
     def _insert(self, req: PipelineRequest, meta: _Meta) -> None:
         if req.id in self.requests:
@@ -420,15 +538,13 @@ class GroupRunner:
     def _need(self, req: PipelineRequest, tokens: int) -> list[int]:
         """Pages each stage must add for ``req``'s table to hold ``tokens`` tokens."""
         tb = -(-tokens // self.block_size)
-        have = self.meta[req.id].blocks
-        return [max(0, tb - have[j]) * n * self.kv_heads for j, n in enumerate(self.stage_layers)]
+        m = self.meta[req.id]
+        return [max(0, tb - b) * n * self.kv_heads for b, n in zip(m.blocks, m.layers, strict=True)]
 
     def _pages(self, req: PipelineRequest) -> list[int]:
         """Pages ``req``'s tables hold on each stage."""
-        return [
-            b * n * self.kv_heads
-            for b, n in zip(self.meta[req.id].blocks, self.stage_layers, strict=True)
-        ]
+        m = self.meta[req.id]
+        return [b * n * self.kv_heads for b, n in zip(m.blocks, m.layers, strict=True)]
 
     def _release(self, req: PipelineRequest) -> list[int]:
         """Give ``req``'s pages back (they are freed on every stage by the next
@@ -436,7 +552,10 @@ class GroupRunner:
         pages = self._pages(req)
         for j, n in enumerate(pages):
             self.credit[j] += n
-        self.meta[req.id].blocks = [0] * len(self.stage_layers)
+        m = self.meta[req.id]
+        m.blocks = [0] * len(self.stage_layers)
+        m.layers = list(self.stage_layers)  # recomputed, it runs as any request
+        m.origin = None
         self.pending_free.append(req.key)
         return pages
 
@@ -527,7 +646,19 @@ class GroupRunner:
         if not batch and not self.pending_free:
             return
         free = tuple(self.pending_free)
-        parts = self.split(batch) if batch else [[]]
+        # a live exchange's victims go in parts of their own, one per origin:
+        # their layers' attention then has one owner on every stage
+        normal: list[PipelineRequest] = []
+        victims: dict[int, list[PipelineRequest]] = {}
+        for r in batch:
+            o = self.meta[r.id].origin
+            if o is None:
+                normal.append(r)
+            else:
+                victims.setdefault(o, []).append(r)
+        parts = (self.split(normal) if normal else []) + [victims[o] for o in sorted(victims)]
+        if not parts:
+            parts = [[]]
         done = await asyncio.gather(
             *(self._run_part(p, free if i == 0 else (), call) for i, p in enumerate(parts)),
             return_exceptions=True,
@@ -548,17 +679,21 @@ class GroupRunner:
         starts = tuple(r.n_cached for r in part)
         lens = tuple(len(r.tokens) - r.n_cached for r in part)
         ids = tuple(t for r in part for t in r.tokens[r.n_cached :])
+        origin = self.meta[part[0].id].origin if part else None
+        if origin is not None:  # the victims' tables on their origin hold the new tokens first
+            grow = StageWork(self.model, keys, starts, lens, grow_only=True)
+            res = await self._stage(origin, grow, call)
+            self.stage_free[origin] = res.free_pages
+            self.credit[origin] = 0
+            if not res.ok:
+                return False
         h: torch.Tensor | None = None
         for j in range(len(self.role.stages)):
-            work = StageWork(self.model, keys, starts, lens, h, ids if j == 0 else (), free)
-            if j == 0:
-                res = stage_forward(self.engine, self.role, work, self.held)
-            else:
-                try:
-                    res = await call(j, work)
-                except Exception as e:
-                    self.broken = f"stage {j} (worker {self.role.stages[j][0]}) failed: {e}"
-                    raise
+            owner = origin if origin is not None and origin != j else None
+            work = StageWork(
+                self.model, keys, starts, lens, h, ids if j == 0 else (), free, remote_owner=owner
+            )
+            res = await self._stage(j, work, call)
             self.stage_free[j] = res.free_pages
             self.credit[j] = 0
             if not res.ok:
@@ -583,11 +718,24 @@ class GroupRunner:
                 self._end(req, reason, notify=True)
         return True
 
+    async def _stage(self, j: int, work: StageWork, call: StageCall) -> StageResult:
+        """Stage ``j``'s answer to ``work`` (stage 0: this engine)."""
+        if j == 0:
+            if self._local is not None:
+                return await self._local(work)
+            return stage_forward(self.engine, self.role, work, self.held, self.remote)
+        try:
+            return await call(j, work)
+        except Exception as e:
+            self.broken = f"stage {j} (worker {self.role.stages[j][0]}) failed: {e}"
+            raise
+
     def _grown(self, batch: list[PipelineRequest], j: int) -> None:
         bs = self.block_size
         for r in batch:
             m = self.meta[r.id]
-            m.blocks[j] = max(m.blocks[j], -(-len(r.tokens) // bs))
+            if m.layers[j]:  # a victim has no table away from its origin
+                m.blocks[j] = max(m.blocks[j], -(-len(r.tokens) // bs))
 
     def _end(self, req: PipelineRequest, reason: str, *, notify: bool) -> None:
         req.finish_reason = reason

@@ -233,8 +233,9 @@ class KunRuntime:
             self._add_replica(iid)
         if settings.exchange == "live":
             logger.warning(
-                "KunServe at runtime: the KV exchange at a merge is blocking (the "
-                "simulator's live exchange with remote attention is not run)"
+                "KunServe at runtime: at a merge the victims decode with remote attention "
+                "on their origin until they finish; their KV is not copied across meanwhile "
+                "(the simulator's live exchange copies it and ends the remote phase sooner)"
             )
         self.log: list[dict[str, Any]] = []
         self._restoring: dict[int, asyncio.Task[Any]] = {}  # group key -> its restore step
@@ -340,19 +341,28 @@ class KunRuntime:
             self.execs.pop(e.key, None)
             self.policy.forget(e.key)
         self.execs[key] = group
+        live = self.settings.exchange == "live"
         t0 = time.perf_counter()
         try:
             handed = await asyncio.gather(
-                *(h.evacuate.remote(model, r) for h, r in zip(handles, roles, strict=True))
+                *(h.evacuate.remote(model, r, live) for h, r in zip(handles, roles, strict=True))
             )
             dropped = await asyncio.gather(
                 *(h.become_stage.remote(r) for h, r in zip(handles, roles, strict=True))
             )
             ctl.metrics.drops.inc(sum(dropped))
-            items: list[tuple[Any, int, list[int]]] = []
-            exchanged = recomputed = 0
+            if live:
+                await asyncio.gather(*(h.set_peers.remote(handles) for h in handles))
+            items: list[tuple[Any, int, list[int], int | None]] = []
+            exchanged = recomputed = remote = 0
             for i, got in enumerate(handed):
                 for state, chunks, own_blocks in got:
+                    if live:  # its KV stays on its origin, every layer of it
+                        origin = i if state.n_cached > 0 else None
+                        blocks = [own_blocks if j == i else 0 for j in range(len(stages))]
+                        items.append((state, state.n_cached, blocks, origin))
+                        remote += origin is not None
+                        continue
                     n_cached, blocks = 0, [0] * len(stages)
                     if chunks:
                         blocks[i] = own_blocks
@@ -371,7 +381,7 @@ class KunRuntime:
                             recomputed += 1
                         else:
                             exchanged += 1
-                    items.append((state, n_cached, blocks))
+                    items.append((state, n_cached, blocks, None))
             pages = await asyncio.gather(*(h.stage_pages.remote() for h in handles))
             await handles[0].lead.remote(
                 roles[0], handles, [p[0] for p in pages], [p[1] for p in pages]
@@ -385,7 +395,7 @@ class KunRuntime:
             return
         leader_iid = act.members[0]
         leader_w = ctl.workers[self.wid_of[leader_iid]]
-        for state, _n, _b in items:
+        for state, _n, _b, _o in items:
             t = ctl.requests.get(state.id)
             if t is None:
                 continue
@@ -406,6 +416,7 @@ class KunRuntime:
         group.phase = SERVING
         ctl.metrics.kun_exchanged.labels("kv").inc(exchanged)
         ctl.metrics.kun_exchanged.labels("recomputed").inc(recomputed)
+        ctl.metrics.kun_exchanged.labels("remote").inc(remote)
         ctl.metrics.kun_exchange_stall.observe(stall)
         self._log(
             "drop",
@@ -416,6 +427,7 @@ class KunRuntime:
             requests=len(items),
             kv_exchanged=exchanged,
             recomputed=recomputed,
+            remote_attention=remote,
             stall_s=round(stall, 4),
         )
 
@@ -511,10 +523,11 @@ class KunRuntime:
                 t.moving, t.move_dst = "import", w.spec.worker_id
             ok = False
             if st.n_cached > 0 and st.id in place:
-                chunks = await asyncio.gather(
+                got = await asyncio.gather(
                     *(h.stage_export.remote(st.id, st.n_cached) for h in handles)
                 )
-                ok = bool(await w.handle.restore_import.remote(st, list(chunks)))
+                chunks = [c for c in got if c is not None]  # a victim's: its origin's only
+                ok = bool(await w.handle.restore_import.remote(st, chunks))
                 others = [h for x, h in zip(e.members, handles, strict=True) if x != m]
                 await asyncio.gather(*(h.stage_free.remote([st.id]) for h in others))
             else:

@@ -181,7 +181,9 @@ class RuntimeMetrics:
         self.kun_exchanged = Counter(
             "fleetserve_kun_exchanged_requests_total",
             "KunServe: running requests of merged workers, by how they joined the group "
-            "(kv: their KV exchanged to the stages; recomputed: it did not fit a stage)",
+            "(kv: their KV exchanged to the stages; recomputed: it did not fit a stage; "
+            "remote: a live exchange's victim, its KV left on its origin, which runs "
+            "the other stages' attention for it)",
             ["how"],
             registry=r,
         )

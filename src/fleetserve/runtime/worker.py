@@ -40,6 +40,7 @@ from fleetserve.policy.batching import engine_batching
 from fleetserve.policy.sharing import ServiceStats
 from fleetserve.runtime.buddy import (
     GroupRunner,
+    RemoteFn,
     StageResult,
     StageRole,
     StageWork,
@@ -48,6 +49,7 @@ from fleetserve.runtime.buddy import (
     stage_export,
     stage_forward,
     stage_import,
+    stage_remote_attention,
 )
 from fleetserve.runtime.channel import ReportSink
 from fleetserve.runtime.engine.engine import Engine, EngineRequest, Forward
@@ -254,6 +256,7 @@ class WorkerCore:
         self.role: StageRole | None = None  # a stage of a KunServe buddy group
         self.group: GroupRunner | None = None  # ... and its leader
         self.stage_keys: set[int] = set()  # group requests with a table here
+        self.remote: RemoteFn | None = None  # the way to the other stages' remote attention
         self._stepping = False  # a local engine step runs (its tokens get hop stamps)
         # events sealed at a step's end, with a snapshot, for the poll to take
         # without the engine (see seal); the lock guards only this hand-over
@@ -531,12 +534,17 @@ class WorkerCore:
 
     # ------------------------------------------------- KunServe buddy groups
     def evacuate(
-        self, model: str, role: StageRole
+        self, model: str, role: StageRole, live: bool = False
     ) -> list[tuple[RequestState, dict[int, KVChunk], int]]:
         """Hand this worker's requests of ``model`` to the buddy group it joins
         as ``role`` (the first half of a merge; see :mod:`.buddy`).
 
         Each request comes back as ``(state, chunks, blocks)``:
+
+        * ``live`` (a live exchange): a running request keeps its whole table
+          here, every layer's KV (``blocks`` token-blocks), and no chunk is
+          copied: the other stages run its attention here
+          (:func:`.buddy.stage_remote_attention`);
 
         * a running request of the engine keeps the KV of ``role.keep`` here
           (its table now holds those layers only, ``blocks`` token-blocks) and
@@ -559,7 +567,12 @@ class WorkerCore:
         for req in [r for r in [*e.running, *e.waiting] if r.model == model]:
             state = _without_callbacks(e.export_state(req.id))
             rid = req.id
-            if req.status == "running" and req.n_cached > 0 and e.pool.has(rid):
+            if live and req.status == "running" and req.n_cached > 0 and e.pool.has(rid):
+                e.running.remove(req)
+                del e.requests[rid]
+                self.stage_keys.add(rid)
+                out.append((state, {}, e.pool.token_blocks(rid)))
+            elif req.status == "running" and req.n_cached > 0 and e.pool.has(rid):
                 chunks = {
                     j: e.export_kv(rid, layers=list(range(a, b)), copy=True)
                     for j, (_w, (a, b)) in enumerate(role.stages)
@@ -604,12 +617,14 @@ class WorkerCore:
             finish=self._finish_group,
         )
 
-    def adopt(self, items: list[tuple[RequestState, int, list[int]]]) -> None:
-        """The leader takes the merged requests: ``(state, n_cached, blocks per stage)``."""
+    def adopt(self, items: list[tuple[RequestState, int, list[int], int | None]]) -> None:
+        """The leader takes the merged requests: ``(state, n_cached, blocks per
+        stage, origin)`` (origin: the stage holding all its KV, a live
+        exchange's victim; None otherwise)."""
         if self.group is None:
             raise ValueError(f"worker {self.spec.worker_id} leads no group")
-        for state, n_cached, blocks in items:
-            self.group.adopt(state, n_cached, blocks)
+        for state, n_cached, blocks, origin in items:
+            self.group.adopt(state, n_cached, blocks, origin)
 
     def stage_pages(self) -> tuple[int, int]:
         """``(free pages, KV pages when empty)`` of this stage."""
@@ -619,7 +634,24 @@ class WorkerCore:
     def stage_forward(self, work: StageWork) -> StageResult:
         if self.role is None:
             raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
-        return stage_forward(self.engine, self.role, work, self.stage_keys)
+        return stage_forward(self.engine, self.role, work, self.stage_keys, self.remote)
+
+    def stage_remote_attention(
+        self,
+        model: str,
+        keys: tuple[int, ...],
+        starts: tuple[int, ...],
+        lens: tuple[int, ...],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention of ``layer`` for victims whose KV is here (a live
+        exchange); see :func:`.buddy.stage_remote_attention`."""
+        if not all(key in self.stage_keys for key in keys):
+            raise ValueError(f"worker {self.spec.worker_id}: remote attention for keys not here")
+        return stage_remote_attention(self.engine, model, keys, starts, lens, layer, q, k, v)
 
     def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
         if self.role is None:
@@ -682,9 +714,13 @@ class WorkerCore:
         self.group = None
         return out
 
-    def stage_export(self, key: int, n_tokens: int) -> KVChunk:
+    def stage_export(self, key: int, n_tokens: int) -> KVChunk | None:
+        """A copy of ``key``'s KV here (None: it has no table here, as a live
+        exchange's victim away from its origin)."""
         if self.role is None:
             raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
+        if key not in self.stage_keys:
+            return None
         return stage_export(self.engine, self.role.model, key, n_tokens)
 
     def restore_import(self, state: RequestState, chunks: list[KVChunk]) -> bool:
@@ -990,6 +1026,12 @@ class Worker:
         self._stopped = False
         self._queued = 0  # calls waiting for the engine (a run of steps yields to them)
         self._stages: list[Any] = []  # a group leader's stage actors (index 0: unused)
+        self._remote_thread = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"worker{spec.worker_id}-remote",
+            initializer=_engine_thread_init,
+            initargs=(spec,),
+        )
         self._activations = 0  # activate calls received (a pending sleep yields to a new one)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -1140,9 +1182,9 @@ class Worker:
 
     # KunServe buddy groups (see WorkerCore and .buddy)
     async def evacuate(
-        self, model: str, role: StageRole
+        self, model: str, role: StageRole, live: bool = False
     ) -> list[tuple[RequestState, dict[int, KVChunk], int]]:
-        return await self._call(self.core.evacuate, model, role)
+        return await self._call(self.core.evacuate, model, role, live)
 
     async def become_stage(self, role: StageRole) -> int:
         return await self._call(self.core.become_stage, role)
@@ -1152,8 +1194,58 @@ class Worker:
     ) -> None:
         await self._call(self.core.lead, role, stage_free, stage_total)
         self._stages = list(stages)
+        g = self.core.group
+        assert g is not None
+        loop = asyncio.get_running_loop()
+        # stage 0 on the engine thread (the group step holds the lock): the loop
+        # stays free to serve the remote attention the other stages ask of it
+        g._local = lambda work: loop.run_in_executor(self._thread, self.core.stage_forward, work)
+        g.remote = self.core.remote
 
-    async def adopt(self, items: list[tuple[RequestState, int, list[int]]]) -> None:
+    async def set_peers(self, handles: list[Any]) -> None:
+        """The group's stage actors, in stage order: a live exchange's victims
+        reach their origin's KV through them (remote attention)."""
+        loop = asyncio.get_running_loop()
+        peers = list(handles)
+
+        async def ask(owner: int, *args: Any) -> torch.Tensor:
+            return await peers[owner].stage_remote_attention.remote(*args)
+
+        def remote(owner: int, *args: Any) -> torch.Tensor:
+            # on the engine thread: wait for the owner's answer (its loop runs the call)
+            return asyncio.run_coroutine_threadsafe(ask(owner, *args), loop).result()
+
+        self.core.remote = remote
+        if self.core.group is not None:
+            self.core.group.remote = remote
+
+    async def stage_remote_attention(
+        self,
+        model: str,
+        keys: tuple[int, ...],
+        starts: tuple[int, ...],
+        lens: tuple[int, ...],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        # not behind the engine lock: the stage waiting for this answer may be
+        # the one holding it (two stages asking each other would wait for ever)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._remote_thread,
+            self.core.stage_remote_attention,
+            model,
+            keys,
+            starts,
+            lens,
+            layer,
+            q,
+            k,
+            v,
+        )
+
+    async def adopt(self, items: list[tuple[RequestState, int, list[int], int | None]]) -> None:
         await self._call(self.core.adopt, items)
         self._wake.set()
 
@@ -1191,7 +1283,7 @@ class Worker:
         self._stages = []
         return out
 
-    async def stage_export(self, key: int, n_tokens: int) -> KVChunk:
+    async def stage_export(self, key: int, n_tokens: int) -> KVChunk | None:
         return await self._call(self.core.stage_export, key, n_tokens)
 
     async def restore_import(self, state: RequestState, chunks: list[KVChunk]) -> bool:
