@@ -169,6 +169,9 @@ def test_burst_drops_layers_and_pipelines_exactly(
             if exchange == "live":
                 assert ev[0]["remote_attention"] >= 1 and ev[0]["kv_exchanged"] == 0
                 assert remote_calls > 0
+                # the victims' KV crossed while they decoded, then they flipped
+                lead = handles[0].worker.core.group
+                assert lead is not None and lead.flips >= 1, lead.flips if lead else None
             else:
                 assert ev[0]["kv_exchanged"] >= 1 and ev[0]["remote_attention"] == 0
                 assert remote_calls == 0

@@ -25,14 +25,30 @@ A group request's block table on each stage is keyed by the controller's
 request id (unique in the cluster; a member's engine holds no request of the
 group's model while it is a stage, so the key is free).
 
-**KV exchange at a merge** (§4.2, here *blocking*): the controller pauses the
-sources' requests (:meth:`~fleetserve.runtime.worker.WorkerCore.evacuate`);
-a request keeps the KV of its own worker's range in place (its table drops
-the other layers' pages) and the KV of every other range is copied to the
-stage that keeps it (:func:`stage_import`). A request whose KV does not fit
-on some stage is recomputed instead (its KV is freed, it prefills again in
-the group) — the choice a careful implementer makes when the paper's
-exchange cannot place a request: nothing is lost, only recomputed.
+**KV exchange at a merge** (§4.2), ``kunserve.exchange``:
+
+* ``blocking``: the controller pauses the sources' requests
+  (:meth:`~fleetserve.runtime.worker.WorkerCore.evacuate`); a request keeps
+  the KV of its own worker's range in place (its table drops the other
+  layers' pages) and the KV of every other range is copied to the stage that
+  keeps it (:func:`stage_import`) before the group runs. A request whose KV
+  does not fit on some stage is recomputed instead (its KV is freed, it
+  prefills again in the group) — the choice a careful implementer makes when
+  the paper's exchange cannot place a request: nothing is lost, only
+  recomputed.
+* ``live`` (the ``kunserve`` stack's default): nothing is copied at the
+  merge. A running request (a *victim*) keeps its whole table, every layer,
+  on its origin stage, and runs in micro-batches of its own: the other
+  stages compute its layers but send q/k/v of each one to the origin, which
+  writes the new k/v into the victim's pages and returns the attention
+  (*remote attention*, :func:`stage_remote_attention`; the origin's pages
+  for the step are grown first by a ``grow_only`` work). Meanwhile the
+  leader copies each victim's KV of the other stages' layers to them
+  (:meth:`GroupRunner._exchange`, at most ``max_copies`` at once, beside the
+  steps); at the next step boundary after its copy it copies the tokens
+  added since, drops those layers from the origin's table and *flips* the
+  victim: from then on it runs as any request of the group. A copy or flip
+  that lacks pages waits for a later boundary (the victim stays remote).
 
 **Batching in a group** (the paper leaves the pipelined engine's scheduler
 to vLLM): every running request decodes in every step; waiting ones are
@@ -57,8 +73,10 @@ same round.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,6 +98,8 @@ from fleetserve.runtime.engine.sampling import (
     sample_token,
 )
 from fleetserve.runtime.engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GroupRunner",
@@ -303,6 +323,41 @@ def stage_export(engine: Engine, model: str, key: int, n_tokens: int) -> KVChunk
     return KVChunk(model, tuple(layers), 0, n_tokens, bs, engine.dtype, data)
 
 
+def stage_export_layers(
+    engine: Engine, model: str, key: int, layers: tuple[int, ...], first_tb: int, n_tokens: int
+) -> KVChunk:
+    """A copy of the KV of ``layers`` of request ``key`` here, from token-block
+    ``first_tb`` up to ``n_tokens`` tokens: a live exchange's copy of a
+    victim's KV for another stage (``first_tb`` 0), and its catch-up at the
+    flip (the tokens added since, from the block the copy ended in)."""
+    pool = engine.pool
+    bs = pool.block_size
+    n_tb = -(-n_tokens // bs)
+    if n_tb > pool.token_blocks(key) or not set(layers) <= set(pool.layers(key)):
+        raise ValueError(f"request {key}: its table here lacks tokens or layers to export")
+    table = pool.table(key).numpy()[first_tb:n_tb][:, list(layers)]
+    data = gather_pages(pool, model, table)
+    return KVChunk(model, tuple(layers), first_tb, n_tokens - first_tb * bs, bs, engine.dtype, data)
+
+
+def stage_write(engine: Engine, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+    """Grow request ``key``'s table here to ``n_tokens`` tokens and write
+    ``chunk`` into it (a live exchange's catch-up); its token-blocks, or None
+    when the pages are short (nothing changed)."""
+    pool = engine.pool
+    if not pool.has(key) or not set(chunk.layers) <= set(pool.layers(key)):
+        raise ValueError(f"request {key}: no table here for layers {list(chunk.layers)}")
+    if pool.pages_to_grow(key, n_tokens) > pool.num_free:
+        return None
+    pool.grow(key, n_tokens)
+    if chunk.n_tb:
+        table = pool.table(key)[chunk.first_tb : chunk.first_tb + chunk.n_tb]
+        idx = torch.tensor(chunk.layers, dtype=torch.int64)
+        pages = table[:, idx].numpy().astype(np.int64)
+        scatter_pages(pool, chunk.model, pages, chunk.data)
+    return pool.token_blocks(key)
+
+
 def join_chunks(chunks: Iterable[KVChunk]) -> KVChunk:
     """One chunk of every layer from the chunks of a request's stages (the
     same tokens, disjoint layer ranges)."""
@@ -345,8 +400,14 @@ RemoteFn = Callable[
 of ``layer`` computed on the owner stage (:func:`stage_remote_attention` there)."""
 
 Emit = Callable[[int, int, int, str], None]  # (request id, index, token, text piece)
+Ask = Callable[..., Awaitable[Any]]
+"""``ask(j, method, *args)``: a stage's worker method (stage 0: the leader's own)."""
 Finish = Callable[[int, str], None]  # (request id, reason)
 StageCall = Callable[[int, StageWork], Awaitable[StageResult]]
+
+
+class _NoRoom(Exception):
+    """A stage lacked the pages for a victim's copy."""
 
 
 @dataclass(slots=True)
@@ -419,6 +480,15 @@ class GroupRunner:
         self._finish_cb = finish
         self._local = local
         self.remote = remote
+        # live exchange (KunServe §4.2): a victim's KV of the other stages'
+        # layers is copied while it decodes (ask_bg), then caught up and
+        # flipped at a step boundary (ask_now); see :meth:`_exchange`
+        self.ask_bg: Ask | None = None
+        self.ask_now: Ask | None = None
+        self.max_copies = 2  # victims whose copy is in flight at once
+        self._copies: dict[int, asyncio.Task[None]] = {}
+        self._copied: dict[int, tuple[int, dict[int, int]]] = {}  # rid -> (tokens, blocks)
+        self.flips = 0  # victims whose KV finished crossing
 
     # ------------------------------------------------------------ requests
     def add(
@@ -512,6 +582,10 @@ class GroupRunner:
         return self._take(keep_kv=True)
 
     def _take(self, *, keep_kv: bool) -> list[RequestState]:
+        for task in self._copies.values():  # copies in flight: their tables go with the rest
+            task.cancel()
+        self._copies.clear()
+        self._copied.clear()
         out = [
             RequestState(
                 id=r.id,
@@ -642,6 +716,8 @@ class GroupRunner:
         """
         if self.broken is not None:
             return
+        if self._copied or any(m.origin is not None for m in self.meta.values()):
+            await self._exchange()
         batch = self.plan()
         if not batch and not self.pending_free:
             return
@@ -718,6 +794,85 @@ class GroupRunner:
                 self._end(req, reason, notify=True)
         return True
 
+    # ------------------------------------------------------- live exchange
+    async def _exchange(self) -> None:
+        """At a step boundary: flip the victims whose copy is done, then start
+        copies for others (KunServe §4.2's live exchange; see the module
+        docstring). A copy runs beside the steps; the flip copies the tokens
+        added since (from the block the copy ended in) to each stage, drops
+        those layers from the victim's table on its origin, and from then on
+        the victim runs as any request of the group (local attention on every
+        stage). A flip that lacks pages on a stage waits for a later boundary;
+        meanwhile the victim keeps its remote attention."""
+        if self.ask_now is None or self.ask_bg is None:
+            return  # no way to move KV: victims stay remote until they finish
+        bs = self.block_size
+        for rid, (n0, blocks) in list(self._copied.items()):
+            req, m = self.requests.get(rid), self.meta.get(rid)
+            if req is None or m is None or m.origin is None:
+                del self._copied[rid]  # it ended or was preempted: its tables went with it
+                continue
+            o, n, tb0 = m.origin, req.n_cached, n0 // bs
+            done = True
+            for j in blocks:
+                a, b = self.role.stages[j][1]
+                chunk = await self.ask_now(
+                    o, "stage_export_layers", req.key, tuple(range(a, b)), tb0, n
+                )
+                got = await self.ask_now(j, "stage_write", req.key, n, chunk)
+                if got is None:
+                    done = False
+                    break
+                m.blocks[j] = got
+            if not done:
+                continue
+            gone = tuple(li for j in blocks for li in range(*self.role.stages[j][1]))
+            self.credit[o] += await self.ask_now(o, "stage_drop_layers", req.key, gone)
+            m.layers[o] = self.stage_layers[o]
+            m.origin = None
+            del self._copied[rid]
+            self.flips += 1
+        for rid, task in list(self._copies.items()):
+            if task.done():
+                del self._copies[rid]
+        for req in self.live:
+            if len(self._copies) >= self.max_copies:
+                break
+            m = self.meta[req.id]
+            if m.origin is not None and req.id not in self._copies and req.id not in self._copied:
+                self._copies[req.id] = asyncio.get_running_loop().create_task(self._copy(req, m))
+
+    async def _copy(self, req: PipelineRequest, m: _Meta) -> None:
+        """Copy victim ``req``'s KV of every other stage's layers from its
+        origin to that stage (its first ``n_cached`` tokens, while it decodes)."""
+        assert self.ask_bg is not None and m.origin is not None
+        o, n0, key = m.origin, req.n_cached, req.key
+        blocks: dict[int, int] = {}
+        try:
+            for j, (_w, (a, b)) in enumerate(self.role.stages):
+                if j == o:
+                    continue
+                chunk = await self.ask_bg(o, "stage_export_layers", key, tuple(range(a, b)), 0, n0)
+                got = await self.ask_bg(j, "stage_import", key, n0, chunk)
+                if got is None:  # no room there now: undo, try again at a later boundary
+                    raise _NoRoom
+                blocks[j] = got
+        except (_NoRoom, asyncio.CancelledError, Exception) as e:
+            if not isinstance(e, (_NoRoom, asyncio.CancelledError)):
+                logger.warning("group %d: copy of request %d failed: %s", self.role.group, key, e)
+            if not isinstance(e, asyncio.CancelledError):
+                for j in blocks:
+                    await self.ask_bg(j, "stage_free", [key])
+            return
+        if self.meta.get(req.id) is not m or m.origin != o:  # ended or preempted meanwhile
+            for j in blocks:
+                await self.ask_bg(j, "stage_free", [key])
+            return
+        for j, got in blocks.items():  # counted from now on: the planner keeps room to catch up
+            m.layers[j] = self.stage_layers[j]
+            m.blocks[j] = got
+        self._copied[req.id] = (n0, blocks)
+
     async def _stage(self, j: int, work: StageWork, call: StageCall) -> StageResult:
         """Stage ``j``'s answer to ``work`` (stage 0: this engine)."""
         if j == 0:
@@ -734,7 +889,8 @@ class GroupRunner:
         bs = self.block_size
         for r in batch:
             m = self.meta[r.id]
-            if m.layers[j]:  # a victim has no table away from its origin
+            # a victim's table away from its origin (a copy) grows at its flip only
+            if m.layers[j] and (m.origin is None or m.origin == j):
                 m.blocks[j] = max(m.blocks[j], -(-len(r.tokens) // bs))
 
     def _end(self, req: PipelineRequest, reason: str, *, notify: bool) -> None:

@@ -11,11 +11,14 @@ workers — and applies what it returns:
 * :class:`~fleetserve.policy.actions.DropLayers` → :meth:`KunRuntime.merge`:
   the sources stop taking requests; each member worker hands over its
   requests (:meth:`~fleetserve.runtime.worker.WorkerCore.evacuate`), drops
-  the layers outside its range (``fleetserve_layer_drops_total``), the KV of
-  the other ranges is copied to the stages that keep them (blocking
-  exchange through the object store), and stage 0 runs the group as a
-  pipeline whose activations cross between the actors
-  (:mod:`fleetserve.runtime.buddy`).
+  the layers outside its range (``fleetserve_layer_drops_total``), and stage
+  0 runs the group as a pipeline whose activations cross between the actors
+  (:mod:`fleetserve.runtime.buddy`). The running requests' KV of the other
+  ranges crosses to the stages that keep them: with ``exchange: live`` (the
+  ``kunserve`` stack's default) while they decode, their attention for those
+  layers running meanwhile on the worker that holds the KV (remote
+  attention); with ``exchange: blocking`` before the group runs (through the
+  object store).
 * :class:`~fleetserve.policy.actions.Restore` → the group stops taking
   requests and its members reload their dropped layers from the host copy
   as pages free up (``fleetserve_layer_restores_total``). Once every member
@@ -231,12 +234,6 @@ class KunRuntime:
                 raise ConfigError(f"worker {wid} does not hold every layer of {model} at start")
             self.replica_kv[iid] = snap.total_blocks * snap.page_bytes
             self._add_replica(iid)
-        if settings.exchange == "live":
-            logger.warning(
-                "KunServe at runtime: at a merge the victims decode with remote attention "
-                "on their origin until they finish; their KV is not copied across meanwhile "
-                "(the simulator's live exchange copies it and ends the remote phase sooner)"
-            )
         self.log: list[dict[str, Any]] = []
         self._restoring: dict[int, asyncio.Task[Any]] = {}  # group key -> its restore step
         self._reborn: set[int] = set()  # dead group members respawned before the group split
@@ -526,7 +523,10 @@ class KunRuntime:
                 got = await asyncio.gather(
                     *(h.stage_export.remote(st.id, st.n_cached) for h in handles)
                 )
-                chunks = [c for c in got if c is not None]  # a victim's: its origin's only
+                chunks = [c for c in got if c is not None]
+                whole = [c for c in chunks if len(c.layers) == self.num_layers]
+                if whole:  # a live exchange's victim: its origin holds every layer
+                    chunks = whole[:1]  # (a copy in flight elsewhere is dropped with the rest)
                 ok = bool(await w.handle.restore_import.remote(st, chunks))
                 others = [h for x, h in zip(e.members, handles, strict=True) if x != m]
                 await asyncio.gather(*(h.stage_free.remote([st.id]) for h in others))

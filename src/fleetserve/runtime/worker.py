@@ -47,9 +47,11 @@ from fleetserve.runtime.buddy import (
     free_stage_keys,
     join_chunks,
     stage_export,
+    stage_export_layers,
     stage_forward,
     stage_import,
     stage_remote_attention,
+    stage_write,
 )
 from fleetserve.runtime.channel import ReportSink
 from fleetserve.runtime.engine.engine import Engine, EngineRequest, Forward
@@ -661,6 +663,25 @@ class WorkerCore:
     def stage_free(self, keys: list[int]) -> int:
         return free_stage_keys(self.engine, keys, self.stage_keys)
 
+    # live exchange (buddy.GroupRunner._exchange): a victim's KV crosses while it decodes
+    def stage_export_layers(
+        self, key: int, layers: tuple[int, ...], first_tb: int, n_tokens: int
+    ) -> KVChunk:
+        if self.role is None or key not in self.stage_keys:
+            raise ValueError(f"worker {self.spec.worker_id}: request {key} has no table here")
+        return stage_export_layers(self.engine, self.role.model, key, layers, first_tb, n_tokens)
+
+    def stage_write(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+        if key not in self.stage_keys:
+            raise ValueError(f"worker {self.spec.worker_id}: request {key} has no table here")
+        return stage_write(self.engine, key, n_tokens, chunk)
+
+    def stage_drop_layers(self, key: int, layers: tuple[int, ...]) -> int:
+        """Free ``key``'s pages of ``layers`` here (their KV crossed); pages freed."""
+        if key not in self.stage_keys:
+            return 0
+        return self.engine.pool.drop_layers(key, layers)
+
     def restore_layers(self, model: str) -> tuple[int, int]:
         """Reload dropped layers of ``model`` from the host copy (the weight
         source) while the pool has room; returns ``(restored now, still missing)``."""
@@ -1202,6 +1223,18 @@ class Worker:
         g._local = lambda work: loop.run_in_executor(self._thread, self.core.stage_forward, work)
         g.remote = self.core.remote
 
+        async def ask_now(j: int, name: str, *args: Any) -> Any:  # inside a step (lock held)
+            if j == 0:
+                return await loop.run_in_executor(self._thread, getattr(self.core, name), *args)
+            return await getattr(self._stages[j], name).remote(*args)
+
+        async def ask_bg(j: int, name: str, *args: Any) -> Any:  # beside the steps
+            if j == 0:
+                return await self._call(getattr(self.core, name), *args)
+            return await getattr(self._stages[j], name).remote(*args)
+
+        g.ask_now, g.ask_bg = ask_now, ask_bg
+
     async def set_peers(self, handles: list[Any]) -> None:
         """The group's stage actors, in stage order: a live exchange's victims
         reach their origin's KV through them (remote attention)."""
@@ -1260,6 +1293,17 @@ class Worker:
 
     async def stage_free(self, keys: list[int]) -> int:
         return await self._call(self.core.stage_free, keys)
+
+    async def stage_export_layers(
+        self, key: int, layers: tuple[int, ...], first_tb: int, n_tokens: int
+    ) -> KVChunk:
+        return await self._call(self.core.stage_export_layers, key, layers, first_tb, n_tokens)
+
+    async def stage_write(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+        return await self._call(self.core.stage_write, key, n_tokens, chunk)
+
+    async def stage_drop_layers(self, key: int, layers: tuple[int, ...]) -> int:
+        return await self._call(self.core.stage_drop_layers, key, layers)
 
     async def restore_layers(self, model: str) -> tuple[int, int]:
         return await self._call(self.core.restore_layers, model)
