@@ -72,6 +72,7 @@ def _delta() -> MetricsSnapshot:
     m.drops.inc(6)
     m.kun_exchanged.labels("kv").inc(4)
     m.kun_exchanged.labels("recomputed").inc(1)
+    m.kun_exchanged.labels("remote").inc(2)  # a live exchange's victims count too
     return metrics_delta(before, _page(m))
 
 
@@ -191,7 +192,7 @@ def test_rows_of_kunserve() -> None:
         rows["layers_dropped"]["simulated"] is None
         and "not layers" in (rows["layers_dropped"]["sim_note"])
     )
-    assert (rows["kv_exchanged"]["runtime"], rows["kv_exchanged"]["simulated"]) == (4, 5)
+    assert (rows["kv_exchanged"]["runtime"], rows["kv_exchanged"]["simulated"]) == (6, 5)
 
 
 def test_rows_of_a_sharing_stack_with_replacement() -> None:

@@ -37,7 +37,8 @@ Where the two sides count differently (``docs/parity-report.md``):
   restored; the simulator counts the merges and restores it carried out
   (``memory.drops``, ``memory.restores``) and the requests whose KV it
   exchanged (``kunserve.victims.count``; the runtime's
-  ``fleetserve_kun_exchanged_requests_total{how=kv}``).
+  ``fleetserve_kun_exchanged_requests_total`` with ``how`` ``kv``, a blocking
+  exchange, plus ``remote``, a live one's victims).
 """
 
 from __future__ import annotations
@@ -220,6 +221,14 @@ def _missing(metric: str) -> str:
 def _rt(delta: MetricsSnapshot, name: str, **labels: str) -> tuple[float | None, str | None]:
     v = delta.value(name, **labels)
     return v, (None if v is not None else _missing(name))
+
+
+def _rt_sum(
+    delta: MetricsSnapshot, name: str, label: str, values: tuple[str, ...]
+) -> tuple[float | None, str | None]:
+    """:func:`_rt` summed over ``label`` taking ``values`` (those present)."""
+    got = [v for v in (delta.value(name, **{label: x}) for x in values) if v is not None]
+    return (sum(got), None) if got else (None, _missing(name))
 
 
 def mechanism_rows(
@@ -414,7 +423,7 @@ def _kun_rows(
         (_rt(delta, "fleetserve_layer_drops_total"), (None, SIM_LAYERS)),
         (_rt(delta, "fleetserve_layer_restores_total"), (None, SIM_LAYERS)),
         (
-            _rt(delta, "fleetserve_kun_exchanged_requests_total", how="kv"),
+            _rt_sum(delta, "fleetserve_kun_exchanged_requests_total", "how", ("kv", "remote")),
             _sim_or(sim, "kunserve", "victims", "count"),
         ),
         (_rt(delta, kun, action="ActivateSpare"), (None, SIM_SPARE)),
