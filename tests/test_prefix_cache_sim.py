@@ -271,7 +271,17 @@ def test_macro_steps_exact_with_prefix_caching(
     assert outcome(fast) == outcome(slow)
     assert [r.cached_tokens for r in fast.records] == [r.cached_tokens for r in slow.records]
     assert fast.timeseries == slow.timeseries
-    assert fast.migrations == slow.migrations
+
+    # Moves that end at the same instant may be recorded in either order: two
+    # instances whose iterations end at exactly the same time (identical
+    # requests from t = 0) detach their movers in the order of their
+    # iteration-end events, and a segment's end event is pushed at its start,
+    # an iteration's at its own (found by hypothesis, session 24). Everything
+    # else, outcomes and times included, is identical.
+    def key(m: Any) -> tuple[float, int]:
+        return (m.time_s, m.request_id)
+
+    assert sorted(fast.migrations, key=key) == sorted(slow.migrations, key=key)
     assert summarize(fast)["prefix_cache"] == summarize(slow)["prefix_cache"]
 
 
