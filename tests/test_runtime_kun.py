@@ -408,6 +408,7 @@ def test_server_drops_are_in_metrics_and_texts_exact() -> None:
         assert metric_value(metrics, "fleetserve_layer_drops_total") >= 2
         assert metric_value(metrics, "fleetserve_kun_actions_total", action="DropLayers") >= 1
         assert metric_value(metrics, "fleetserve_kun_exchanged_requests_total", how="remote") >= 1
+        assert metric_value(metrics, "fleetserve_kun_exchange_flips_total") >= 1
         assert metric_value(metrics, "fleetserve_kun_exchange_stall_seconds_count") >= 1
         cl = httpx.get(srv.url + "/v1/cluster").json()
         assert cl["policies"]["pressure"] == "kunserve"

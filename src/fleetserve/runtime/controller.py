@@ -233,6 +233,7 @@ class _Worker:
     prefix_seen: tuple[int, int] = (0, 0)  # its engine's prefix-cache counters, counted
     preempt_seen: int = 0  # its engine's preemptions, counted
     group_jobs_seen: tuple[int, int] = (0, 0)  # its engine's group jobs (alone, at once), counted
+    flips_seen: int = 0  # live-exchange flips of the groups it led, counted
 
 
 class Controller:
@@ -1342,6 +1343,10 @@ class Controller:
             old_p = w.preempt_seen if s.preemptions >= w.preempt_seen else 0
             m.preemptions.inc(s.preemptions - old_p)
             w.preempt_seen = s.preemptions
+        if s.kun_flips != w.flips_seen:  # cumulative too
+            old_f = w.flips_seen if s.kun_flips >= w.flips_seen else 0
+            m.kun_flips.inc(s.kun_flips - old_f)
+            w.flips_seen = s.kun_flips
         if s.group_jobs != w.group_jobs_seen:  # cumulative too
             old_j = w.group_jobs_seen if s.group_jobs[0] >= w.group_jobs_seen[0] else (0, 0)
             m.group_jobs.labels("alone").inc(max(0, s.group_jobs[0] - old_j[0]))

@@ -187,6 +187,12 @@ class RuntimeMetrics:
             ["how"],
             registry=r,
         )
+        self.kun_flips = Counter(
+            "fleetserve_kun_exchange_flips_total",
+            "KunServe: live-exchange victims whose KV finished crossing to the other "
+            "stages (from then on their attention runs locally on every stage)",
+            registry=r,
+        )
         self.kun_exchange_stall = Histogram(
             "fleetserve_kun_exchange_stall_seconds",
             "KunServe: how long a merge's blocking KV exchange stopped the sources' requests",

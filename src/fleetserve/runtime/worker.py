@@ -153,6 +153,7 @@ class WorkerSnap:
     asleep: bool = False  # holds no weights and no arena (an inactive GPU)
     prefix_tokens: tuple[int, int] = (0, 0)  # prompt tokens admitted, of which cache hits
     preemptions: int = 0  # requests its engine preempted, cumulative
+    kun_flips: int = 0  # live-exchange victims its groups flipped, cumulative
     group_jobs: tuple[int, int] = (0, 0)  # group jobs run alone, at once (spatial), cumulative
     prefill: tuple[int, float] = (0, 0.0)  # prompt tokens computed, seconds of those steps
 
@@ -259,6 +260,7 @@ class WorkerCore:
         self.group: GroupRunner | None = None  # ... and its leader
         self.stage_keys: set[int] = set()  # group requests with a table here
         self.remote: RemoteFn | None = None  # the way to the other stages' remote attention
+        self.kun_flips = 0  # flips of the groups it led before the current one
         self._stepping = False  # a local engine step runs (its tokens get hop stamps)
         # events sealed at a step's end, with a snapshot, for the poll to take
         # without the engine (see seal); the lock guards only this hand-over
@@ -562,6 +564,7 @@ class WorkerCore:
         if self.role is not None:  # an older group merges into the new one
             if self.group is not None:
                 out.extend((st, {}, 0) for st in self.group.drop_all())
+                self.kun_flips += self.group.flips
                 self.group = None
             free_stage_keys(e, list(self.stage_keys), self.stage_keys)
             self.role = None
@@ -702,6 +705,7 @@ class WorkerCore:
         out: list[RequestState] = []
         if self.group is not None:
             out = self.group.drop_all()
+            self.kun_flips += self.group.flips
             self.group = None
         free_stage_keys(self.engine, list(self.stage_keys), self.stage_keys)
         self.role = None
@@ -732,6 +736,7 @@ class WorkerCore:
         if self.group is None:
             return []
         out = self.group.handover()
+        self.kun_flips += self.group.flips
         self.group = None
         return out
 
@@ -940,6 +945,7 @@ class WorkerCore:
             asleep=e.asleep,
             prefix_tokens=(e.prefix_queries, e.prefix_hits),
             preemptions=e.preemptions,
+            kun_flips=self.kun_flips + (self.group.flips if self.group is not None else 0),
             group_jobs=(e.group_jobs_alone, e.group_jobs_at_once),
             prefill=self._prefill,
         )
