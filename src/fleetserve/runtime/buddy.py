@@ -188,6 +188,7 @@ def stage_forward(
     work: StageWork,
     held: set[int],
     remote: RemoteFn | None = None,
+    copies: set[int] | None = None,
 ) -> StageResult:
     """Run this stage's layers on ``work`` (see the module docstring).
 
@@ -196,10 +197,15 @@ def stage_forward(
     the result is ``ok=False`` — and runs the layers of :attr:`StageRole.keep`.
     ``held`` is the set of keys with a table here (kept up to date). With
     ``work.remote_owner`` set (another stage) the layers' attention runs
-    there through ``remote`` and nothing grows here.
+    there through ``remote`` and nothing grows here. ``copies``: keys whose
+    table here is a live exchange's copy not flipped yet; one that runs here
+    as any request (it was preempted or its group dissolved since, and is
+    recomputed) gets a fresh table instead.
     """
     pool = engine.pool
     free_stage_keys(engine, work.free, held)
+    if copies:
+        copies.difference_update(work.free)
     ends = [s + n for s, n in zip(work.starts, work.lens, strict=True)]
     if work.grow_only:
         return StageResult(stage_grow(engine, work.keys, ends), None, pool.num_free)
@@ -217,6 +223,10 @@ def stage_forward(
     layers = tuple(role.keep)
     need = 0
     for k, end in zip(work.keys, ends, strict=True):
+        if copies and k in copies:  # a stale copy: the request is recomputed here
+            copies.discard(k)
+            if pool.has(k):
+                pool.free(k)
         if not pool.has(k):
             pool.open(k, work.model, layers)
             held.add(k)
@@ -489,6 +499,7 @@ class GroupRunner:
         self._copies: dict[int, asyncio.Task[None]] = {}
         self._copied: dict[int, tuple[int, dict[int, int]]] = {}  # rid -> (tokens, blocks)
         self.flips = 0  # victims whose KV finished crossing
+        self.closed = False  # its requests were taken (drop_all, handover): copies stop
 
     # ------------------------------------------------------------ requests
     def add(
@@ -582,8 +593,12 @@ class GroupRunner:
         return self._take(keep_kv=True)
 
     def _take(self, *, keep_kv: bool) -> list[RequestState]:
-        for task in self._copies.values():  # copies in flight: their tables go with the rest
-            task.cancel()
+        # copies in flight stop touching the stages (their tables go with the
+        # group's: the members free every group table when they leave it);
+        # this may run on the engine thread, so the cancel goes through the loop
+        self.closed = True
+        for task in self._copies.values():
+            task.get_loop().call_soon_threadsafe(task.cancel)
         self._copies.clear()
         self._copied.clear()
         out = [
@@ -853,20 +868,29 @@ class GroupRunner:
                 if j == o:
                     continue
                 chunk = await self.ask_bg(o, "stage_export_layers", key, tuple(range(a, b)), 0, n0)
-                got = await self.ask_bg(j, "stage_import", key, n0, chunk)
+                if self.closed:
+                    return
+                got = await self.ask_bg(j, "stage_import", key, n0, chunk, True)
+                if self.closed:
+                    return
                 if got is None:  # no room there now: undo, try again at a later boundary
                     raise _NoRoom
                 blocks[j] = got
-        except (_NoRoom, asyncio.CancelledError, Exception) as e:
-            if not isinstance(e, (_NoRoom, asyncio.CancelledError)):
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # a copy that fails leaves the victim remote
+            if self.closed:
+                return
+            if not isinstance(e, _NoRoom):
                 logger.warning("group %d: copy of request %d failed: %s", self.role.group, key, e)
-            if not isinstance(e, asyncio.CancelledError):
-                for j in blocks:
-                    await self.ask_bg(j, "stage_free", [key])
+            for j in blocks:  # frees only a table that is still this copy's
+                await self.ask_bg(j, "stage_free_copy", key)
+            return
+        if self.closed:
             return
         if self.meta.get(req.id) is not m or m.origin != o:  # ended or preempted meanwhile
             for j in blocks:
-                await self.ask_bg(j, "stage_free", [key])
+                await self.ask_bg(j, "stage_free_copy", key)
             return
         for j, got in blocks.items():  # counted from now on: the planner keeps room to catch up
             m.layers[j] = self.stage_layers[j]

@@ -261,6 +261,7 @@ class WorkerCore:
         self.stage_keys: set[int] = set()  # group requests with a table here
         self.remote: RemoteFn | None = None  # the way to the other stages' remote attention
         self.kun_flips = 0  # flips of the groups it led before the current one
+        self.copy_keys: set[int] = set()  # tables here that are live-exchange copies not flipped
         self._stepping = False  # a local engine step runs (its tokens get hop stamps)
         # events sealed at a step's end, with a snapshot, for the poll to take
         # without the engine (see seal); the lock guards only this hand-over
@@ -567,6 +568,7 @@ class WorkerCore:
                 self.kun_flips += self.group.flips
                 self.group = None
             free_stage_keys(e, list(self.stage_keys), self.stage_keys)
+            self.copy_keys.clear()
             self.role = None
         keep = set(role.keep)
         for req in [r for r in [*e.running, *e.waiting] if r.model == model]:
@@ -639,7 +641,9 @@ class WorkerCore:
     def stage_forward(self, work: StageWork) -> StageResult:
         if self.role is None:
             raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
-        return stage_forward(self.engine, self.role, work, self.stage_keys, self.remote)
+        return stage_forward(
+            self.engine, self.role, work, self.stage_keys, self.remote, self.copy_keys
+        )
 
     def stage_remote_attention(
         self,
@@ -658,13 +662,28 @@ class WorkerCore:
             raise ValueError(f"worker {self.spec.worker_id}: remote attention for keys not here")
         return stage_remote_attention(self.engine, model, keys, starts, lens, layer, q, k, v)
 
-    def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
+    def stage_import(
+        self, key: int, n_tokens: int, chunk: KVChunk, copy: bool = False
+    ) -> int | None:
+        """``copy``: a live exchange's copy (see :attr:`copy_keys`)."""
         if self.role is None:
             raise ValueError(f"worker {self.spec.worker_id} is no stage of a group")
-        return stage_import(self.engine, self.role, key, n_tokens, chunk, self.stage_keys)
+        got = stage_import(self.engine, self.role, key, n_tokens, chunk, self.stage_keys)
+        if copy and got is not None:
+            self.copy_keys.add(key)
+        return got
 
     def stage_free(self, keys: list[int]) -> int:
+        self.copy_keys.difference_update(keys)
         return free_stage_keys(self.engine, keys, self.stage_keys)
+
+    def stage_free_copy(self, key: int) -> int:
+        """Free ``key``'s table if it is still a live exchange's copy (not a
+        table the request has run with since); pages freed."""
+        if key not in self.copy_keys:
+            return 0
+        self.copy_keys.discard(key)
+        return free_stage_keys(self.engine, [key], self.stage_keys)
 
     # live exchange (buddy.GroupRunner._exchange): a victim's KV crosses while it decodes
     def stage_export_layers(
@@ -677,7 +696,10 @@ class WorkerCore:
     def stage_write(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
         if key not in self.stage_keys:
             raise ValueError(f"worker {self.spec.worker_id}: request {key} has no table here")
-        return stage_write(self.engine, key, n_tokens, chunk)
+        got = stage_write(self.engine, key, n_tokens, chunk)
+        if got is not None:
+            self.copy_keys.discard(key)  # flipped: the request's own table from now on
+        return got
 
     def stage_drop_layers(self, key: int, layers: tuple[int, ...]) -> int:
         """Free ``key``'s pages of ``layers`` here (their KV crossed); pages freed."""
@@ -708,6 +730,7 @@ class WorkerCore:
             self.kun_flips += self.group.flips
             self.group = None
         free_stage_keys(self.engine, list(self.stage_keys), self.stage_keys)
+        self.copy_keys.clear()
         self.role = None
         return out
 
@@ -756,6 +779,7 @@ class WorkerCore:
         (same tokens, sampler state kept)."""
         self._awake()
         free_stage_keys(self.engine, [state.id], self.stage_keys)
+        self.copy_keys.discard(state.id)
         st = _with_callbacks(state, self)
         if self._import_kv(st, join_chunks(chunks)):
             return True
@@ -1294,8 +1318,13 @@ class Worker:
     async def stage_forward(self, work: StageWork) -> StageResult:
         return await self._call(self.core.stage_forward, work)
 
-    async def stage_import(self, key: int, n_tokens: int, chunk: KVChunk) -> int | None:
-        return await self._call(self.core.stage_import, key, n_tokens, chunk)
+    async def stage_import(
+        self, key: int, n_tokens: int, chunk: KVChunk, copy: bool = False
+    ) -> int | None:
+        return await self._call(self.core.stage_import, key, n_tokens, chunk, copy)
+
+    async def stage_free_copy(self, key: int) -> int:
+        return await self._call(self.core.stage_free_copy, key)
 
     async def stage_free(self, keys: list[int]) -> int:
         return await self._call(self.core.stage_free, keys)
