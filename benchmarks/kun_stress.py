@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch  # noqa: F401  (imported first: torch's lazy modules and the tests' imports)
 
@@ -27,35 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import test_runtime_kun as T
 
-from fleetserve.cli.serve import serve_config_dict
-from fleetserve.config import config_from_dict
-
-
-def _cfg(mem: int, workers: int, exchange: str) -> Any:
-    data = {
-        "serve": {
-            "workers": workers,
-            "gpu_memory_mb": mem,
-            "models": [T.MODEL],
-            "max_queue": 256,
-            "max_running": 64,
-        },
-        "policy": {"stack": "kunserve"},
-        "kunserve": {
-            "monitor_interval_s": 0.05,
-            "horizon_s": 0.5,
-            "window_s": 0.5,
-            "restore_min_s": 600,
-            "exchange": exchange,
-        },
-    }
-    return config_from_dict(serve_config_dict(data))
-
 
 async def _run(a: argparse.Namespace) -> bool:
     prompts = T._prompts(a.n, a.length)
     ref = T._reference(prompts, a.out)
-    ctl, handles = await T._start(_cfg(a.mem, a.workers, a.exchange))
+    cfg = T._config({"workers": a.workers, "gpu_memory_mb": a.mem}, exchange=a.exchange)
+    ctl, handles = await T._start(cfg)
     try:
         ts = await T._burst(ctl, prompts, a.out)
         outs = await asyncio.gather(*(T._collect(t) for t in ts))

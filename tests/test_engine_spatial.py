@@ -31,7 +31,7 @@ class _Recorder:
     """ADBS, recording each job's end as the engine reports it."""
 
     def __init__(self) -> None:
-        self.sched = type(BATCHING.get("adbs")())()
+        self.sched = BATCHING.get("adbs")()
         self.ends: list[tuple[Job, float]] = []
         orig = self.sched.on_job_end
 

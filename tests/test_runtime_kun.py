@@ -30,7 +30,9 @@ pytest.importorskip("ray")
 MODEL = "tiny-llama-a"
 
 
-def _config(**kun: Any) -> Any:
+def _config(serve: dict[str, Any] | None = None, **kun: Any) -> Any:
+    """Two 15 MiB workers of the tiny model under ``kunserve`` (``serve`` and
+    ``kun`` override keys of the ``serve:`` and ``kunserve:`` sections)."""
     data = {
         "serve": {
             "workers": 2,
@@ -38,6 +40,7 @@ def _config(**kun: Any) -> Any:
             "models": [MODEL],
             "max_queue": 256,
             "max_running": 64,
+            **(serve or {}),
         },
         "policy": {"stack": "kunserve"},
         "kunserve": {

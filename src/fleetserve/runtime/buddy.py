@@ -75,7 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -210,47 +210,45 @@ def stage_forward(
     if work.grow_only:
         return StageResult(stage_grow(engine, work.keys, ends), None, pool.num_free)
     owner = work.remote_owner
-    if owner is not None and owner != role.index and work.keys:
-        if remote is None:
-            raise ValueError(f"stage {role.index}: remote attention on stage {owner}, no way there")
-        batch = Batch.build(
-            work.model, list(work.keys), list(work.starts), list(work.lens), engine.device
-        )
-        h = engine.embed(work.model, list(work.ids)) if work.h is None else work.h.to(engine.device)
-        fns = {li: _remote_layer(remote, owner, work, li) for li in role.keep}
-        h = engine.run_layers(batch, h, role.keep, remote=fns)
-        return StageResult(True, h, pool.num_free)
-    layers = tuple(role.keep)
-    need = 0
-    for k, end in zip(work.keys, ends, strict=True):
-        if copies and k in copies:  # a stale copy: the request is recomputed here
-            copies.discard(k)
-            if pool.has(k):
-                pool.free(k)
-        if not pool.has(k):
-            pool.open(k, work.model, layers)
-            held.add(k)
-        need += pool.pages_to_grow(k, end)
-    if need > pool.num_free:
-        return StageResult(False, None, pool.num_free)
-    for k, end in zip(work.keys, ends, strict=True):
-        pool.grow(k, end)
+    away = owner is not None and owner != role.index  # the KV of these layers is on ``owner``
+    if away and remote is None:
+        raise ValueError(f"stage {role.index}: remote attention on stage {owner}, no way there")
+    if not away:
+        layers = tuple(role.keep)
+        need = 0
+        for k, end in zip(work.keys, ends, strict=True):
+            if copies and k in copies:  # a stale copy: the request is recomputed here
+                copies.discard(k)
+                if pool.has(k):
+                    pool.free(k)
+            if not pool.has(k):
+                pool.open(k, work.model, layers)
+                held.add(k)
+            need += pool.pages_to_grow(k, end)
+        if need > pool.num_free:
+            return StageResult(False, None, pool.num_free)
+        for k, end in zip(work.keys, ends, strict=True):
+            pool.grow(k, end)
     if not work.keys:  # a round that only frees
         return StageResult(True, None, pool.num_free)
     batch = Batch.build(
         work.model, list(work.keys), list(work.starts), list(work.lens), engine.device
     )
     h = engine.embed(work.model, list(work.ids)) if work.h is None else work.h.to(engine.device)
-    h = engine.run_layers(batch, h, role.keep)
+    fns = None
+    if away:
+        assert owner is not None and remote is not None
+        head = replace(work, h=None, ids=(), free=())  # what the owner needs of the work
+        fns = {li: _remote_layer(remote, owner, head, li) for li in role.keep}
+    h = engine.run_layers(batch, h, role.keep, remote=fns)
     return StageResult(True, h, pool.num_free)
 
 
 def _remote_layer(
-    remote: RemoteFn, owner: int, work: StageWork, layer: int
+    remote: RemoteFn, owner: int, head: StageWork, layer: int
 ) -> Callable[[Batch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     def fn(batch: Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        a = remote(owner, work.model, work.keys, work.starts, work.lens, layer, q, k, v)
-        return a.to(q.device)
+        return remote(owner, head, layer, q, k, v).to(q.device)
 
     return fn
 
@@ -268,21 +266,15 @@ def stage_grow(engine: Engine, keys: Iterable[int], ends: Iterable[int]) -> bool
 
 @torch.inference_mode()
 def stage_remote_attention(
-    engine: Engine,
-    model: str,
-    keys: tuple[int, ...],
-    starts: tuple[int, ...],
-    lens: tuple[int, ...],
-    layer: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    engine: Engine, work: StageWork, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    """On a victim's origin stage: the attention of ``layer`` for requests
-    ``keys`` over the KV their tables hold here (grown beforehand by a
-    ``grow_only`` work: this touches their pages only, so it may run beside
-    the stage's own work on other requests)."""
-    batch = Batch.build(model, list(keys), list(starts), list(lens), engine.device)
+    """On a victim's origin stage: the attention of ``layer`` for the
+    requests of ``work`` over the KV their tables hold here (grown beforehand
+    by a ``grow_only`` work: this touches their pages only, so it may run
+    beside the stage's own work on other requests)."""
+    batch = Batch.build(
+        work.model, list(work.keys), list(work.starts), list(work.lens), engine.device
+    )
     return engine.remote_attention(batch, layer, q, k, v)
 
 
@@ -392,22 +384,10 @@ def join_chunks(chunks: Iterable[KVChunk]) -> KVChunk:
     )
 
 
-RemoteFn = Callable[
-    [
-        int,
-        str,
-        tuple[int, ...],
-        tuple[int, ...],
-        tuple[int, ...],
-        int,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-    ],
-    torch.Tensor,
-]
-"""``(owner stage, model, keys, starts, lens, layer, q, k, v)`` -> the attention
-of ``layer`` computed on the owner stage (:func:`stage_remote_attention` there)."""
+RemoteFn = Callable[[int, StageWork, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(owner stage, work, layer, q, k, v)`` -> the attention of ``layer`` for
+``work``'s requests, computed on the owner stage (:func:`stage_remote_attention`
+there; ``work`` without its hidden states)."""
 
 Emit = Callable[[int, int, int, str], None]  # (request id, index, token, text piece)
 Ask = Callable[..., Awaitable[Any]]
@@ -881,8 +861,13 @@ class GroupRunner:
         except Exception as e:  # a copy that fails leaves the victim remote
             if self.closed:
                 return
-            if not isinstance(e, _NoRoom):
-                logger.warning("group %d: copy of request %d failed: %s", self.role.group, key, e)
+            if not isinstance(e, _NoRoom):  # e.g. a member left for a new merge meanwhile
+                logger.info(
+                    "group %d: copy of request %d stopped (it stays remote): %s",
+                    self.role.group,
+                    key,
+                    e,
+                )
             for j in blocks:  # frees only a table that is still this copy's
                 await self.ask_bg(j, "stage_free_copy", key)
             return

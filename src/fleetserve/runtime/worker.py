@@ -646,21 +646,13 @@ class WorkerCore:
         )
 
     def stage_remote_attention(
-        self,
-        model: str,
-        keys: tuple[int, ...],
-        starts: tuple[int, ...],
-        lens: tuple[int, ...],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, work: StageWork, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """The attention of ``layer`` for victims whose KV is here (a live
         exchange); see :func:`.buddy.stage_remote_attention`."""
-        if not all(key in self.stage_keys for key in keys):
+        if not self.stage_keys.issuperset(work.keys):
             raise ValueError(f"worker {self.spec.worker_id}: remote attention for keys not here")
-        return stage_remote_attention(self.engine, model, keys, starts, lens, layer, q, k, v)
+        return stage_remote_attention(self.engine, work, layer, q, k, v)
 
     def stage_import(
         self, key: int, n_tokens: int, chunk: KVChunk, copy: bool = False
@@ -1283,29 +1275,12 @@ class Worker:
             self.core.group.remote = remote
 
     async def stage_remote_attention(
-        self,
-        model: str,
-        keys: tuple[int, ...],
-        starts: tuple[int, ...],
-        lens: tuple[int, ...],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        self, work: StageWork, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # not behind the engine lock: the stage waiting for this answer may be
         # the one holding it (two stages asking each other would wait for ever)
         return await asyncio.get_running_loop().run_in_executor(
-            self._remote_thread,
-            self.core.stage_remote_attention,
-            model,
-            keys,
-            starts,
-            lens,
-            layer,
-            q,
-            k,
-            v,
+            self._remote_thread, self.core.stage_remote_attention, work, layer, q, k, v
         )
 
     async def adopt(self, items: list[tuple[RequestState, int, list[int], int | None]]) -> None:

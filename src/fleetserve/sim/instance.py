@@ -108,11 +108,10 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
-from fleetserve.sim import seq as sq
 from fleetserve.sim.contention import beside_copies
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
-from fleetserve.sim.seq import Seq
+from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
@@ -390,7 +389,7 @@ class Instance:
         Returns the time of a new iteration-end event, if any.
         """
         seq.inst = self
-        seq.state = sq.WAITING
+        seq.state = WAITING
         if head:
             self.waiting.appendleft(seq)
         else:
@@ -477,7 +476,7 @@ class Instance:
         self.waiting.remove(seq)
         self.reserved_blocks -= blocks_for(seq.prefill_tokens, self.block_size)
         seq.inst = None
-        seq.state = sq.TRANSIT
+        seq.state = TRANSIT
         if self._logs:
             self._changed()
         return self.truncate(now)
@@ -500,7 +499,7 @@ class Instance:
         kv = seq.base + self.steps
         seq.gen_saved = kv - seq.prompt_tokens + 1
         seq.bound = False
-        seq.state = sq.TRANSIT
+        seq.state = TRANSIT
         seq.kv_saved = kv if keep_blocks else 0
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
@@ -535,7 +534,7 @@ class Instance:
         base = kv - self.steps
         s.base = base
         s.bound = True
-        s.state = sq.RUNNING
+        s.state = RUNNING
         s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
         self.running[s.id] = s
         self._hist[base % self.block_size] += 1
@@ -590,7 +589,7 @@ class Instance:
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
             self.used += blocks_for(n, bs)
-            s.state = sq.PREFILLING
+            s.state = PREFILLING
             s.kv_saved = n
             lens.append(n)
         self._prefill = list(admitted)
@@ -614,7 +613,7 @@ class Instance:
         for s in admitted:
             n = s.prompt_tokens + s.gen_saved
             hit = self._admit_cached(s, n, hits)
-            s.state = sq.PREFILLING
+            s.state = PREFILLING
             s.kv_saved = n
             lens.append(n)
             work.append((n - hit, hit))
@@ -731,7 +730,7 @@ class Instance:
             for s in admitted_c:
                 total = s.prompt_tokens + s.gen_saved
                 s.prefilled = self._admit_cached(s, total, cached.hits)
-                s.state = sq.PREFILLING
+                s.state = PREFILLING
                 s.kv_saved = total
                 self._prefilling.append(s)
                 n = min(total - s.prefilled, left)
@@ -752,7 +751,7 @@ class Instance:
                 total = s.prompt_tokens + s.gen_saved
                 self.used += blocks_for(total, bs)
                 s.prefilled = 0
-                s.state = sq.PREFILLING
+                s.state = PREFILLING
                 s.kv_saved = total
                 self._prefilling.append(s)
                 n = min(total, left)
@@ -817,7 +816,7 @@ class Instance:
         kv = seq.base + self.steps
         seq.gen_saved = kv - seq.prompt_tokens + 1
         seq.bound = False
-        seq.state = sq.WAITING
+        seq.state = WAITING
         seq.kv_saved = 0
         self._hist[seq.base % bs] -= 1
         self._sum_base -= seq.base
@@ -856,7 +855,7 @@ class Instance:
                 del running[s.id]
                 kv = s.base + steps
                 s.bound = False
-                s.state = sq.DONE
+                s.state = DONE
                 s.kv_saved = 0
                 s.gen_saved = s.output_tokens
                 self._hist[s.base % bs] -= 1
@@ -900,7 +899,7 @@ class Instance:
             else:
                 self._free(s, kv)
             s.gen_saved = gen
-            s.state = sq.DONE
+            s.state = DONE
             s.kv_saved = 0
             done.append(s)
             return
@@ -921,7 +920,7 @@ class Instance:
             holders = [*self.running.values(), *self.prefilling(), *self._holding.values()]
             kv_blocks += self.pcache.check(holders, self.total_blocks - self.used)
             for s in self._holding.values():
-                assert s.refs and s.state == sq.TRANSIT and s.mig is not None, s.id
+                assert s.refs and s.state == TRANSIT and s.mig is not None, s.id
         else:
             assert not self._holding
             for s in (*self.running.values(), *self.prefilling()):
@@ -942,14 +941,14 @@ class Instance:
         assert len(ids_w) == len(self.waiting)
         assert not (ids_w & ids_r) and not (ids_w & ids_p) and not (ids_r & ids_p)
         for s in self.running.values():
-            assert s.bound and s.state == sq.RUNNING and s.inst is self
+            assert s.bound and s.state == RUNNING and s.inst is self
             assert s.base + self.steps <= s.prompt_tokens + s.output_tokens - 1
             assert s.demand_tokens == max(s.kv_tokens, s.prompt_tokens + s.generated), s.id
         for s in self.prefilling():
-            assert s.state == sq.PREFILLING and s.inst is self and not s.bound
+            assert s.state == PREFILLING and s.inst is self and not s.bound
             assert s.kv_saved == s.prefill_tokens, s.id
         for s in self.waiting:
-            assert s.inst is self and s.state == sq.WAITING and not s.bound and s.mig is None
+            assert s.inst is self and s.state == WAITING and not s.bound and s.mig is None
             assert s.kv_saved == 0, s.id
             assert s.refs is None and s.shared == 0, s.id
         if self.phase == IDLE:

@@ -189,7 +189,7 @@ from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Eve
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kun_parts import Channel, Piece, Transfer, WaitQueue
-from fleetserve.sim.seq import Seq
+from fleetserve.sim.seq import DONE, HOST, PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
 from fleetserve.spec import GpuSpec, get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
@@ -451,7 +451,7 @@ class Executor:
     def run(self, s: Seq, kv: int) -> None:
         """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
         s.base = kv - self.steps
-        s.state = "running"
+        s.state = RUNNING
         s.bound = True
         s.inst = self
         s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
@@ -1000,7 +1000,7 @@ class KunSimulator:
         raise RuntimeError(f"unexpected dispatch action {action!r}")
 
     def _enqueue(self, s: Seq, exe: Executor, now: float) -> None:
-        s.state = "waiting"
+        s.state = WAITING
         s.inst = exe
         exe.waiting.append(s)
         self._schedule(exe, now)
@@ -1098,7 +1098,7 @@ class KunSimulator:
         for s in admitted:
             n = s.prefill_tokens
             exe.static += n
-            s.state = "prefill"
+            s.state = PREFILLING
             s.kv_saved = n
             lens.append(n)
         return lens
@@ -1270,11 +1270,11 @@ class KunSimulator:
         touched = False
         for m, i in stage.items():
             for p in self.live_src.get(m, ()):
-                if p.seq.state == "running":
+                if p.seq.state == RUNNING:
                     tl[i] += p.layers * p.seq.kv_tokens
                     touched = True
         for p in exe.live_pieces:
-            if not p.cancelled and p.seq.state == "running":
+            if not p.cancelled and p.seq.state == RUNNING:
                 tl[stage[p.dst]] -= p.layers * p.seq.kv_tokens
                 touched = True
         if not touched:
@@ -1290,7 +1290,7 @@ class KunSimulator:
         kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
         per_src: dict[int, dict[int, int]] = {}
         for p in exe.live_pieces:
-            if p.cancelled or p.seq.state != "running":
+            if p.cancelled or p.seq.state != RUNNING:
                 continue
             d = per_src.setdefault(p.src, {})
             d[p.seq.id] = d.get(p.seq.id, 0) + p.layers
@@ -1311,7 +1311,7 @@ class KunSimulator:
         self._cancel_migration(s)
         exe.unrun(s)
         s.kv_saved = 0
-        s.state = "waiting"
+        s.state = WAITING
         s.record.preemptions += 1
         self._untrack(exe, s, now)
 
@@ -1343,7 +1343,7 @@ class KunSimulator:
                 self._finish(exe, fin, now)
             if exe.tracked:
                 for s in list(exe.tracked.values()):
-                    if s.state == "running":
+                    if s.state == RUNNING:
                         gap = now - s.last_tok_s
                         if gap > s.max_gap_s:
                             s.max_gap_s = gap
@@ -1362,7 +1362,7 @@ class KunSimulator:
     def _finish(self, exe: Executor, s: Seq, now: float) -> None:
         self._cancel_pieces(s)
         self._cancel_migration(s)
-        s.state = "done"
+        s.state = DONE
         s.kv_saved = 0
         rec = s.record
         rec.finish_s = now
@@ -1434,9 +1434,9 @@ class KunSimulator:
             s.pieces.remove(p)
             exe.live_pieces.pop(p, None)
             self._unlive(p)
-            if not s.pieces and s.state == "stalled":
+            if not s.pieces and s.state == STALLED:
                 exe.stalled.pop(s.id)
-                s.state = "transit"
+                s.state = TRANSIT
                 exe.pending_attach.append(s)
                 self._schedule(exe, now)
 
@@ -1633,7 +1633,7 @@ class KunSimulator:
             if live or not pieces:
                 new.run(s, kv)
             else:
-                s.state = "stalled"
+                s.state = STALLED
                 s.inst = new
                 s.kv_saved = kv
                 new.static += kv
@@ -1773,7 +1773,7 @@ class KunSimulator:
         touched: set[int] = set()
         for rid, src, dst in rebalance(loads):
             s = self.seqs[rid]
-            assert s is not None and s.state == "waiting"
+            assert s is not None and s.state == WAITING
             a, b = self.execs[src], self.execs[dst]
             a.waiting.remove(s)
             s.inst = b
@@ -1786,7 +1786,7 @@ class KunSimulator:
     # ------------------------------------------------------------------ swap
     def _swap_out(self, exe: Executor, s: Seq, now: float) -> None:
         kv = exe.unrun(s)
-        s.state = "stalled"
+        s.state = STALLED
         exe.stalled[s.id] = s
         exe.static += kv
         exe.swap_out_busy = True
@@ -1795,7 +1795,7 @@ class KunSimulator:
         def on_done(t: float) -> None:
             exe.stalled.pop(s.id)
             exe.static -= kv
-            s.state = "host"
+            s.state = HOST
             exe.swapped.append(s)
             exe.swap_out_busy = False
             self._schedule(exe, t)
@@ -1813,7 +1813,7 @@ class KunSimulator:
         assert s.id == action.request_id, (s.id, action)
         kv = s.kv_saved
         exe.static += kv
-        s.state = "transit"
+        s.state = TRANSIT
         exe.swap_in_busy = True
 
         def on_done(t: float) -> None:
@@ -1831,7 +1831,7 @@ class KunSimulator:
             assert isinstance(action, Migrate)
             s = self.seqs[action.request_id]
             dst = self.execs.get(action.dst)
-            if s is None or dst is None or s.state != "running" or s.mig is not None:
+            if s is None or dst is None or s.state != RUNNING or s.mig is not None:
                 self.llumnix.on_move_aborted(action.request_id)
                 continue
             src = s.inst
@@ -1867,7 +1867,7 @@ class KunSimulator:
         ready, exe.mig_ready = exe.mig_ready, []
         for s in ready:
             mig = s.mig
-            if mig is None or s.state != "running" or s.inst is not exe:
+            if mig is None or s.state != RUNNING or s.inst is not exe:
                 continue
             dst = mig.dst
             kv = s.kv_tokens
@@ -1879,7 +1879,7 @@ class KunSimulator:
                 continue
             exe.unrun(s)
             dst.static += delta
-            s.state = "transit"
+            s.state = TRANSIT
             s.inst = dst
             s.mig = None
             stall = transfer_time(delta * self.kv_tok_bytes / self.tp, self.net_link)
@@ -2041,13 +2041,13 @@ class KunSimulator:
             t = 0
             for s in e.running.values():
                 place(s, f"running on {e.id}")
-                assert s.state == "running" and s.bound and s.inst is e
+                assert s.state == RUNNING and s.bound and s.inst is e
                 kv = s.base + e.steps
                 assert kv <= s.prompt_tokens + s.output_tokens - 1
                 t += kv
             for s in e.prefill:
                 place(s, f"prefill on {e.id}")
-                assert s.state == "prefill" and s.kv_saved == s.prefill_tokens, s.id
+                assert s.state == PREFILLING and s.kv_saved == s.prefill_tokens, s.id
                 t += s.prefill_tokens
             for s in e.stalled.values():
                 place(s, f"stalled on {e.id}")
@@ -2058,7 +2058,7 @@ class KunSimulator:
             for s in e.prefilled:
                 place(s, f"prefilled on {e.id}")
                 assert e.phase != IDLE, f"executor {e.id}: prefilled requests not joined"
-                assert s.state == "prefill" and s.kv_saved == s.prefill_tokens, s.id
+                assert s.state == PREFILLING and s.kv_saved == s.prefill_tokens, s.id
                 t += s.prefill_tokens
             assert sorted(id(s) for lane in e.lanes.values() for s in lane.seqs) == sorted(
                 map(id, e.prefill)
@@ -2068,7 +2068,7 @@ class KunSimulator:
             assert set(e.timers) == e.stage.tokens(), (e.timers, e.stage.tokens())
             for s in e.waiting:
                 place(s, f"waiting on {e.id}")
-                assert s.state == "waiting" and not s.pieces and not s.bound and s.kv_saved == 0
+                assert s.state == WAITING and not s.pieces and not s.bound and s.kv_saved == 0
             assert e.waiting.tokens == sum(s.prefill_tokens for s in e.waiting), e.id
             for s in e.swapped:
                 place(s, f"swapped from {e.id}")
@@ -2081,7 +2081,7 @@ class KunSimulator:
                     continue
                 if s2.mig is not None and s2.mig.dst is e:
                     reserved += s2.mig.tokens
-                if s2.state == "transit" and s2.inst is e and s2 not in e.pending_attach:
+                if s2.state == TRANSIT and s2.inst is e and s2 not in e.pending_attach:
                     reserved += s2.kv_saved
             assert e.T() == t + reserved + e.inflight, (e.id, e.T(), t, reserved, e.inflight)
             for s in [*e.running.values(), *e.stalled.values(), *e.pending_attach]:
@@ -2092,7 +2092,7 @@ class KunSimulator:
                         corr[p.dst] -= p.token_layers
                         pend[p.dst] += p.token_layers
         for s3 in self.seqs[:arrived]:
-            if s3 is not None and s3.state == "transit" and s3.id not in seen:
+            if s3 is not None and s3.state == TRANSIT and s3.id not in seen:
                 place(s3, "in transit")
         assert members_seen == {m for m in range(self.n) if self.active[m]}
         live = {p for e in self.execs.values() for p in e.live_pieces}

@@ -124,10 +124,9 @@ from fleetserve.policy.mechanism import (
     PendingMove,
     shard_ports,
 )
-from fleetserve.sim import seq as sq
 from fleetserve.sim.events import ITER_END, TRANSFER, Event
 from fleetserve.sim.instance import IDLE, Instance
-from fleetserve.sim.seq import Seq
+from fleetserve.sim.seq import PREFILLING, Seq
 
 if TYPE_CHECKING:
     from fleetserve.config import MigrationConfig
@@ -305,7 +304,7 @@ class Migrations:
                 del self.pending[rid]
                 continue
             src = seq.inst
-            if src is None or seq.mig is not None or seq.state == sq.PREFILLING:
+            if src is None or seq.mig is not None or seq.state == PREFILLING:
                 continue
             dst, mode = fifo[0]
             kv_bytes = src.cost.kv_bytes(seq.kv_tokens) if seq.bound else 0
