@@ -222,6 +222,11 @@ def test_a_sharing_worker_runs_the_stacks_group_scheduler_with_the_placers_stats
     )
     with pytest.raises(ConfigError, match="statistics"):
         cluster.worker_specs(one, cluster.served_models(one))
+    # a group scheduler prefills whole prompts: chunked prefill is refused,
+    # not ignored (the simulated group refuses it too)
+    chunked = _cfg("seallm", 1, engine={"chunked_prefill": True})
+    with pytest.raises(ConfigError, match="chunked_prefill"):
+        cluster.worker_specs(chunked, cluster.served_models(chunked), placer=history_placement)
 
 
 def test_serve_engines_read_the_simulators_engine_keys() -> None:

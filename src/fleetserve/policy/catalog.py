@@ -530,8 +530,8 @@ def check_world(config: SimConfig) -> str:
 
     Raises:
         ConfigError: a KunServe run without a fixed pool (``cluster.gpus``),
-            prefix caching (``engine.prefix_caching``) outside the
-            single-model world,
+            prefix caching (``engine.prefix_caching``) or chunked prefill
+            (``engine.chunked_prefill``) outside the single-model world,
             or a per-family override (``policy.<family>``) of a family the
             world's simulator does not read (it would be ignored).
     """
@@ -549,6 +549,11 @@ def check_world(config: SimConfig) -> str:
     if world != SINGLE and config.engine.prefix_caching:
         raise ConfigError(
             "engine.prefix_caching: only the single-model simulator models prefix caching; "
+            f"the {WORLDS[world].label} simulator would ignore it"
+        )
+    if world != SINGLE and config.engine.chunked_prefill:
+        raise ConfigError(
+            "engine.chunked_prefill: only the single-model simulator models chunked prefill; "
             f"the {WORLDS[world].label} simulator would ignore it"
         )
     if world == KUNSERVE and config.cluster.gpus is None:

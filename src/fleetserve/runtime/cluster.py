@@ -237,7 +237,8 @@ def worker_specs(
 
     Raises:
         ConfigError: prefix caching with a KunServe stack (its layer drops
-            cannot drop shared KV blocks).
+            cannot drop shared KV blocks); chunked prefill with a multi-LLM
+            stack (its group schedulers run whole prefill jobs).
     """
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
@@ -252,6 +253,12 @@ def worker_specs(
         raise ConfigError(
             f"engine.prefix_caching with stack {config.policy.stack!r}: KunServe's buddy "
             "groups move and drop KV by layer, which shared cached blocks cannot follow"
+        )
+    if eng.chunked_prefill and sharing_stack(config) is not None:
+        raise ConfigError(
+            f"engine.chunked_prefill with stack {config.policy.stack!r}: a sharing group's "
+            "scheduler runs whole prefill jobs (MuxServe's and SeaLLM's jobs), as the "
+            "simulated group does; chunked prefill is for one-model workers"
         )
     return [
         WorkerSpec(

@@ -113,7 +113,7 @@ class _GroupBudget:
         n = seq.prompt_tokens + seq.gen_saved
         if seq.in_job or self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
             return False
-        return g.can_hold(seq, n)
+        return g.can_admit(seq, n)
 
     def take(self, s: GroupSeq) -> None:
         seq = cast(Seq, s)
@@ -149,6 +149,11 @@ class SharingGroup:
         contention: jobs running at once (a spatial scheduler's) share the
             GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`): each
             start or end of a job re-times the others.
+        watermark: vLLM's admission watermark (``engine.watermark``): a
+            prompt is admitted only if its service could still take
+            ``watermark`` of its token-blocks in an empty pool afterwards
+            (with one service and the partitioned layout, exactly the
+            single-model instance's ``watermark`` of its blocks).
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class SharingGroup:
         max_batched_tokens: int = 8192,
         macro_steps: bool = True,
         contention: bool = False,
+        watermark: float = 0.0,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -174,6 +180,10 @@ class SharingGroup:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self._models = tuple(sorted(costs))
+        bs = layout.block_size
+        self.watermark_tokens = {
+            m: int(watermark * (layout.max_tokens(m) // bs)) * bs for m in self._models
+        }
         self.waiting: dict[str, deque[Seq]] = {m: deque() for m in self._models}
         self.running: dict[str, dict[int, Seq]] = {m: {} for m in self._models}
         self.jobs: dict[int, tuple[Job, list[Seq], float, float]] = {}  # token -> job
@@ -239,6 +249,19 @@ class SharingGroup:
         return len(self.waiting[model]) + len(self.running[model])
 
     # --------------------------------------------------------------- memory
+    def max_request_tokens(self, model: str) -> int:
+        """The most tokens one request of ``model`` may ever need here (an
+        empty pool, less the admission watermark)."""
+        return self.layout.max_tokens(model) - self.watermark_tokens[model]
+
+    def can_admit(self, seq: Seq, tokens: int) -> bool:
+        """Whether a prompt of ``tokens`` tokens may be admitted now:
+        :meth:`can_hold`, with the watermark's token-blocks still free after it."""
+        wm = self.watermark_tokens[seq.model]
+        if wm and not self.layout.can_grow(seq.id, seq.model, tokens + wm):
+            return False
+        return self.can_hold(seq, tokens)
+
     def can_hold(self, seq: Seq, tokens: int) -> bool:
         """Whether ``seq`` can hold ``tokens`` tokens now (pool and quota)."""
         lay = self.layout

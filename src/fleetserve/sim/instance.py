@@ -282,6 +282,7 @@ class Instance:
         self._B = 0
         self._C: list[int] = []
         self._prefill: list[Seq] = []
+        self._preempted = False  # a mixed iteration preempted and admitted nothing
         self.mig_in = 0  # blocks reserved for incoming KV copies (part of ``used``)
         self.mig_out = 0  # blocks held for detached outgoing requests (part of ``used``)
         self.mig_refs = 0  # migrations in flight that touch this instance
@@ -697,13 +698,20 @@ class Instance:
         """Plan one chunked-prefill iteration; None when no prompt chunk can run."""
         bs = self.block_size
         C = [0] * bs
+        preempted = False
         while self.running:
             C, n_exh = self._growth()
             if n_exh > 0:
                 break
             self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
+            preempted = True
         if not self.running:
             C = [0] * bs
+            preempted = False  # nothing decodes: this iteration is the next one
+        # no admission in an iteration that preempted (vLLM's scheduler, and
+        # the runtime engine's step): a victim is not re-admitted at once
+        admit = not preempted
+        self._preempted = preempted and bool(self.waiting)  # a decode segment of one iteration
         B = len(self.running)
         cache = self.pcache
         if cache is not None:  # the decodes' blocks first, as vLLM allocates them
@@ -716,7 +724,7 @@ class Instance:
             n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
             chunks.append((s, n))
             left -= n
-        if self.waiting and left > 0 and cache is not None:
+        if admit and self.waiting and left > 0 and cache is not None:
             cached = _CachedBudget(
                 self.total_blocks - self.used - C[0] - self.watermark_blocks,
                 self.max_num_seqs - B - len(self._prefilling),
@@ -737,7 +745,7 @@ class Instance:
                 chunks.append((s, n))
                 left -= n
             cache.fit(self.total_blocks - self.used - C[0])
-        elif self.waiting and left > 0:
+        elif admit and self.waiting and left > 0:
             budget = _Budget(
                 self.total_blocks - self.used - C[0] - self.watermark_blocks,
                 self.max_num_seqs - B - len(self._prefilling),
@@ -785,17 +793,27 @@ class Instance:
             self.reserved_blocks -= blocks_for(s.prompt_tokens + s.gen_saved, self.block_size)
 
     def _start_decode(self, now: float) -> float | None:
-        """Plan a decode segment; preempts one victim and returns None if none fits."""
+        """Plan a decode segment. While the next iteration's blocks do not fit,
+        the batching policy's victims are preempted, and the others decode in
+        this same iteration (vLLM's scheduler: the running requests are
+        scheduled after preempting as many as needed; a preempted request
+        waits at the head of the queue for a later boundary). Returns None
+        when every running request was preempted."""
+        C, n_exh = self._growth()
+        preempted = self._preempted
+        self._preempted = False
+        while n_exh == 0:
+            self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
+            preempted = True
+            if not self.running:
+                return None
+            C, n_exh = self._growth()
         B = len(self.running)
         D = self.steps
-        C, n_exh = self._growth()
-        if n_exh == 0:
-            self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
-            return None
         step = self._finishing.earliest(self.running)
         n = min(step - D, n_exh)
-        if not self.macro:
-            n = 1
+        if not self.macro or (preempted and self._may_admit()):
+            n = 1  # the next boundary may admit a request (a victim) again
         ctx0 = self._sum_base + B * D
         ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
         t = self.cost.decode_time(B, ctx)
@@ -809,6 +827,17 @@ class Instance:
         self.phase = DECODE
         self.version += 1
         return float(ends[-1])
+
+    def _may_admit(self) -> bool:
+        """Whether a queued request could be admitted at the next boundary.
+        Until a request finishes, the free blocks only shrink, so when no
+        queued prompt fits them now, none fits anywhere in a decode segment
+        (a conservative test: with prefix caching a hit may need fewer)."""
+        if self.pcache is not None:
+            return bool(self.waiting)
+        room = self.total_blocks - self.used - self.watermark_blocks
+        bs = self.block_size
+        return any(blocks_for(s.prefill_tokens, bs) <= room for s in self.waiting)
 
     def _preempt(self, seq: Seq) -> None:
         bs = self.block_size

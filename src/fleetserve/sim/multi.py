@@ -168,6 +168,9 @@ class MultiConfig:
         contention: jobs a spatial scheduler (ADBS) runs at once share the
             GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`); False:
             each job streams memory at full bandwidth (before issue 22).
+        watermark: vLLM's admission watermark (``engine.watermark``; see
+            :class:`~fleetserve.sim.group.SharingGroup`). Before session 25
+            this world had none.
     """
 
     gpu: str = "a100-80gb"
@@ -193,6 +196,7 @@ class MultiConfig:
     max_model_len: int | None = None
     macro_steps: bool = True
     contention: bool = True
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if self.n_gpus < 1 or self.block_size < 1 or self.max_num_seqs < 1:
@@ -531,6 +535,7 @@ class MultiSimulator:
             max_batched_tokens=cfg.max_batched_tokens,
             macro_steps=cfg.macro_steps if macro_steps is None else macro_steps,
             contention=cfg.contention,
+            watermark=cfg.watermark,
         )
         self.groups.append(g)
         self._group_by_id[g.id] = g
@@ -639,7 +644,7 @@ class MultiSimulator:
         rec = seq.record
         need = seq.prompt_tokens + seq.output_tokens
         m = seq.model
-        hosts = [g for g in self.hosts[m] if g.layout.max_tokens(m) >= need]
+        hosts = [g for g in self.hosts[m] if g.max_request_tokens(m) >= need]
         if not hosts:
             rec.status = "rejected"
             rec.reason = f"needs {need} KV tokens, more than any group hosting {m} can hold"

@@ -97,6 +97,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         memory=cfg.policy.memory,
         keepalive_s=m.keepalive_s,
         contention=m.contention,
+        watermark=en.watermark,
         epoch_s=cfg.migration.epoch_s,
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,

@@ -69,6 +69,7 @@ class MultiRunSettings:
         memory: ``static`` or ``elastic`` groups (None: the stack's, else static).
         keepalive_s: idle time before an elastic group releases its GPUs.
         contention: concurrent jobs share memory bandwidth (``multi.contention``).
+        watermark: the admission watermark (``engine.watermark``).
         epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
             boundaries (``migration.*``).
         burst_overrides: ``kunserve.*`` overrides of the stack's memory-pressure
@@ -97,6 +98,7 @@ class MultiRunSettings:
     memory: str | None = None
     keepalive_s: float = 30.0
     contention: bool = True
+    watermark: float = 0.01
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
@@ -118,6 +120,7 @@ class MultiRunSettings:
             memory=self.memory or stack.memory or "static",
             keepalive_s=self.keepalive_s,
             contention=self.contention,
+            watermark=self.watermark,
             epoch_s=self.epoch_s,
             link_share=self.link_share,
             compute_share=self.compute_share,

@@ -447,8 +447,8 @@ class Engine:
             while a prompt is being prefilled every step is mixed, partly
             prefilled prompts first, then newly admitted ones; a prompt's
             pages are taken in full when it is admitted, and a prompt may be
-            longer than ``max_batch_tokens``. Group schedulers run whole
-            prefill jobs (the simulated group has no chunked prefill).
+            longer than ``max_batch_tokens``. Not with a group scheduler,
+            whose prefill jobs take whole prompts (as the simulated group's).
         engine_id: this engine's id in views and logs.
         attention: how requests with cached context attend:
 
@@ -516,7 +516,11 @@ class Engine:
         self._known: set[int] = set()  # requests the group scheduler was told of
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        self.chunked_prefill = chunked_prefill and self.group is None
+        if chunked_prefill and self.group is not None:
+            raise ConfigError(
+                "chunked_prefill with a group scheduler: its jobs prefill whole prompts"
+            )
+        self.chunked_prefill = chunked_prefill
         if attention in ("auto", "paged"):
             why = self._paged_unsupported(dtype)
             if attention == "paged" and why:
