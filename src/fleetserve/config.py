@@ -501,6 +501,10 @@ class KunConfigSection:
             does that work instead of the layers' owner
             (:mod:`fleetserve.costmodel.pipeline`); False: every layer's
             attention is priced as if local (the model before session 23).
+        alternate: after a prefill iteration a replica decodes once before
+            it admits more, while requests run (the KunServe world's choice
+            for every stack, :mod:`fleetserve.sim.kun`); False: vLLM v0's
+            prefill-first order, as the single-model world.
         exchange, live_restore, strategy, static_stages, horizon_s, window_s,
             monitor_interval_s, restore_threshold, restore_min_s,
             restore_from, max_batch_slowdown, swap_max_out: override the
@@ -521,6 +525,7 @@ class KunConfigSection:
     network_gbps: float | None = None
     gpus_per_node: int | None = None
     remote_reads: bool = True
+    alternate: bool = True
     exchange: str | None = None
     live_restore: bool | None = None
     strategy: str | None = None

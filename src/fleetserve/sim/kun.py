@@ -20,7 +20,11 @@ the running requests comes next when there are any (prefill and decode
 alternate under a long queue). Without it, the flood of admissions right
 after memory frees (a drop, a burst draining) would stall every running
 request for many prefill iterations in a row — chunked-prefill engines
-(Sarathi-Serve, vLLM v1) bound that stall too. It applies to every stack.
+(Sarathi-Serve, vLLM v1) bound that stall too. It applies to every stack
+(``kunserve.alternate: false`` turns it off: then a replica runs ``vllm``
+as the single-model world's instance does, request for request while no
+memory runs short; under pressure the two differ in granularity, tokens
+here against 16-token blocks there; ``tests/test_one_model_worlds.py``).
 Batch limits: ``max_num_seqs`` per stage and ``max_batched_tokens`` per
 prefill micro-batch.
 
@@ -534,6 +538,10 @@ class KunSimulator:
         cost: cost model (default: the analytic roofline).
         seed: seeds the policies' RNG.
         max_num_seqs, max_batched_tokens, watermark: vLLM engine limits.
+        alternate: a replica decodes once after each prefill iteration while
+            requests run (the module docstring; ``kunserve.alternate``);
+            False: vLLM v0's prefill-first order, as the single-model world
+            runs it.
         sample_interval_s: time-series sampling period.
         check_integrity: check every invariant after every event (slow; tests).
         max_time_s: stop at this simulated time.
@@ -562,6 +570,7 @@ class KunSimulator:
         network_gbps: float | None = None,
         gpus_per_node: int | None = None,
         remote_reads: bool = True,
+        alternate: bool = True,
         cost: CostModel | None = None,
         seed: int = 0,
         max_num_seqs: int = 256,
@@ -611,6 +620,7 @@ class KunSimulator:
                 )
         self.tp = tp
         self.remote_reads = bool(remote_reads)
+        self.alternate = bool(alternate)
         self.n = instances + spare_instances  # every instance, active or not
         self.active = [m < instances for m in range(self.n)]
         self.active_since: dict[int, float] = dict.fromkeys(range(instances), 0.0)
@@ -1019,7 +1029,8 @@ class KunSimulator:
             return
         self._attach_pending(exe)
         draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
-        if exe.waiting and not draining and not (exe.last_prefill and exe.running):
+        after_prefill = self.alternate and exe.last_prefill and exe.running
+        if exe.waiting and not draining and not after_prefill:
             admitted = self._admit(exe)
             blocked = not admitted and exe.running and self._head_blocked_by_memory(exe)
             if blocked and self._react_blocked(exe, now):

@@ -87,6 +87,7 @@ def _simulator(
         network_gbps=kc.network_gbps,
         gpus_per_node=kc.gpus_per_node,
         remote_reads=kc.remote_reads,
+        alternate=kc.alternate,
         cost=cost,
         seed=cfg.seed,
         max_num_seqs=cfg.engine.max_num_seqs,
