@@ -291,12 +291,14 @@ def test_any_mix_ends_every_request_once_within_memory_and_quotas(
         max_size=6,
     ),
     kv_mib=st.sampled_from([0.3, 4.0]),
+    batching=st.sampled_from([None, "fcfs", "rr"]),
 )
 def test_chunked_prefill_gives_the_same_tokens_within_the_token_budget(
-    budget: int, work: list[tuple[str, int, int]], kv_mib: float
+    budget: int, work: list[tuple[str, int, int]], kv_mib: float, batching: str | None
 ) -> None:
     """Chunked prefill (one model or two, prompts longer than the step's token
-    budget, a small arena that preempts): every step stays within
+    budget, a small arena that preempts; the engine's own step or a group
+    scheduler's mixed jobs, FCFS or RR): every step stays within
     ``max_batch_tokens``, partly prefilled prompts sample nothing, and every
     request's tokens equal the unchunked engine's."""
     eng = Engine(
@@ -304,6 +306,7 @@ def test_chunked_prefill_gives_the_same_tokens_within_the_token_budget(
         weights_bytes(A, B) + int(kv_mib * MiB),
         max_batch_tokens=budget,
         chunked_prefill=True,
+        batching=BATCHING.get(batching)() if batching else None,
     )
     texts = [(m, "".join(chr(97 + (i * 7 + n) % 26) for i in range(n)), k) for m, n, k in work]
     items = [(m, p, k) for m, p, k in texts if fits_arena(eng, m, p)]
@@ -333,6 +336,18 @@ def test_chunked_prefill_gives_the_same_tokens_within_the_token_budget(
         )
     if any(len(p) > budget for _, p, _ in items):
         assert any(c > 0 for _, c in seen_chunks)  # a long prompt ran in chunks
+
+
+@pytest.mark.parametrize("name", ["mlfq", "db", "adbs"])
+def test_group_schedulers_with_whole_prefill_jobs_refuse_chunked_prefill(name: str) -> None:
+    with pytest.raises(ConfigError, match="chunked_prefill"):
+        Engine(
+            [A, B],
+            weights_bytes(A, B) + MiB,
+            batching=BATCHING.get(name)(),
+            services=stats(),
+            chunked_prefill=True,
+        )
 
 
 def test_a_prompt_longer_than_the_token_budget_needs_chunked_prefill() -> None:

@@ -23,6 +23,7 @@ from fleetserve.config import config_from_dict
 from fleetserve.errors import ConfigError
 from fleetserve.policy.catalog import check_world
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
+from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun_run import run_kun
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
 from fleetserve.sim.simulator import Simulator
@@ -50,6 +51,7 @@ def _both(
     seqs: int,
     tokens: int,
     batching: str = "fcfs",
+    chunked: bool = False,
 ) -> tuple[list, list]:  # type: ignore[type-arg]
     cfg = config_from_dict(
         {
@@ -60,6 +62,7 @@ def _both(
                 "watermark": watermark,
                 "max_num_seqs": seqs,
                 "max_batched_tokens": tokens,
+                "chunked_prefill": chunked,
             },
             "check_integrity": True,
         }
@@ -76,6 +79,7 @@ def _both(
         watermark=watermark,
         max_num_seqs=seqs,
         max_batched_tokens=tokens,
+        chunked_prefill=chunked,
         check_integrity=True,
     )
     multi = MultiSimulator(mcfg, svc, plan, reqs).run()
@@ -86,15 +90,16 @@ def _key(r) -> tuple:  # type: ignore[no-untyped-def,type-arg]
     return (r.id, r.status, r.first_token_s, r.finish_s, r.generated, r.preemptions)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     rate=st.sampled_from([2.0, 10.0, 40.0]),
     mem_util=st.sampled_from([0.2, 0.25, 0.9]),
     watermark=st.sampled_from([0.0, 0.01, 0.05]),
     seqs=st.sampled_from([4, 256]),
-    tokens=st.sampled_from([2048, 8192]),
+    tokens=st.sampled_from([512, 2048, 8192]),
     batching=st.sampled_from(["fcfs", "rr"]),
+    chunked=st.booleans(),
 )
 def test_a_model_alone_is_served_alike_in_both_worlds(
     seed: int,
@@ -104,40 +109,47 @@ def test_a_model_alone_is_served_alike_in_both_worlds(
     seqs: int,
     tokens: int,
     batching: str,
+    chunked: bool,
 ) -> None:
     reqs = _load(seed, 120, rate, 2500, 600)
     one, multi = _both(
-        reqs, mem_util=mem_util, watermark=watermark, seqs=seqs, tokens=tokens, batching=batching
+        reqs,
+        mem_util=mem_util,
+        watermark=watermark,
+        seqs=seqs,
+        tokens=tokens,
+        batching=batching,
+        chunked=chunked,
     )
     assert [_key(r) for r in one] == [_key(r) for r in multi]
 
 
-def test_an_overloaded_model_does_not_thrash() -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_overloaded_model_does_not_thrash(chunked: bool) -> None:
     """The case that found the re-admission thrash: 30 req/s on one A100.
     Both worlds agree, and preemptions stay a fraction of the requests."""
     reqs = _load(1, 400, 30.0, 1500, 400)
-    one, multi = _both(reqs, mem_util=0.9, watermark=0.0, seqs=256, tokens=8192)
+    one, multi = _both(reqs, mem_util=0.9, watermark=0.0, seqs=256, tokens=2048, chunked=chunked)
     assert [_key(r) for r in one] == [_key(r) for r in multi]
     preemptions = sum(r.preemptions for r in one)
     assert 0 < preemptions < len(reqs)
 
 
-def test_worlds_without_chunked_prefill_refuse_it() -> None:
-    """``engine.chunked_prefill`` is modelled by the single-model world only;
-    the others refuse it rather than ignore it."""
-    multi = {
-        "services": [{"name": "a", "model": MODEL}],
-        "cluster": {"gpus": 2, "elastic": False},
-        "policy": {"stack": "muxserve"},
-    }
+def test_chunked_prefill_is_refused_where_it_is_not_modelled() -> None:
+    """The KunServe world and the group schedulers without a one-model case
+    (MLFQ, DB, ADBS: whole prefill jobs), and KunServe's pipelined groups,
+    refuse ``engine.chunked_prefill`` rather than ignore it."""
     kun = {"policy": {"stack": "kunserve"}, "cluster": {"elastic": False, "gpus": 2}}
-    for data in (multi, kun):
-        with pytest.raises(ConfigError, match="chunked_prefill"):
-            check_world(
-                config_from_dict({"model": MODEL, "engine": {"chunked_prefill": True}, **data})
-            )
-        check_world(config_from_dict({"model": MODEL, **data}))
+    with pytest.raises(ConfigError, match="chunked_prefill"):
+        check_world(config_from_dict({"model": MODEL, "engine": {"chunked_prefill": True}, **kun}))
+    check_world(config_from_dict({"model": MODEL, **kun}))
     check_world(config_from_dict({"model": MODEL, "engine": {"chunked_prefill": True}}))
+    for name in ("mlfq", "db", "adbs"):
+        with pytest.raises(ConfigError, match=f"batching {name!r}"):
+            MultiConfig(scheduler=name, chunked_prefill=True)
+    MultiConfig(scheduler="rr", chunked_prefill=True)
+    with pytest.raises(ConfigError, match="lanes"):
+        MultiConfig(chunked_prefill=True, burst=KunSettings(pressure="kunserve"))
 
 
 @settings(max_examples=8, deadline=None)

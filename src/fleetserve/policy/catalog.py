@@ -530,8 +530,9 @@ def check_world(config: SimConfig) -> str:
 
     Raises:
         ConfigError: a KunServe run without a fixed pool (``cluster.gpus``),
-            prefix caching (``engine.prefix_caching``) or chunked prefill
-            (``engine.chunked_prefill``) outside the single-model world,
+            prefix caching (``engine.prefix_caching``) outside the
+            single-model world, chunked prefill (``engine.chunked_prefill``)
+            in the KunServe world,
             or a per-family override (``policy.<family>``) of a family the
             world's simulator does not read (it would be ignored).
     """
@@ -551,10 +552,10 @@ def check_world(config: SimConfig) -> str:
             "engine.prefix_caching: only the single-model simulator models prefix caching; "
             f"the {WORLDS[world].label} simulator would ignore it"
         )
-    if world != SINGLE and config.engine.chunked_prefill:
+    if world == KUNSERVE and config.engine.chunked_prefill:
         raise ConfigError(
-            "engine.chunked_prefill: only the single-model simulator models chunked prefill; "
-            f"the {WORLDS[world].label} simulator would ignore it"
+            "engine.chunked_prefill: the KunServe simulator does not model chunked prefill "
+            "(its replicas and pipelines prefill whole prompts); it would ignore it"
         )
     if world == KUNSERVE and config.cluster.gpus is None:
         raise ConfigError(

@@ -27,7 +27,7 @@ from typing import Any
 from fleetserve.config import SimConfig
 from fleetserve.errors import ConfigError, FleetserveError
 from fleetserve.policy.catalog import kun_only
-from fleetserve.policy.sharing import ServiceStats
+from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.runtime.controller import Controller, ModelInfo
 from fleetserve.runtime.plan import (
     ReplannerFactory,
@@ -237,8 +237,8 @@ def worker_specs(
 
     Raises:
         ConfigError: prefix caching with a KunServe stack (its layer drops
-            cannot drop shared KV blocks); chunked prefill with a multi-LLM
-            stack (its group schedulers run whole prefill jobs).
+            cannot drop shared KV blocks); chunked prefill with a group
+            scheduler other than FCFS and RR (whole prefill jobs).
     """
     sv = config.serve
     source_of = {info.name: src for src, info in served.items()}
@@ -255,11 +255,13 @@ def worker_specs(
             "groups move and drop KV by layer, which shared cached blocks cannot follow"
         )
     if eng.chunked_prefill and sharing_stack(config) is not None:
-        raise ConfigError(
-            f"engine.chunked_prefill with stack {config.policy.stack!r}: a sharing group's "
-            "scheduler runs whole prefill jobs (MuxServe's and SeaLLM's jobs), as the "
-            "simulated group does; chunked prefill is for one-model workers"
-        )
+        sched = BATCHING.get(batching)
+        if sched.spatial or not sched.one_model:
+            raise ConfigError(
+                f"engine.chunked_prefill with batching {batching!r} (stack "
+                f"{config.policy.stack!r}): it runs whole prefill jobs, as the simulated "
+                "group does; chunked prefill is for FCFS and RR"
+            )
     return [
         WorkerSpec(
             worker_id=wid,

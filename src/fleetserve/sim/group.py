@@ -57,11 +57,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
+from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 from fleetserve.sim.contention import BandwidthSharing, decode_weight
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
+    from fleetserve.costmodel import InstanceCost
     from fleetserve.costmodel.pipeline import StagedCost
     from fleetserve.sim.kvlayout import KVLayout
 
@@ -106,12 +108,20 @@ class _GroupBudget:
     def fits(self, s: GroupSeq) -> bool:
         seq = cast(Seq, s)  # the scheduler got it from this group's state
         g = self.group
+        m = seq.model
         if self.model is None:
-            self.seqs_left = g.max_num_seqs - len(g.running[seq.model])
-        elif seq.model != self.model:
+            self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
+            if g.chunked:  # the mixed iteration's decodes and partial prompts come first
+                self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
+        elif m != self.model:
             return False  # one service per job
         n = seq.prompt_tokens + seq.gen_saved
-        if seq.in_job or self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
+        if seq.in_job or self.seqs_left <= 0:
+            return False
+        if g.chunked:  # a prompt needs one token of the budget to start
+            if self.tokens_left <= 0:
+                return False
+        elif self.taken and n > self.tokens_left:
             return False
         return g.can_admit(seq, n)
 
@@ -121,7 +131,8 @@ class _GroupBudget:
         n = seq.prompt_tokens + seq.gen_saved
         if self.model is None:
             self.model = seq.model
-            self.tokens_left = g.max_batched_tokens
+            if not g.chunked:
+                self.tokens_left = g.max_batched_tokens
         g.layout.grow(seq.id, seq.model, n)
         seq.kv_saved = n
         seq.state = PREFILLING
@@ -149,6 +160,10 @@ class SharingGroup:
         contention: jobs running at once (a spatial scheduler's) share the
             GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`): each
             start or end of a job re-times the others.
+        chunked_prefill: split prompts into chunks run with the service's
+            decodes (``engine.chunked_prefill``; the single-model instance's
+            mixed iterations, see the module docstring). Temporal one-model
+            schedulers only (FCFS, RR); not in a pipelined group.
         watermark: vLLM's admission watermark (``engine.watermark``): a
             prompt is admitted only if its service could still take
             ``watermark`` of its token-blocks in an empty pool afterwards
@@ -170,6 +185,7 @@ class SharingGroup:
         macro_steps: bool = True,
         contention: bool = False,
         watermark: float = 0.0,
+        chunked_prefill: bool = False,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -194,6 +210,17 @@ class SharingGroup:
         self.stages = max((getattr(c, "stages", 1) for c in self.costs.values()), default=1)
         self.lanes = self.stages > 1 and not scheduler.spatial
         self.macro = macro_steps and not scheduler.spatial and not self.lanes
+        self.chunked = chunked_prefill
+        if chunked_prefill and (scheduler.spatial or not scheduler.one_model or self.lanes):
+            raise ConfigError(
+                f"engine.chunked_prefill with scheduler {type(scheduler).__name__}"
+                + (" in a pipelined group" if self.lanes else "")
+                + ": chunked prefill is modelled for temporal schedulers with a one-model "
+                "case (fcfs, rr), as the single-model instance runs it"
+            )
+        # admitted prompts partly prefilled (chunked prefill): KV held in full
+        self.partial: dict[str, list[Seq]] = {m: [] for m in self._models}
+        self._chunks: dict[int, list[tuple[Seq, int]]] = {}  # token -> a mixed job's chunks
         spatial_bw = contention and scheduler.spatial
         self._bw = BandwidthSharing() if spatial_bw or self.lanes else None
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
@@ -226,10 +253,17 @@ class SharingGroup:
         return len(self.jobs)
 
     def ready(self, model: str) -> Sequence[Seq]:
+        """Running requests in no job; with chunked prefill, then the partly
+        prefilled prompts (their next chunk runs in the model's next job)."""
         run = self.running[model]
         if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
-            return list(run.values())
-        return [s for s in run.values() if not s.in_job]
+            out = list(run.values())
+        else:
+            out = [s for s in run.values() if not s.in_job]
+        part = self.partial[model]
+        if part:
+            out += [s for s in part if not s.in_job]
+        return out
 
     def busy(self, model: str, phase: str) -> bool:
         return (model, phase) in self._busy
@@ -242,11 +276,40 @@ class SharingGroup:
 
     @property
     def idle(self) -> bool:
-        return not self.jobs and not any(self.waiting.values()) and not any(self.running.values())
+        return (
+            not self.jobs
+            and not any(self.waiting.values())
+            and not any(self.running.values())
+            and not any(self.partial.values())
+        )
 
     def outstanding(self, model: str) -> int:
-        """Requests of ``model`` here (queued or running)."""
-        return len(self.waiting[model]) + len(self.running[model])
+        """Requests of ``model`` here (queued, partly prefilled or running)."""
+        return len(self.waiting[model]) + len(self.running[model]) + len(self.partial[model])
+
+    def request_ids(self) -> list[int]:
+        """Every request here, once: queued, prefilling (in a prefill job, or
+        partly prefilled) and running."""
+        ids = [
+            s.id
+            for m in self._models
+            for s in (*self.waiting[m], *self.partial[m], *self.running[m].values())
+        ]
+        ids += [
+            s.id
+            for token, (job, ss, _, _) in self.jobs.items()
+            if job.phase == PREFILL and token not in self._chunks
+            for s in ss
+        ]
+        return ids
+
+    def mixed_reserved_tokens(self, model: str) -> int:
+        """Chunked prefill: the token budget a mixed iteration of ``model``
+        spends before admitting (one per running request's decode, then the
+        partly prefilled prompts' next chunks)."""
+        return len(self.running[model]) + sum(
+            s.prompt_tokens + s.gen_saved - s.prefilled for s in self.partial[model]
+        )
 
     # --------------------------------------------------------------- memory
     def max_request_tokens(self, model: str) -> int:
@@ -256,9 +319,16 @@ class SharingGroup:
 
     def can_admit(self, seq: Seq, tokens: int) -> bool:
         """Whether a prompt of ``tokens`` tokens may be admitted now:
-        :meth:`can_hold`, with the watermark's token-blocks still free after it."""
-        wm = self.watermark_tokens[seq.model]
-        if wm and not self.layout.can_grow(seq.id, seq.model, tokens + wm):
+        :meth:`can_hold`, with the watermark's token-blocks still free after it
+        (with chunked prefill, and the blocks the service's running requests
+        take in the same mixed iteration: so an iteration that admits never
+        preempts, and one that preempts admits nothing, as vLLM schedules)."""
+        m = seq.model
+        reserve = self.watermark_tokens[m]
+        if self.chunked:
+            bs = self.layout.block_size
+            reserve += bs * sum(1 for x in self.running[m].values() if x.kv_saved % bs == 0)
+        if reserve and not self.layout.can_grow(seq.id, m, tokens + reserve):
             return False
         return self.can_hold(seq, tokens)
 
@@ -377,6 +447,8 @@ class SharingGroup:
                 f"{self.free_share:.3f} free"
             )
         share = min(share, 1.0)
+        if self.chunked and (job.phase == PREFILL or self.partial[m]):
+            return self._start_mixed(job, now)
         if job.phase == PREFILL:
             seqs = self._take_prefill(job)
             lens = [s.prompt_tokens + s.gen_saved for s in seqs]
@@ -386,7 +458,8 @@ class SharingGroup:
                 traffic = self.costs[m].prefill_memory_s(lens)
         else:
             seqs = self._decode_seqs(job)
-            ends = self._macro_ends(m, seqs, now) if self.macro else None
+            macro = self.macro and not (self.chunked and any(self.partial.values()))
+            ends = self._macro_ends(m, seqs, now) if macro else None
             if ends is not None:
                 for s in seqs:
                     s.kv_saved += 1  # as a single step: the first token's KV
@@ -406,6 +479,50 @@ class SharingGroup:
         )
         if self._bw is not None:
             self._bw.add(token, now, cost, traffic)
+        return (now + cost, token)
+
+    def _start_mixed(self, job: Job, now: float) -> tuple[float, int] | None:
+        """Chunked prefill: one mixed iteration of the job's service, as the
+        single-model instance runs it. Every running request of the service
+        decodes (victims preempted first while their next tokens do not fit;
+        the admission reserved those blocks, so a job that admitted preempts
+        nothing), then the partly prefilled prompts' next chunks, then the
+        prompts the job admitted, within ``max_batched_tokens`` (a prompt's
+        KV was taken in full at admission)."""
+        m = job.model
+        admitted = self._take_prefill(job) if job.phase == PREFILL else []
+        decodes = self._grow_decode(m, [s for s in self.running[m].values() if not s.in_job])
+        left = self.max_batched_tokens - len(decodes)
+        chunks: list[tuple[Seq, int]] = []
+        for s in self.partial[m]:
+            if left <= 0:
+                break
+            n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
+            chunks.append((s, n))
+            left -= n
+        for s in admitted:
+            s.prefilled = 0
+            self.partial[m].append(s)
+            n = min(s.prompt_tokens + s.gen_saved, left)
+            if n <= 0:
+                raise RuntimeError(f"group {self.id}: request {s.id} admitted past the budget")
+            chunks.append((s, n))
+            left -= n
+        if not chunks:
+            if not decodes:
+                return None
+            ctx = sum(s.kv_saved for s in decodes)
+            cost = self.costs[m].decode_time_scalar(len(decodes), float(ctx))
+            job = Job(m, DECODE, tuple(x.id for x in decodes), 1.0)
+            token = self._register(job, decodes, now, 1.0)
+            return (now + cost, token)
+        ctx = sum(s.kv_saved for s in decodes)
+        work = [(n, s.prefilled) for s, n in chunks]
+        # a chunked group is never pipelined (refused in __init__): a replica's cost
+        cost = cast("InstanceCost", self.costs[m]).mixed_time(work, len(decodes), ctx)
+        seqs = decodes + [s for s, _ in chunks]
+        token = self._register(Job(m, PREFILL, tuple(x.id for x in seqs), 1.0), seqs, now, 1.0)
+        self._chunks[token] = chunks
         return (now + cost, token)
 
     def _start_lane(self, job: Job, now: float) -> tuple[float, int] | None:
@@ -592,6 +709,9 @@ class SharingGroup:
         if not self.jobs and self._busy_since is not None:
             self.busy_s += now - self._busy_since
             self._busy_since = None
+        chunks = self._chunks.pop(token, None)
+        if chunks is not None:
+            return self._mixed_done(job, seqs, chunks, start, now)
         done: list[Seq] = []
         live: list[Seq] = []
         run = self.running[job.model]
@@ -605,26 +725,76 @@ class SharingGroup:
                 if rec.first_token_s is None:
                     rec.first_token_s = now
             if s.gen_saved >= s.output_tokens:
-                self.layout.free(s.id)
-                del run[s.id]
-                s.state = DONE
-                rec.status = "finished"
-                rec.finish_s = now
-                rec.generated = s.gen_saved
-                rec.instance = self.id
+                self._finish(s, now)
                 done.append(s)
-                self.scheduler.on_finish(s)
             else:
                 live.append(s)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
 
+    def _mixed_done(
+        self, job: Job, seqs: list[Seq], chunks: list[tuple[Seq, int]], start: float, now: float
+    ) -> list[Seq]:
+        """A mixed iteration ended: the decodes emit a token each, the chunks
+        are cached; a prompt whose last chunk ran emits its first token and
+        runs (or finishes)."""
+        m = job.model
+        chunked = {id(s): n for s, n in chunks}
+        run = self.running[m]
+        part = self.partial[m]
+        done: list[Seq] = []
+        live: list[Seq] = []
+        for s in seqs:
+            s.in_job = False
+            n = chunked.get(id(s))
+            if n is not None:
+                s.prefilled += n
+                if s.prefilled < s.prompt_tokens + s.gen_saved:
+                    live.append(s)
+                    continue
+                part.remove(s)
+                run[s.id] = s
+                s.state = RUNNING
+                if s.record.first_token_s is None:
+                    s.record.first_token_s = now
+            s.gen_saved += 1
+            if s.gen_saved >= s.output_tokens:
+                self._finish(s, now)
+                done.append(s)
+            else:
+                live.append(s)
+        self.scheduler.on_job_end(job, live, now - start, now)
+        return done
+
+    def _finish(self, s: Seq, now: float) -> None:
+        self.layout.free(s.id)
+        del self.running[s.model][s.id]
+        s.state = DONE
+        rec = s.record
+        rec.status = "finished"
+        rec.finish_s = now
+        rec.generated = s.gen_saved
+        rec.instance = self.id
+        self.scheduler.on_finish(s)
+
     # ------------------------------------------------------------- handover
     def take_waiting(self) -> list[Seq]:
-        """Remove and return every queued request (they hold no KV)."""
+        """Remove and return every queued request (they hold no KV), and the
+        partly prefilled prompts in no job (their KV freed: they prefill
+        again wherever they go)."""
         out = [s for m in self._models for s in self.waiting[m]]
         for m in self._models:
             self.waiting[m].clear()
+            keep = []
+            for s in self.partial[m]:
+                if s.in_job:
+                    keep.append(s)
+                    continue
+                self.layout.free(s.id)
+                s.kv_saved = 0
+                s.prefilled = 0
+                out.append(s)
+            self.partial[m] = keep
         for s in out:
             s.inst = None
         return out
@@ -674,10 +844,18 @@ class SharingGroup:
                 # a macro job allocates its segment's KV ahead: held >= cached
                 assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_saved, s.id
                 seen.add(s.id)
-        for job, ss, _, _ in self.jobs.values():
+            for s in self.partial[m]:  # admitted, partly prefilled: KV held in full
+                assert s.id not in seen and s.state == PREFILLING and s.inst is self, s.id
+                assert lay.tokens_of(s.id) == s.kv_saved == s.prompt_tokens + s.gen_saved, s.id
+                assert 0 <= s.prefilled < s.kv_saved, s.id
+                seen.add(s.id)
+        for token, (job, ss, _, _) in self.jobs.items():
+            mixed = token in self._chunks
             for s in ss:
                 assert s.in_job, s.id
-                if job.phase == PREFILL:  # admitted: KV held, not yet running
+                if mixed:
+                    assert s.id in seen, s.id  # running or partial
+                elif job.phase == PREFILL:  # admitted: KV held, not yet running
                     assert s.id not in seen and lay.holds(s.id) and s.state == PREFILLING, s.id
                     seen.add(s.id)
                 else:

@@ -68,6 +68,7 @@ from fleetserve.metrics.records import (
 )
 from fleetserve.policy.actions import Dispatch
 from fleetserve.policy.base import DISPATCH
+from fleetserve.policy.batching import one_model_batching
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.mechanism import MECHANISM, MechanismContext, PendingMove
 from fleetserve.policy.pressure import KunSettings
@@ -168,6 +169,9 @@ class MultiConfig:
         contention: jobs a spatial scheduler (ADBS) runs at once share the
             GPUs' memory bandwidth (:mod:`fleetserve.sim.contention`); False:
             each job streams memory at full bandwidth (before issue 22).
+        chunked_prefill: prompts in chunks beside the decodes of their
+            service (``engine.chunked_prefill``; FCFS and RR groups, see
+            :class:`~fleetserve.sim.group.SharingGroup`).
         watermark: vLLM's admission watermark (``engine.watermark``; see
             :class:`~fleetserve.sim.group.SharingGroup`). Before session 25
             this world had none.
@@ -197,10 +201,25 @@ class MultiConfig:
     macro_steps: bool = True
     contention: bool = True
     watermark: float = 0.01
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.n_gpus < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ConfigError("n_gpus, block_size and max_num_seqs must be >= 1")
+        if self.chunked_prefill:
+            one_model = BATCHING.get(self.scheduler).one_model
+            if not one_model:
+                raise ConfigError(
+                    f"engine.chunked_prefill with batching {self.scheduler!r}: chunked "
+                    "prefill is modelled for the temporal schedulers with a one-model case "
+                    f"({', '.join(one_model_batching())}); {self.scheduler} runs whole "
+                    "prefill jobs"
+                )
+            if self.burst is not None and self.burst.pressure == "kunserve":
+                raise ConfigError(
+                    "engine.chunked_prefill with KunServe's drop (pressure: kunserve): "
+                    "pipelined groups prefill in lanes, not in chunks"
+                )
         if not 0 < self.mem_util <= 1:
             raise ConfigError(f"mem_util must be in (0, 1], got {self.mem_util}")
         if self.sample_interval_s <= 0:
@@ -536,6 +555,7 @@ class MultiSimulator:
             macro_steps=cfg.macro_steps if macro_steps is None else macro_steps,
             contention=cfg.contention,
             watermark=cfg.watermark,
+            chunked_prefill=cfg.chunked_prefill,
         )
         self.groups.append(g)
         self._group_by_id[g.id] = g
@@ -802,6 +822,8 @@ class MultiSimulator:
         g.state = "stopped"
         self._stopped[g.id] = now
         self._release(g, now)
+        for seq in g.take_waiting():  # partly prefilled prompts: prefilled again elsewhere
+            self._dispatch(seq, now)
         plan: list[tuple[Seq, SharingGroup, PendingMove]] = []
         for seq in g.take_running():
             m = seq.model
@@ -1092,8 +1114,7 @@ class MultiSimulator:
         seen: set[int] = set()
         for g in self.groups:
             g.check_integrity()
-            ids = [s.id for m in g.models for s in (*g.waiting[m], *g.running[m].values())]
-            ids += [s.id for job, ss, _, _ in g.jobs.values() if job.phase == "prefill" for s in ss]
+            ids = g.request_ids()
             for i in ids:
                 assert i not in seen, f"request {i} in two places"
                 seen.add(i)

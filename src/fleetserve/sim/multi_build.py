@@ -98,6 +98,7 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         keepalive_s=m.keepalive_s,
         contention=m.contention,
         watermark=en.watermark,
+        chunked_prefill=en.chunked_prefill,
         epoch_s=cfg.migration.epoch_s,
         link_share=cfg.migration.link_share,
         compute_share=cfg.migration.compute_share,

@@ -70,6 +70,8 @@ class MultiRunSettings:
         keepalive_s: idle time before an elastic group releases its GPUs.
         contention: concurrent jobs share memory bandwidth (``multi.contention``).
         watermark: the admission watermark (``engine.watermark``).
+        chunked_prefill: prompts in chunks beside their service's decodes
+            (``engine.chunked_prefill``; FCFS and RR groups).
         epoch_s, link_share, compute_share: the adaptive mechanism's epoch and
             boundaries (``migration.*``).
         burst_overrides: ``kunserve.*`` overrides of the stack's memory-pressure
@@ -99,6 +101,7 @@ class MultiRunSettings:
     keepalive_s: float = 30.0
     contention: bool = True
     watermark: float = 0.01
+    chunked_prefill: bool = False
     epoch_s: float = 0.5
     link_share: float = 0.5
     compute_share: float = 0.1
@@ -121,6 +124,7 @@ class MultiRunSettings:
             keepalive_s=self.keepalive_s,
             contention=self.contention,
             watermark=self.watermark,
+            chunked_prefill=self.chunked_prefill,
             epoch_s=self.epoch_s,
             link_share=self.link_share,
             compute_share=self.compute_share,

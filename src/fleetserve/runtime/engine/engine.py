@@ -447,8 +447,9 @@ class Engine:
             while a prompt is being prefilled every step is mixed, partly
             prefilled prompts first, then newly admitted ones; a prompt's
             pages are taken in full when it is admitted, and a prompt may be
-            longer than ``max_batch_tokens``. Not with a group scheduler,
-            whose prefill jobs take whole prompts (as the simulated group's).
+            longer than ``max_batch_tokens``. With a group scheduler (FCFS
+            or RR only), a job of a model with a prompt to start or continue
+            is such a mixed step of that model, as in the simulated group.
         engine_id: this engine's id in views and logs.
         attention: how requests with cached context attend:
 
@@ -516,9 +517,11 @@ class Engine:
         self._known: set[int] = set()  # requests the group scheduler was told of
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        if chunked_prefill and self.group is not None:
+        g = self.group
+        if chunked_prefill and g is not None and (g.spatial or not g.one_model):
             raise ConfigError(
-                "chunked_prefill with a group scheduler: its jobs prefill whole prompts"
+                f"chunked_prefill with group scheduler {type(g).__name__}: it runs whole "
+                "prefill jobs (chunked prefill is for FCFS and RR, as in the simulated group)"
             )
         self.chunked_prefill = chunked_prefill
         if attention in ("auto", "paged"):
@@ -1202,16 +1205,30 @@ class Engine:
         prefills: list[EngineRequest] = []
         decodes: list[EngineRequest] = []
         for job in jobs:
-            if job.phase == PREFILL:
+            chunks: dict[int, int] | None = None
+            if self.chunked_prefill and (
+                job.phase == PREFILL or any(r.model == job.model for r in self.prefilling)
+            ):
+                pre, dec, chunks = self._mixed_job(job, taken, state, out)
+                prefills += pre
+                decodes += dec
+                reqs, n_pre = pre + dec, len(pre)
+            elif job.phase == PREFILL:
                 reqs = self._start_prefill(job, taken)
                 prefills += reqs
+                n_pre = len(reqs)
             else:
                 reqs = self._grow_decode(job, state, out)
                 decodes += reqs
+                n_pre = 0
             if not reqs:
                 continue
             t0 = self.clock()
-            self._run_forward(job.model, reqs, len(reqs) if job.phase == PREFILL else 0, out)
+            self._run_forward(job.model, reqs, n_pre, out, chunks)
+            if chunks:  # prompts whose last chunk ran now decode
+                done = [r for r in self.prefilling if r.n_cached == len(r.tokens) - 1]
+                self.prefilling = [r for r in self.prefilling if r not in done]
+                self.running += [r for r in done if r.status == RUNNING]
             t1 = self.clock()
             self.group_jobs_alone += 1
             sched.on_job_end(job, [r for r in reqs if r.status == RUNNING], t1 - t0, t1)
@@ -1321,6 +1338,35 @@ class Engine:
             self.running.append(req)
             reqs.append(req)
         return reqs
+
+    def _mixed_job(
+        self, job: Job, taken: dict[int, EngineRequest], state: StateView, out: StepOutput
+    ) -> tuple[list[EngineRequest], list[EngineRequest], dict[int, int]]:
+        """Chunked prefill under a group scheduler: the job's model runs one
+        mixed step, as the simulated group's (``sim/group.py``): every running
+        request of the model decodes (the scheduler's victims preempted while
+        that does not fit), then its partly prefilled prompts' next chunks,
+        then the prompts the job admitted, within ``max_batch_tokens``.
+        Returns the prompts chunked, the decodes, and each prompt's chunk."""
+        m = job.model
+        admitted = self._start_prefill(job, taken) if job.phase == PREFILL else []
+        for r in admitted:  # _start_prefill put them in the batch: they prefill first
+            self.running.remove(r)
+        run = tuple(r.id for r in self.running if r.model == m and r.status == RUNNING)
+        decodes = self._grow_decode(Job(m, DECODE, run), state, out) if run else []
+        left = self.max_batch_tokens - len(decodes)
+        chunks: dict[int, int] = {}
+        pre: list[EngineRequest] = []
+        for r in [*(x for x in self.prefilling if x.model == m), *admitted]:
+            if left <= 0:
+                break
+            chunks[r.id] = n = min(len(r.tokens) - r.n_cached, left)
+            pre.append(r)
+            left -= n
+        if len(pre) < len(admitted) or any(r not in pre for r in admitted):
+            raise RuntimeError(f"engine {self.engine_id}: a prompt admitted past the budget")
+        self.prefilling += admitted
+        return pre, decodes, chunks
 
     def _grow_decode(self, job: Job, state: StateView, out: StepOutput) -> list[EngineRequest]:
         """Room for the next token of each request of a decode job, preempting

@@ -67,6 +67,9 @@ class StateView:
         for r in engine.running:
             if r.status == _RUNNING:
                 self._ready[r.model].append(r)
+        for r in engine.prefilling:  # chunked prefill: a partly prefilled prompt is ready
+            if r.status == _RUNNING:
+                self._ready[r.model].append(r)
 
     @property
     def free_share(self) -> float:
@@ -104,35 +107,57 @@ class JobBudget:
     and the model's KV quota (:meth:`~fleetserve.policy.sharing.GroupScheduler.kv_allows`).
     ``take`` allocates the request's KV at once."""
 
-    __slots__ = ("_e", "_sched", "model", "seqs_left", "taken", "tokens_left")
+    __slots__ = ("_e", "_reserved", "_sched", "model", "seqs_left", "taken", "tokens_left")
 
     def __init__(self, engine: Engine, scheduler: GroupScheduler) -> None:
         self._e = engine
         self._sched = scheduler
         self.model: str | None = None
-        self.seqs_left = engine.max_running - len(engine.running)
+        self.seqs_left = engine.max_running - len(engine.running) - len(engine.prefilling)
         self.tokens_left = engine.max_batch_tokens
         self.taken: dict[int, EngineRequest] = {}
+        self._reserved = 0  # chunked prefill: pages the model's decodes take first
+
+    def _start(self, model: str) -> None:
+        """The job's model is known: with chunked prefill, its mixed step's
+        decodes and partly prefilled prompts come first (their tokens, and
+        the decodes' pages: a step that admits never preempts)."""
+        e = self._e
+        self.model = model
+        if not e.chunked_prefill:
+            return
+        run = [r for r in e.running if r.model == model and r.status == _RUNNING]
+        part = [r for r in e.prefilling if r.model == model]
+        self.tokens_left -= len(run) + sum(len(r.tokens) - r.n_cached for r in part)
+        self._reserved = sum(e.pool.pages_to_grow(r.id, r.n_cached + 1) for r in run)
 
     def fits(self, seq: GroupSeq) -> bool:
         e = self._e
         req = e.requests.get(seq.id)
         if req is None or req.status != "waiting" or req.id in self.taken:
             return False
-        if self.model is not None and req.model != self.model:
+        if self.model is None:
+            self._start(req.model)
+        elif req.model != self.model:
             return False  # one service per job
         n = len(req.tokens)
-        if self.seqs_left <= 0 or (self.taken and n > self.tokens_left):
+        if self.seqs_left <= 0:
+            return False
+        if e.chunked_prefill:  # a prompt needs one token of the budget to start
+            if self.tokens_left <= 0:
+                return False
+        elif self.taken and n > self.tokens_left:
             return False
         pages = e.prompt_pages(req.id)
-        return pages <= e.pool.num_available and e._kv_allows(self._sched, req, pages)
+        room = e.pool.num_available - self._reserved
+        return pages <= room and e._kv_allows(self._sched, req, pages)
 
     def take(self, seq: GroupSeq) -> None:
         e = self._e
         req = e.requests[seq.id]
         if self.model is None:
-            self.model = req.model
+            self._start(req.model)
         e.alloc_prompt(req)
         self.taken[req.id] = req
         self.seqs_left -= 1
-        self.tokens_left -= len(req.tokens)
+        self.tokens_left -= len(req.tokens) - req.n_cached
