@@ -65,6 +65,58 @@ def test_every_stack_places_runs_and_ends_every_request_once(stack: str) -> None
         assert "replacement" not in res.extra and len(searches) == 1
 
 
+def test_the_configs_family_overrides_reach_the_run() -> None:
+    """``policy.batching`` and ``policy.placement`` override a multi-LLM stack's
+    group scheduler and placement (they were read by no one before session 25:
+    an unknown name passed, a known one was ignored), checked against their
+    registries with suggestions."""
+    from fleetserve.errors import UnknownNameError
+    from fleetserve.policy.catalog import with_family_overrides
+    from fleetserve.sim.group import SharingGroup
+    from fleetserve.sim.multi_build import multi_preflight, multi_settings
+
+    mux = stack_for("muxserve", MULTI)
+    assert with_family_overrides(mux) is mux
+    got = with_family_overrides(mux, batching="fcfs", placement="dedicated")
+    assert (got.batching, got.placement, got.layout) == ("fcfs", "dedicated", mux.layout)
+    with pytest.raises(UnknownNameError, match="fcfs"):
+        with_family_overrides(mux, batching="fcsf")
+    with pytest.raises(UnknownNameError, match="dedicated"):
+        with_family_overrides(mux, placement="dedicate")
+    data: dict[str, Any] = {
+        "services": [{"name": "a", "model": "llama-2-7b"}],
+        "cluster": {"gpus": 2, "elastic": False},
+        "policy": {"stack": "muxserve", "batching": "fcfs", "placement": "dedicated"},
+    }
+    cfg = config_from_dict(data)
+    settings = multi_settings(cfg)
+    assert (settings.batching, settings.placement) == ("fcfs", "dedicated")
+    with pytest.raises(UnknownNameError, match="placement"):
+        multi_preflight(
+            config_from_dict({**data, "policy": {"stack": "muxserve", "placement": "x"}})
+        )
+    names = sorted(SERVICES)
+    seen: set[str] = set()
+    orig = SharingGroup.__init__
+
+    def spy(self: SharingGroup, *a: Any, **k: Any) -> None:
+        orig(self, *a, **k)
+        seen.add(type(self.scheduler).__name__)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SharingGroup, "__init__", spy)
+        res = run_multi_stack(
+            "muxserve",
+            SERVICES,
+            _requests(10.0, 1, names, 3.0),
+            _requests(10.0, 2, names, 3.0),
+            MultiRunSettings(gpu="a100-80gb", n_gpus=4, batching="fcfs", placement="dedicated"),
+        )
+    assert res.extra["stack"]["scheduler"] == "fcfs"
+    assert res.extra["stack"]["placement"] == "dedicated"
+    assert seen == {"GroupFcfs"}
+
+
 def test_services_from_window_measures_rates_and_keeps_idle_services_placeable() -> None:
     win = [Request(0, "a", 1.0, 100, 10), Request(1, "a", 2.0, 300, 30)]
     out = services_from_window(SERVICES, win, 10.0)

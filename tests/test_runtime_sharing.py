@@ -154,6 +154,9 @@ def test_controller_families_for_a_multi_llm_stack() -> None:
     assert names["migration"] == "none" and names["memory"] == "static"
     # what the controller itself resolves
     assert resolve_policies(runtime_policy_config(cfg))["dispatch"] == "round_robin"
+    over = _cfg("muxserve", 2, policy={"batching": "fcfs", "placement": "dedicated"})
+    got = runtime_policy_names(over)  # the overrides reach the runtime as the simulator
+    assert (got["batching"], got["placement"]) == ("fcfs", "dedicated")
     plain = _cfg("llumnix", 2)
     assert runtime_policy_config(plain) is plain
     assert plan_workers(plain, [A, B]) == [(A,), (B,)]  # single-model stacks unchanged

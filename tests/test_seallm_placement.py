@@ -132,7 +132,12 @@ def test_dedicated_splits_the_pool_by_rate_without_sharing() -> None:
         dedicated_place(services, 2, GPU)
     with pytest.raises(Exception, match="placement"):
         place_services("nope", services, 8, GPU)
-    assert place_services("muxserve", services, 8, GPU).n_gpus == 8
+    plan, est = place_services("muxserve", services, 8, GPU)
+    assert plan.n_gpus == 8 and est is None  # only SeaLLM's search estimates
+    assert place_services("dedicated", services, 8, GPU) == (
+        dedicated_place(services, 8, GPU),
+        None,
+    )
 
 
 def test_max_services_caps_every_group() -> None:

@@ -48,7 +48,7 @@ config's per-family overrides, each checked against its registry.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError, UnknownNameError
@@ -572,6 +572,29 @@ def check_world(config: SimConfig) -> str:
                 f"{', '.join(w.reads)}"
             )
     return world
+
+
+def with_family_overrides(
+    stack: Stack, *, batching: str | None = None, placement: str | None = None
+) -> Stack:
+    """A multi-LLM ``stack`` with the config's per-family overrides of its
+    group scheduler (``policy.batching``) and placement (``policy.placement``)
+    applied and checked, as :func:`resolve_policies` applies the single-model
+    world's: the simulator and the runtime both read it.
+
+    Raises:
+        UnknownNameError: an unknown scheduler or placement (with suggestions).
+    """
+    from fleetserve.policy.group_placement import GROUP_PLACEMENTS
+
+    b = batching or stack.batching
+    p = placement or stack.placement
+    BATCHING.get(b)
+    if p not in GROUP_PLACEMENTS:
+        raise UnknownNameError("placement", p, GROUP_PLACEMENTS)
+    if (b, p) == (stack.batching, stack.placement):
+        return stack
+    return replace(stack, batching=b, placement=p)
 
 
 def resolve_policies(config: SimConfig) -> dict[str, str]:

@@ -148,23 +148,33 @@ def place_services(
     cost_model: CostModel | None = None,
     mem_util: float = 0.9,
     evaluate: Evaluator | None = None,
+    tp_sizes: Sequence[int] | None = None,
     **params: Any,
-) -> PlacementPlan:
-    """Run placement ``name`` (one of :data:`GROUP_PLACEMENTS`).
+) -> tuple[PlacementPlan, float | None]:
+    """Run placement ``name`` (one of :data:`GROUP_PLACEMENTS`): the one
+    dispatch over the multi-LLM placements (the simulator's runs, the
+    planner and the runtime all place through it).
+
+    Returns:
+        The plan and, for ``seallm`` (which simulates its candidates through
+        ``evaluate``), its estimated SLO attainment (None otherwise).
 
     Raises:
         UnknownNameError: an unknown placement.
         ConfigError: the services do not fit, or ``seallm`` without an evaluator.
     """
     if name == "dedicated":
-        return dedicated_place(services, n_gpus, gpu, mem_util)
+        return dedicated_place(services, n_gpus, gpu, mem_util, tp_sizes), None
     if name == "muxserve":
-        return muxserve_place(services, n_gpus, gpu, cost_model or CostModel(), mem_util, **params)
+        cm = cost_model or CostModel()
+        return muxserve_place(services, n_gpus, gpu, cm, mem_util, tp_sizes=tp_sizes), None
     if name == "seallm":
         if evaluate is None:
             raise ConfigError(
                 "placement 'seallm' evaluates candidates by simulation: give an evaluator"
             )
-        plan, _ = seallm_place(services, n_gpus, gpu, evaluate, mem_util=mem_util, **params)
-        return plan
+        plan, cands = seallm_place(
+            services, n_gpus, gpu, evaluate, mem_util=mem_util, tp_sizes=tp_sizes, **params
+        )
+        return plan, next(c.slo_attainment for c in cands if c.plan == plan)
     raise UnknownNameError("placement", name, GROUP_PLACEMENTS)

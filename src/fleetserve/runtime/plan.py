@@ -93,6 +93,7 @@ from fleetserve.policy.catalog import (
     kun_only,
     resolve_policies,
     stack_for,
+    with_family_overrides,
 )
 from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.sharing import BATCHING, ServiceStats
@@ -181,7 +182,8 @@ def sharing_stack(config: SimConfig) -> Stack | None:
             f"stack {stack.name!r} places sharing groups on a fixed pool: leave "
             "cluster.elastic unset (serve.workers GPUs) or use a single-model stack"
         )
-    return stack
+    pol = config.policy
+    return with_family_overrides(stack, batching=pol.batching, placement=pol.placement)
 
 
 def runtime_gaps(stack: Stack, threads: int = 1, spatial_shares: bool = False) -> list[str]:
@@ -249,8 +251,8 @@ def runtime_policy_names(config: SimConfig) -> dict[str, str]:
     stack = sharing_stack(config)
     if stack is not None:
         names["stack"] = stack.name
-        names["placement"] = stack.placement
-        names["batching"] = config.policy.batching or stack.batching  # the group scheduler
+        names["placement"] = stack.placement  # overrides applied (sharing_stack)
+        names["batching"] = stack.batching  # the group scheduler
     return names
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from fleetserve.config import SimConfig
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError
-from fleetserve.policy.catalog import MULTI, Stack, stack_for
+from fleetserve.policy.catalog import MULTI, Stack, stack_for, with_family_overrides
 from fleetserve.policy.groups import PlacementPlan
 from fleetserve.policy.sharing import ServiceStats
 from fleetserve.sim.multi import ReplacementConfig, service_stats
@@ -104,6 +104,8 @@ def multi_settings(cfg: SimConfig) -> MultiRunSettings:
         compute_share=cfg.migration.compute_share,
         burst_overrides=cfg.kunserve.overrides(),
         tp_sizes=m.tp_sizes,
+        batching=cfg.policy.batching,
+        placement=cfg.policy.placement,
     )
 
 
@@ -114,7 +116,9 @@ def multi_preflight(cfg: SimConfig) -> None:
         FleetserveError: an unknown stack, GPU or model, or a model that does
             not fit a node of the pool's GPUs.
     """
-    stack_for(cfg.policy.stack, MULTI)
+    stack = stack_for(cfg.policy.stack, MULTI)
+    pol = cfg.policy
+    with_family_overrides(stack, batching=pol.batching, placement=pol.placement)
     gpu = get_gpu(cfg.cluster.gpu)
     for s in cfg.services or ():
         spec = get_model(s.model)
@@ -292,7 +296,10 @@ def history_placement(
     (SeaLLM's search evaluates its candidates with this simulator).
     """
     inp = build_multi(cfg, require_run=False)
-    plan, est = place_for_stack(stack, inp.services, inp.history, multi_settings(cfg), None, gpu)
+    settings = multi_settings(cfg)
+    plan, est = place_for_stack(
+        settings.resolve(stack), inp.services, inp.history, settings, None, gpu
+    )
     stats, _ = service_stats(inp.services, inp.history, gpu, CostModel())
     return inp.services, plan, est, stats
 

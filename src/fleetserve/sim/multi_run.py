@@ -28,12 +28,10 @@ from typing import Any
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RunResult
-from fleetserve.policy.catalog import MULTI, Stack, stack_for
-from fleetserve.policy.group_placement import dedicated_place
+from fleetserve.policy.catalog import MULTI, Stack, stack_for, with_family_overrides
+from fleetserve.policy.group_placement import place_services
 from fleetserve.policy.groups import PlacementPlan
-from fleetserve.policy.muxserve_placement import muxserve_place
 from fleetserve.policy.pressure import KunSettings
-from fleetserve.policy.seallm_placement import seallm_place
 from fleetserve.sim.evaluate import PlanEvaluator
 from fleetserve.sim.multi import MultiConfig, MultiSimulator, ProgressFn, ReplacementConfig
 from fleetserve.spec import get_gpu
@@ -79,6 +77,9 @@ class MultiRunSettings:
         tp_sizes: the tensor-parallel sizes placement may give a group (None:
             each placement's own choice: ``dedicated`` the least a model fits
             on, ``muxserve`` and ``seallm`` every power of two up to a node).
+        batching, placement: overrides of the stack's group scheduler and
+            placement (``policy.batching``, ``policy.placement``; None: the
+            stack's; :meth:`resolve`).
     """
 
     gpu: str = "a800-80gb"
@@ -107,6 +108,17 @@ class MultiRunSettings:
     compute_share: float = 0.1
     burst_overrides: Mapping[str, Any] = field(default_factory=dict)
     tp_sizes: tuple[int, ...] | None = None
+    batching: str | None = None
+    placement: str | None = None
+
+    def resolve(self, stack: Stack) -> Stack:
+        """``stack`` with the config's overrides of its group scheduler and
+        placement (:func:`~fleetserve.policy.catalog.with_family_overrides`).
+
+        Raises:
+            UnknownNameError: an unknown scheduler or placement (with suggestions).
+        """
+        return with_family_overrides(stack, batching=self.batching, placement=self.placement)
 
     def burst(self, stack: Stack) -> KunSettings | None:
         """The stack's memory-pressure settings for this run."""
@@ -207,11 +219,8 @@ def place_for_stack(
     gpu = gpu_spec if gpu_spec is not None else get_gpu(settings.gpu)
     svcs = list(services.values())
     cm = cost_model or CostModel()
-    tps = settings.tp_sizes
-    if stack.placement == "dedicated":
-        return dedicated_place(svcs, settings.n_gpus, gpu, settings.mem_util, tps), None
-    if stack.placement == "muxserve":
-        return muxserve_place(svcs, settings.n_gpus, gpu, cm, settings.mem_util, tp_sizes=tps), None
+    ev = None
+    params: dict[str, Any] = {}
     if stack.placement == "seallm":
         if not history:
             raise ConfigError(
@@ -227,19 +236,18 @@ def place_for_stack(
             slo_scale=settings.slo_scale,
             cost_model=cm,
         )
-        plan, cands = seallm_place(
-            svcs,
-            settings.n_gpus,
-            gpu,
-            ev,
-            mem_util=settings.mem_util,
-            processes=settings.processes,
-            tp_sizes=tps,
-            **dict(settings.search_params),
-        )
-        est = next(c.slo_attainment for c in cands if c.plan == plan)
-        return plan, est
-    raise ConfigError(f"stack {stack.name!r}: unknown placement {stack.placement!r}")
+        params = {"processes": settings.processes, **dict(settings.search_params)}
+    return place_services(
+        stack.placement,
+        svcs,
+        settings.n_gpus,
+        gpu,
+        cost_model=cm,
+        mem_util=settings.mem_util,
+        evaluate=ev,
+        tp_sizes=settings.tp_sizes,
+        **params,
+    )
 
 
 def run_multi_stack(
@@ -275,7 +283,7 @@ def run_multi_stack(
     Returns:
         The run's result; ``extra`` adds ``stack`` and ``placement_search_s``.
     """
-    stack = stack_for(stack_name, MULTI)
+    stack = settings.resolve(stack_for(stack_name, MULTI))
     cm = cost_model or CostModel()
     searches: list[float] = []
 
