@@ -18,6 +18,7 @@ from fleetserve.config import config_from_dict
 from fleetserve.metrics.records import RunResult
 from fleetserve.metrics.summary import summarize
 from fleetserve.policy.catalog import KUNSERVE, MULTI, SINGLE, stacks_in
+from fleetserve.policy.sharing import BATCHING
 from fleetserve.sim.kun import KunSimulator
 from fleetserve.sim.multi import ReplacementConfig
 from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack
@@ -117,4 +118,55 @@ def test_every_stack_keeps_its_invariants_after_every_event(
             gpus_per_node=1,
             check_integrity=True,
         ).run()
+    _ends_once(res, len(reqs))
+
+
+def _chunked_cases() -> list[tuple[str, str]]:
+    """Stacks that run chunked prefill: every single-model stack; the
+    multi-LLM stacks whose group scheduler has a one-model case (FCFS, RR)
+    and no KunServe drop (session 25)."""
+    out = [(SINGLE, n) for n in sorted(stacks_in(SINGLE))]
+    for n, s in sorted(stacks_in(MULTI).items()):
+        if BATCHING.get(s.batching).one_model and s.pressure != "kunserve":
+            out.append((MULTI, n))
+    return out
+
+
+@pytest.mark.parametrize(("world", "stack"), _chunked_cases())
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=streams, small=st.booleans(), budget=st.sampled_from([64, 512]))
+def test_every_stack_with_chunked_prefill_keeps_its_invariants(
+    world: str, stack: str, items: list[tuple[float, int, int, bool]], small: bool, budget: int
+) -> None:
+    if world == SINGLE:
+        reqs = _requests(items, (MODEL, MODEL))
+        cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
+        if stack in ("mell", "llumnix") or not small:
+            cluster["elastic"] = True
+        else:
+            cluster.update(elastic=False, gpus=2)
+        cfg = config_from_dict(
+            {
+                "model": MODEL,
+                "cluster": cluster,
+                "policy": {"stack": stack},
+                "engine": {"chunked_prefill": True, "max_batched_tokens": budget},
+                "check_integrity": True,
+            }
+        )
+        res = Simulator(cfg, reqs).run()
+    else:
+        reqs = _requests(items, ("a", "b"))
+        settings_ = MultiRunSettings(
+            gpu="a100-80gb",
+            n_gpus=2 if small else 4,
+            mem_util=0.5 if small else 0.9,
+            replacement=ReplacementConfig(initial_interval_s=4.0, min_interval_s=2.0),
+            keepalive_s=0.5,
+            processes=1,
+            check_integrity=True,
+            chunked_prefill=True,
+            max_batched_tokens=budget,
+        )
+        res = run_multi_stack(stack, SERVICES, reqs, reqs, settings_)
     _ends_once(res, len(reqs))
