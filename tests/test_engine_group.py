@@ -521,3 +521,45 @@ def test_a_live_engine_loads_and_unloads_models_for_a_re_placement(
     one = Engine([A], 64 * MiB)  # one-model batching hosts one model
     with pytest.raises(ConfigError, match="one-model batching"):
         one.load_model(B)
+
+
+@pytest.mark.parametrize("batching", [None, "fcfs"])
+def test_the_admission_watermark_keeps_pages_free(batching: str | None) -> None:
+    """``watermark`` (``engine.watermark``, which ``serve`` passes): a prompt is
+    admitted only while that share of the arena's KV pages stays free after
+    it; a prompt that could never be admitted so is refused at once; the
+    tokens are those of an engine without a watermark."""
+    kv = 4 * MiB
+    eng = Engine(
+        [A, B],
+        weights_bytes(A, B) + kv,
+        watermark=0.3,
+        batching=BATCHING.get(batching)() if batching else None,
+    )
+    total = eng.pool.num_pages - eng.pool.weight_pages()
+    wm = eng.watermark_pages()
+    assert wm == int(0.3 * total) > 0
+    seen: list[int] = []
+    orig = eng.step
+
+    def step() -> Any:
+        before = {r.id for r in eng.waiting}
+        out = orig()
+        if before - {r.id for r in eng.waiting}:  # it admitted: the watermark is still free
+            seen.append(eng.pool.num_available)
+        return out
+
+    eng.step = step  # type: ignore[method-assign]
+    work = [
+        (m, "".join(chr(97 + (i * 5 + k) % 26) for i in range(300)), 6)
+        for k, m in enumerate([A, B, A, B, A, B])
+    ]
+    got = run(eng, work)
+    ref = run(Engine([A, B], weights_bytes(A, B) + kv), work)
+    assert [r.output_ids for r in got.values()] == [r.output_ids for r in ref.values()]
+    assert seen and all(free >= wm for free in seen)
+    with pytest.raises(ConfigError, match="watermark"):  # fits the arena, not above the mark
+        n_ok = (total - wm) // eng.pool.pages_per_token_block(A) * eng.pool.block_size
+        eng.add_request(A, [1] * (n_ok + eng.pool.block_size), SamplingParams(max_tokens=1))
+    with pytest.raises(ConfigError, match="watermark"):
+        Engine([A], 64 * MiB, watermark=1.0)

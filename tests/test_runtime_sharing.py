@@ -246,11 +246,13 @@ def test_serve_engines_read_the_simulators_engine_keys() -> None:
         data.update(extra)
         return config_from_dict(serve_config_dict(data))
 
-    cfg = one(engine={"chunked_prefill": True, "prefix_caching": True})
+    cfg = one(engine={"chunked_prefill": True, "prefix_caching": True, "watermark": 0.05})
     (spec,) = cluster.worker_specs(cfg, cluster.served_models(cfg))
     assert spec.chunked_prefill and spec.prefix_caching and not spec.asleep
+    assert spec.watermark == 0.05  # engine.watermark too (session 25; it was ignored)
     core = WorkerCore(spec)
     assert core.engine.chunked_prefill and core.engine.prefix_caching
+    assert core.engine.watermark == 0.05 and core.engine.watermark_pages() > 0
     text = "shared words " * 8
     for i, p in enumerate([text + "one", text + "two"]):
         ids = core.engine.tokenizer(A).encode(p)

@@ -230,8 +230,8 @@ def worker_specs(
     group scheduler reads, memory budget, limits, and its engine's cores when
     ``cores`` pins them.
 
-    The engines read ``engine.chunked_prefill`` and ``engine.prefix_caching``
-    (the simulator's keys). The workers of an elastic pool start asleep: an
+    The engines read ``engine.chunked_prefill``, ``engine.prefix_caching``
+    and ``engine.watermark`` (the simulator's keys). The workers of an elastic pool start asleep: an
     inactive GPU holds no weights and no arena; the controller wakes a
     worker when it activates it and puts it back to sleep when it releases it.
 
@@ -278,6 +278,7 @@ def worker_specs(
             services=tuple((m, stats[m]) for m in hosted if m in stats),
             chunked_prefill=eng.chunked_prefill,
             prefix_caching=eng.prefix_caching,
+            watermark=eng.watermark,
             asleep=config.cluster.elastic,
             block_size=config.cluster.block_size,
             step_log=sv.step_log is not None,

@@ -100,6 +100,7 @@ class WorkerSpec:
     chunked_prefill: bool = False  # engine.chunked_prefill
     spatial_shares: bool = False  # serve.spatial_shares
     prefix_caching: bool = False  # engine.prefix_caching
+    watermark: float = 0.0  # engine.watermark
     asleep: bool = False  # start without weights or arena (an elastic pool's inactive GPU)
     block_size: int = 16
     step_log: bool = False  # report every local engine step (Report.steps_done)
@@ -248,6 +249,7 @@ class WorkerCore:
             max_batch_tokens=spec.max_batch_tokens,
             chunked_prefill=spec.chunked_prefill,
             prefix_caching=spec.prefix_caching,
+            watermark=spec.watermark,
             engine_id=spec.worker_id,
             spatial_shares=spec.spatial_shares,
         )

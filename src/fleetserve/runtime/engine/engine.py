@@ -374,7 +374,7 @@ class _View:
 
     @property
     def available_blocks(self) -> int:
-        return self.e.pool.num_available
+        return self.e.pool.num_available - self.e.watermark_pages()
 
     @property
     def num_running(self) -> int:
@@ -399,7 +399,7 @@ class _Budget(AdmissionBudget):
 
     def __init__(self, engine: Engine, running: int, tokens: int) -> None:
         self.e = engine
-        self.pages = engine.pool.num_available
+        self.pages = engine.pool.num_available - engine.watermark_pages()
         self.seqs = engine.max_running - running
         self.tokens = tokens
         self.chunked = engine.chunked_prefill
@@ -450,6 +450,10 @@ class Engine:
             longer than ``max_batch_tokens``. With a group scheduler (FCFS
             or RR only), a job of a model with a prompt to start or continue
             is such a mixed step of that model, as in the simulated group.
+        watermark: vLLM's admission watermark (``engine.watermark``): a
+            prompt is admitted only if ``watermark`` of the arena's KV pages
+            stay free after it (0: none, the engine's default; ``serve``
+            passes the config's, 1% by default, as the simulator keeps).
         engine_id: this engine's id in views and logs.
         attention: how requests with cached context attend:
 
@@ -492,6 +496,7 @@ class Engine:
         max_batch_tokens: int = 8192,
         chunked_prefill: bool = False,
         prefix_caching: bool = False,
+        watermark: float = 0.0,
         engine_id: int = 0,
         attention: str = "auto",
         spatial_shares: bool = False,
@@ -524,6 +529,9 @@ class Engine:
                 "prefill jobs (chunked prefill is for FCFS and RR, as in the simulated group)"
             )
         self.chunked_prefill = chunked_prefill
+        if not 0 <= watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {watermark}")
+        self.watermark = watermark
         if attention in ("auto", "paged"):
             why = self._paged_unsupported(dtype)
             if attention == "paged" and why:
@@ -841,11 +849,12 @@ class Engine:
                 f"({self.max_batch_tokens})"
             )
         need = self.pool.pages_per_token_block(model) * -(-(len(ids) + 1) // self.pool.block_size)
-        kv_pages = self.pool.num_pages - self.pool.weight_pages()
+        kv_pages = self.pool.num_pages - self.pool.weight_pages() - self.watermark_pages()
         if need > kv_pages:
+            kept = " (less the admission watermark)" if self.watermark else ""
             raise ConfigError(
                 f"prompt ({len(ids)} tokens) needs {need} KV pages; the arena has {kv_pages} "
-                "for KV (raise arena_bytes)"
+                f"for KV{kept} (raise arena_bytes)"
             )
         rid = next(self._ids) if request_id is None else request_id
         # an automatic id must not name a block table opened outside the queue
@@ -1088,6 +1097,13 @@ class Engine:
             return pool.pages_to_grow(rid, len(req.tokens) + 1)
         per = pool.pages_per_token_block(req.model)
         return -(-(len(req.tokens) + 1) // pool.block_size) * per
+
+    def watermark_pages(self) -> int:
+        """KV pages admission keeps free (``watermark`` of the arena's KV
+        pages now: the arena less the weights it holds)."""
+        if not self.watermark:
+            return 0
+        return int(self.watermark * (self.pool.num_pages - self.pool.weight_pages()))
 
     def alloc_prompt(self, req: EngineRequest) -> None:
         """KV for an admitted request's prompt: its cached blocks (prefix
@@ -1417,7 +1433,7 @@ class Engine:
         need = pool.pages_per_token_block(head.model) * -(
             -(len(head.tokens) + 1) // pool.block_size
         )
-        if need > pool.num_available:
+        if need > pool.num_available - self.watermark_pages():
             logger.warning(
                 "engine %d: request %d needs %d KV pages, only %d exist: finished (capacity)",
                 self.engine_id,

@@ -149,7 +149,7 @@ class JobBudget:
         elif self.taken and n > self.tokens_left:
             return False
         pages = e.prompt_pages(req.id)
-        room = e.pool.num_available - self._reserved
+        room = e.pool.num_available - self._reserved - e.watermark_pages()
         return pages <= room and e._kv_allows(self._sched, req, pages)
 
     def take(self, seq: GroupSeq) -> None:
