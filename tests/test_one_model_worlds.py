@@ -193,3 +193,15 @@ def test_the_kunserve_worlds_alternation_is_the_difference() -> None:
     off = run_kun(config_from_dict({**data, "kunserve": {"alternate": False}}), reqs)
     assert [_key(r) for r in off.records] == [_key(r) for r in one.records]
     assert [_key(r) for r in alt.records] != [_key(r) for r in one.records]
+
+
+def test_the_multi_llm_world_refuses_cluster_tp() -> None:
+    """Its placement sizes each group's tensor parallelism: ``cluster.tp`` would
+    be ignored, so it is refused with the key that does restrict it."""
+    data = {
+        "services": [{"name": "a", "model": MODEL}],
+        "cluster": {"gpus": 4, "elastic": False, "tp": 2},
+        "policy": {"stack": "muxserve"},
+    }
+    with pytest.raises(ConfigError, match="multi.tp_sizes"):
+        check_world(config_from_dict(data))

@@ -532,7 +532,7 @@ def check_world(config: SimConfig) -> str:
         ConfigError: a KunServe run without a fixed pool (``cluster.gpus``),
             prefix caching (``engine.prefix_caching``) outside the
             single-model world, chunked prefill (``engine.chunked_prefill``)
-            in the KunServe world,
+            in the KunServe world, ``cluster.tp`` in the multi-LLM world,
             or a per-family override (``policy.<family>``) of a family the
             world's simulator does not read (it would be ignored).
     """
@@ -551,6 +551,12 @@ def check_world(config: SimConfig) -> str:
         raise ConfigError(
             "engine.prefix_caching: only the single-model simulator models prefix caching; "
             f"the {WORLDS[world].label} simulator would ignore it"
+        )
+    if world == MULTI and config.cluster.tp != 1:
+        raise ConfigError(
+            f"cluster.tp={config.cluster.tp}: the multi-LLM simulator's placement gives each "
+            "group its tensor-parallel degree; restrict it with multi.tp_sizes (e.g. "
+            f"[{config.cluster.tp}]) instead (cluster.tp would be ignored)"
         )
     if world == KUNSERVE and config.engine.chunked_prefill:
         raise ConfigError(
