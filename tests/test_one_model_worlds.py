@@ -14,6 +14,8 @@ order gives 153), and the multi-LLM world had no admission watermark.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -203,5 +205,31 @@ def test_the_multi_llm_world_refuses_cluster_tp() -> None:
         "cluster": {"gpus": 4, "elastic": False, "tp": 2},
         "policy": {"stack": "muxserve"},
     }
-    with pytest.raises(ConfigError, match="multi.tp_sizes"):
+    with pytest.raises(ConfigError, match=r"multi\.tp_sizes"):
         check_world(config_from_dict(data))
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("migration", "max_stages", 3),
+        ("migration", "link_contention", False),
+        ("migration", "wait_for_room_s", 1.0),
+        ("mell", "batching", False),
+        ("mell", "w_free", 2.0),
+    ],
+)
+def test_single_model_only_keys_are_refused_elsewhere(section: str, key: str, value: Any) -> None:
+    """Live-migration stages, transfer contention and Mell's scheduler settings
+    are read by the single-model simulator only; the other worlds refuse them
+    rather than ignore them."""
+    multi = {
+        "services": [{"name": "a", "model": MODEL}],
+        "cluster": {"gpus": 2, "elastic": False},
+        "policy": {"stack": "seallm-mell"},
+    }
+    kun = {"policy": {"stack": "kunserve"}, "cluster": {"elastic": False, "gpus": 2}}
+    for data in (multi, kun):
+        with pytest.raises(ConfigError, match=rf"{section}\.{key}"):
+            check_world(config_from_dict({"model": MODEL, section: {key: value}, **data}))
+    check_world(config_from_dict({"model": MODEL, section: {key: value}}))

@@ -48,7 +48,7 @@ config's per-family overrides, each checked against its registry.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from fleetserve.errors import ConfigError, UnknownNameError
@@ -525,6 +525,23 @@ def world_of(config: SimConfig) -> str:
     return SINGLE
 
 
+_SINGLE_ONLY: dict[str, tuple[str, ...]] = {
+    "migration": (
+        "max_stages",
+        "final_blocks",
+        "copy_contention",
+        "link_contention",
+        "wait_for_room_s",
+    ),
+    "mell": (),  # every field
+}
+"""Config fields only the single-model simulator reads (() = the whole section)."""
+_SINGLE_ONLY_WHY = {
+    "migration": "its staged live KV migrations between instances",
+    "mell": "Mell's online scheduler of one-model instances",
+}
+
+
 def check_world(config: SimConfig) -> str:
     """:func:`world_of`, after checking the config can run in that world.
 
@@ -533,6 +550,8 @@ def check_world(config: SimConfig) -> str:
             prefix caching (``engine.prefix_caching``) outside the
             single-model world, chunked prefill (``engine.chunked_prefill``)
             in the KunServe world, ``cluster.tp`` in the multi-LLM world,
+            the single-model world's migration stages and contention and
+            ``mell.*`` settings elsewhere,
             or a per-family override (``policy.<family>``) of a family the
             world's simulator does not read (it would be ignored).
     """
@@ -552,6 +571,19 @@ def check_world(config: SimConfig) -> str:
             "engine.prefix_caching: only the single-model simulator models prefix caching; "
             f"the {WORLDS[world].label} simulator would ignore it"
         )
+    if world != SINGLE:
+        for section, names in _SINGLE_ONLY.items():
+            sec = getattr(config, section)
+            base = type(sec)()
+            for f in fields(sec):
+                if names and f.name not in names:
+                    continue
+                if getattr(sec, f.name) != getattr(base, f.name):
+                    raise ConfigError(
+                        f"{section}.{f.name}: only the single-model simulator reads it "
+                        f"({_SINGLE_ONLY_WHY[section]}); the {WORLDS[world].label} simulator "
+                        "would ignore it"
+                    )
     if world == MULTI and config.cluster.tp != 1:
         raise ConfigError(
             f"cluster.tp={config.cluster.tp}: the multi-LLM simulator's placement gives each "
