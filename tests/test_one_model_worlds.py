@@ -14,6 +14,7 @@ order gives 153), and the multi-LLM world had no admission watermark.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -233,3 +234,35 @@ def test_single_model_only_keys_are_refused_elsewhere(section: str, key: str, va
         with pytest.raises(ConfigError, match=rf"{section}\.{key}"):
             check_world(config_from_dict({"model": MODEL, section: {key: value}, **data}))
     check_world(config_from_dict({"model": MODEL, section: {key: value}}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"kunserve": {"kv_tokens": 5000}}, "kunserve.kv_tokens"),
+        ({"kunserve": {"alternate": False}}, "kunserve.alternate"),
+        ({"multi": {"history_s": 30.0}}, "multi.history_s"),
+        ({"fleet": {"zipf": 2.0}}, "fleet.zipf"),
+    ],
+)
+def test_a_world_refuses_the_sections_it_does_not_read(extra: dict[str, Any], key: str) -> None:
+    """The single-model world reads no ``multi``, ``fleet`` or ``kunserve``
+    field; the multi-LLM world only the ``kunserve`` overrides of a stack with
+    KunServe's drop; the KunServe world no ``multi`` or ``fleet`` field."""
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        check_world(config_from_dict({"model": MODEL, **extra}))
+    multi = {
+        "services": [{"name": "a", "model": MODEL}],
+        "cluster": {"gpus": 2, "elastic": False},
+        "policy": {"stack": "fleet"},
+    }
+    if key.startswith("kunserve."):
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            check_world(config_from_dict({"model": MODEL, **multi, **extra}))
+    kun = {"policy": {"stack": "kunserve"}, "cluster": {"elastic": False, "gpus": 2}}
+    if not key.startswith("kunserve."):
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            check_world(config_from_dict({"model": MODEL, **kun, **extra}))
+    # what each world does read passes
+    check_world(config_from_dict({"model": MODEL, **multi, "kunserve": {"restore_min_s": 3.0}}))
+    check_world(config_from_dict({"model": MODEL, **kun, "kunserve": {"kv_tokens": 5000}}))

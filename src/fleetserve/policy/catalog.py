@@ -542,6 +542,42 @@ _SINGLE_ONLY_WHY = {
 }
 
 
+_KUN_OVERRIDES: tuple[str, ...] = (
+    "exchange",
+    "live_restore",
+    "strategy",
+    "static_stages",
+    "horizon_s",
+    "window_s",
+    "monitor_interval_s",
+    "restore_threshold",
+    "restore_min_s",
+    "restore_from",
+    "max_batch_slowdown",
+    "swap_max_out",
+)
+"""``kunserve`` fields the multi-LLM world reads (a stack with KunServe's drop)."""
+_WORLD_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
+    SINGLE: {"multi": (), "fleet": (), "kunserve": ()},
+    MULTI: {"kunserve": _KUN_OVERRIDES},
+    KUNSERVE: {"multi": (), "fleet": ()},
+}
+"""Per world, the config sections it reads only part of: the fields it reads
+(the others must keep their defaults, or the run would ignore them)."""
+
+
+def _unread(config: SimConfig, world: str) -> str | None:
+    """The first ``section.field`` set away from its default that ``world``
+    does not read, or None."""
+    for section, reads in _WORLD_SECTIONS[world].items():
+        sec = getattr(config, section)
+        base = type(sec)()
+        for f in fields(sec):
+            if f.name not in reads and getattr(sec, f.name) != getattr(base, f.name):
+                return f"{section}.{f.name}"
+    return None
+
+
 def check_world(config: SimConfig) -> str:
     """:func:`world_of`, after checking the config can run in that world.
 
@@ -584,6 +620,16 @@ def check_world(config: SimConfig) -> str:
                         f"({_SINGLE_ONLY_WHY[section]}); the {WORLDS[world].label} simulator "
                         "would ignore it"
                     )
+    unread = _unread(config, world)
+    if unread is not None:
+        raise ConfigError(
+            f"{unread}: the {WORLDS[world].label} simulator does not read it (the "
+            f"{unread.split('.')[0]} section is for "
+            + {"multi": "multi-LLM runs", "fleet": "fleet workloads (multi-LLM runs)"}.get(
+                unread.split(".")[0], "KunServe runs"
+            )
+            + "); it would be ignored"
+        )
     if world == MULTI and config.cluster.tp != 1:
         raise ConfigError(
             f"cluster.tp={config.cluster.tp}: the multi-LLM simulator's placement gives each "
