@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
@@ -244,3 +246,25 @@ def test_evaluator_history_of_a_component_is_sorted_by_arrival_then_id(
     order = sorted(reqs, key=lambda r: (r.arrival_s, r.id))
     assert seen == [[(r.arrival_s, r.model, i) for i, r in enumerate(order)]]
     assert ev.counters()["simulations"] == 1 and ev.counters()["sim_requests"] == 5
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.01, 20.0, allow_nan=False), min_size=1, max_size=4),
+    n_gpus=st.integers(4, 8),
+)
+def test_dedicated_is_one_rule_in_both_worlds(rates: list[float], n_gpus: int) -> None:
+    """The single-model world's ``dedicated`` placement and the multi-LLM
+    world's give every model the same number of instances (tp 1 models on
+    one node: no alignment constraint), through one rule (``dedicated_counts``)."""
+    from fleetserve.policy.base import PLACEMENT
+    from fleetserve.policy.group_placement import dedicated_place
+
+    names = [f"m{i}" for i in range(len(rates))]
+    single = PLACEMENT.get("dedicated")().place(
+        dict(zip(names, rates, strict=True)), n_gpus, dict.fromkeys(names, 1)
+    )
+    services = [svc(n, "llama-2-7b", r) for n, r in zip(names, rates, strict=True)]
+    plan = dedicated_place(services, n_gpus, GPU)
+    multi = [g.services[0] for g in plan.groups]
+    assert sorted(single) == sorted(multi)

@@ -15,13 +15,14 @@ Every placement returns a :class:`~fleetserve.policy.groups.PlacementPlan`:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from fleetserve.costmodel import CostModel
 from fleetserve.errors import ConfigError, UnknownNameError
 from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.muxserve_placement import muxserve_place
+from fleetserve.policy.placement import dedicated_counts
 from fleetserve.policy.seallm_placement import Evaluator, seallm_place
 from fleetserve.spec.memory import min_tp
 from fleetserve.spec.types import GpuSpec, ModelSpec
@@ -103,27 +104,17 @@ def dedicated_place(
     """
     tps = {s.name: dedicated_tp(s.spec, gpu, mem_util, tp_sizes, name=s.name) for s in services}
     names = sorted(tps)
-    count = dict.fromkeys(names, 1)
-    rate = {s.name: s.rate for s in services}
 
-    def layout() -> list[tuple[int, ...]] | None:
+    def layout(count: Mapping[str, int]) -> list[tuple[int, ...]] | None:
         return _alloc([tps[m] for m in names for _ in range(count[m])], n_gpus, gpu.gpus_per_node)
 
-    if layout() is None:
+    if layout(dict.fromkeys(names, 1)) is None:
         need = sum(tps.values())
         raise ConfigError(
             f"placement 'dedicated' needs {need} GPUs for one instance of each of "
             f"{len(names)} services (node-aligned); the pool has {n_gpus}"
         )
-    while True:
-        cands = sorted(names, key=lambda m: (-rate[m] / count[m], m))
-        for m in cands:
-            count[m] += 1
-            if layout() is not None:
-                break
-            count[m] -= 1
-        else:
-            break
+    count = dedicated_counts({s.name: s.rate for s in services}, lambda c: layout(c) is not None)
     order = [m for m in names for _ in range(count[m])]
     sizes = [tps[m] for m in order]
     gpus = _alloc(sizes, n_gpus, gpu.gpus_per_node)

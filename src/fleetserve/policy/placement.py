@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from fleetserve.errors import ConfigError
 from fleetserve.policy.base import PLACEMENT, PlacementPolicy
+
+
+def dedicated_counts(
+    rates: Mapping[str, float], fits: Callable[[Mapping[str, int]], bool]
+) -> dict[str, int]:
+    """vLLM's spatial partition by rate, the one rule of both worlds' ``dedicated``
+    placement: every model starts with one instance; then, while one more fits
+    (``fits(counts)``), the model with the highest rate per instance gets it
+    (ties: the model name first), and when it does not fit, the next one tries.
+    The caller checks that one instance of each fits."""
+    names = sorted(rates)
+    count = dict.fromkeys(names, 1)
+    while True:
+        for m in sorted(names, key=lambda m: (-rates[m] / count[m], m)):
+            count[m] += 1
+            if fits(count):
+                break
+            count[m] -= 1
+        else:
+            return count
 
 
 @PLACEMENT.register("dedicated")
@@ -24,13 +46,5 @@ class Dedicated(PlacementPolicy):
                 f"placement 'dedicated' needs at least {need} GPUs for one instance of each of "
                 f"{len(models)} models, the pool has {n_gpus}"
             )
-        count = dict.fromkeys(models, 1)
-        left = n_gpus - need
-        while True:
-            cands = [m for m in models if tp[m] <= left]
-            if not cands:
-                break
-            m = max(cands, key=lambda m: (rates[m] / count[m], -models.index(m)))
-            count[m] += 1
-            left -= tp[m]
+        count = dedicated_counts(rates, lambda c: sum(tp[m] * n for m, n in c.items()) <= n_gpus)
         return [m for m in models for _ in range(count[m])]
