@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.config import config_from_dict
@@ -29,6 +29,7 @@ from fleetserve.policy.groups import GroupPlacement, PlacementPlan
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.kun_run import run_kun
 from fleetserve.sim.multi import MultiConfig, MultiSimulator
+from fleetserve.sim.multi_run import MultiRunSettings, run_multi_stack
 from fleetserve.sim.simulator import Simulator
 from fleetserve.spec import get_model
 from fleetserve.workload.request import Request
@@ -266,3 +267,53 @@ def test_a_world_refuses_the_sections_it_does_not_read(extra: dict[str, Any], ke
     # what each world does read passes
     check_world(config_from_dict({"model": MODEL, **multi, "kunserve": {"restore_min_s": 3.0}}))
     check_world(config_from_dict({"model": MODEL, **kun, "kunserve": {"kv_tokens": 5000}}))
+
+
+@settings(max_examples=8, deadline=None)
+@example(seed=0, rate=40.0, gpus=6, mem_util=0.42)  # differed before session 25's views
+@given(
+    seed=st.integers(0, 10_000),
+    rate=st.sampled_from([5.0, 20.0, 40.0]),
+    gpus=st.sampled_from([3, 4, 6]),
+    mem_util=st.sampled_from([0.42, 0.9]),
+)
+def test_vllm_is_one_system_in_both_worlds(
+    seed: int, rate: float, gpus: int, mem_util: float
+) -> None:
+    """Several models on dedicated GPUs (`vllm`: dedicated placement by rate,
+    round-robin dispatch that skips instances without room, FCFS): the
+    single-model world (one ``Instance`` per GPU) and the multi-LLM world (one
+    one-model group per GPU) give the same records, under memory pressure
+    included. Session 25 made it so: one placement rule, and the groups' dispatch
+    views count the queued prompts, the watermark and a macro job's blocks
+    ahead as an instance does."""
+    models = ["llama-2-7b", "llama-2-13b", "opt-6.7b"]
+    rng = np.random.default_rng(seed)
+    n = 200
+    ts = np.cumsum(rng.exponential(1 / rate, size=n))
+    pick = rng.choice(3, size=n, p=[0.5, 0.3, 0.2])
+    reqs = [
+        Request(
+            i, models[pick[i]], float(t), int(rng.integers(16, 1500)), int(rng.integers(1, 400))
+        )
+        for i, t in enumerate(ts)
+    ]
+    cfg = config_from_dict(
+        {
+            "model": models[0],
+            "cluster": {"gpu": "a100-80gb", "gpus": gpus, "elastic": False, "mem_util": mem_util},
+            "policy": {"stack": "vllm"},
+            "check_integrity": True,
+        }
+    )
+    one = Simulator(cfg, reqs).run()
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    svc = {
+        m: Service(m, get_model(m), sum(r.model == m for r in reqs) / span, 700, 200)
+        for m in models
+    }
+    settings_ = MultiRunSettings(
+        gpu="a100-80gb", n_gpus=gpus, mem_util=mem_util, check_integrity=True
+    )
+    multi = run_multi_stack("vllm", svc, reqs, reqs, settings_)
+    assert [_key(r) for r in one.records] == [_key(r) for r in multi.records]

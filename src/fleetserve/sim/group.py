@@ -201,6 +201,9 @@ class SharingGroup:
             m: int(watermark * (layout.max_tokens(m) // bs)) * bs for m in self._models
         }
         self.waiting: dict[str, deque[Seq]] = {m: deque() for m in self._models}
+        # blocks the queued prompts of each service need (the instance's
+        # ``reserved_blocks``, which dispatch policies read as not available)
+        self.queued_blocks: dict[str, int] = dict.fromkeys(self._models, 0)
         self.running: dict[str, dict[int, Seq]] = {m: {} for m in self._models}
         self.jobs: dict[int, tuple[Job, list[Seq], float, float]] = {}  # token -> job
         self._busy: dict[tuple[str, str], int] = {}  # (model, phase) -> jobs in flight
@@ -287,6 +290,30 @@ class SharingGroup:
         """Requests of ``model`` here (queued, partly prefilled or running)."""
         return len(self.waiting[model]) + len(self.running[model]) + len(self.partial[model])
 
+    def ahead_blocks(self, model: str, now: float) -> int:
+        """Token-blocks ``model``'s macro decode jobs hold ahead of ``now``: a
+        macro job allocates its whole segment's KV when it starts, while an
+        instance counts, as of now, the blocks of the iterations done and the
+        one in flight (``Instance.used_blocks``). Dispatch views count them
+        as free (:class:`~fleetserve.sim.multi.HostView`)."""
+        if not self._ends:
+            return 0
+        bs = self.layout.block_size
+        out = 0
+        for token, ends in self._ends.items():
+            job, seqs, _, _ = self.jobs[token]
+            if job.model != model:
+                continue
+            k = len(ends)
+            j = int(np.searchsorted(ends, now, side="right"))
+            now_steps = j + 1 if j + 1 < k else k
+            if now_steps == k:
+                continue
+            for s in seqs:
+                kv0 = s.kv_saved - 1  # the job counted its first token at its start
+                out += -(-(kv0 + k) // bs) - -(-(kv0 + now_steps) // bs)
+        return out
+
     def request_ids(self) -> list[int]:
         """Every request here, once: queued, prefilling (in a prefill job, or
         partly prefilled) and running."""
@@ -350,6 +377,7 @@ class SharingGroup:
         """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
         seq.inst = self
         seq.state = WAITING
+        self.queued_blocks[seq.model] += -(-seq.prefill_tokens // self.layout.block_size)
         if head:
             self.waiting[seq.model].appendleft(seq)
         else:
@@ -553,6 +581,8 @@ class SharingGroup:
     def _take_prefill(self, job: Job) -> list[Seq]:
         """A prefill job's requests (admitted through the budget), out of the queue."""
         seqs = self._admitted(job)
+        bs = self.layout.block_size
+        self.queued_blocks[job.model] -= sum(-(-s.prefill_tokens // bs) for s in seqs)
         ids = set(job.seqs)
         q = self.waiting[job.model]
         if len(ids) == len(q):
@@ -678,6 +708,7 @@ class SharingGroup:
         s.state = WAITING
         s.record.preemptions += 1
         self.preemptions += 1
+        self.queued_blocks[s.model] += -(-s.prefill_tokens // self.layout.block_size)
         self.waiting[s.model].appendleft(s)
 
     def complete(self, token: int, now: float) -> list[Seq]:
@@ -785,6 +816,7 @@ class SharingGroup:
         out = [s for m in self._models for s in self.waiting[m]]
         for m in self._models:
             self.waiting[m].clear()
+            self.queued_blocks[m] = 0
             keep = []
             for s in self.partial[m]:
                 if s.in_job:
@@ -861,6 +893,10 @@ class SharingGroup:
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
+        bs = lay.block_size
+        for m in self._models:
+            want = sum(-(-s.prefill_tokens // bs) for s in self.waiting[m])
+            assert self.queued_blocks[m] == want, (m, self.queued_blocks[m], want)
         assert self.held_share <= 1.0 + 1e-6, self.held_share
         if self.lanes:  # a pipeline: a lane per stage at most, one decode round
             assert self.lanes_in_flight() <= self.stages, self.lanes_in_flight()

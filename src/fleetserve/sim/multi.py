@@ -87,7 +87,7 @@ from fleetserve.sim.events import (
 )
 from fleetserve.sim.group import JobCost, SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kvlayout import make_layout
+from fleetserve.sim.kvlayout import HeadwiseLayout, make_layout
 from fleetserve.sim.migration import TOKEN_ID_BYTES
 from fleetserve.sim.multi_burst import BurstControl, check_burst
 from fleetserve.sim.seq import Seq
@@ -292,11 +292,12 @@ class HostView:
     A view is made when a request is dispatched and read at once.
     """
 
-    __slots__ = ("_g", "model")
+    __slots__ = ("_g", "_now", "model")
 
-    def __init__(self, group: SharingGroup, model: str) -> None:
+    def __init__(self, group: SharingGroup, model: str, now: float = 0.0) -> None:
         self._g = group
         self.model = model
+        self._now = now
 
     @property
     def id(self) -> int:
@@ -320,21 +321,37 @@ class HostView:
 
     @property
     def used_blocks(self) -> int:
+        """As of now (a macro job's blocks ahead not counted, as an instance)."""
         lay = self._g.layout
-        return lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model)
+        ahead = self._g.ahead_blocks(self.model, self._now)
+        return lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model) - ahead
 
     @property
     def free_blocks(self) -> int:
-        lay = self._g.layout
-        return lay.free_bytes_for(self.model) // lay.bytes_per_token_block(self.model)
+        """As of now: macro jobs' blocks ahead count as free, as an instance
+        counts them (the service's own; in a head-wise pool, every service's,
+        whose units any service can use)."""
+        g = self._g
+        lay = g.layout
+        per = lay.bytes_per_token_block(self.model)
+        if isinstance(lay, HeadwiseLayout):
+            ahead = sum(
+                g.ahead_blocks(m, self._now) * lay.bytes_per_token_block(m) for m in g.models
+            )
+            return (lay.free_bytes_for(self.model) + ahead) // per
+        return lay.free_bytes_for(self.model) // per + g.ahead_blocks(self.model, self._now)
 
     @property
     def reserved_blocks(self) -> int:
-        return 0
+        return self._g.queued_blocks[self.model]
 
     @property
     def available_blocks(self) -> int:
-        return self.free_blocks
+        """Free blocks less the queued prompts' and the admission watermark's,
+        as an instance counts them (since session 25: before, the free ones)."""
+        g = self._g
+        wm = g.watermark_tokens[self.model] // self.block_size
+        return self.free_blocks - self.reserved_blocks - wm
 
     @property
     def num_running(self) -> int:
@@ -674,7 +691,7 @@ class MultiSimulator:
         waking = [g for g in hosts if g.state == "loading"]
         state = ClusterState(block_size=self.cfg.block_size)
         for h in live or waking or hosts:
-            state.add(HostView(h, m))
+            state.add(HostView(h, m, now))
         action = self.dispatcher.dispatch(state, self.requests[seq.id], now, self.rng)
         if not isinstance(action, Dispatch):
             raise RuntimeError(f"dispatch among the hosts of {m} returned {action!r}")
