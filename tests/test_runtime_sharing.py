@@ -259,8 +259,18 @@ def test_serve_engines_read_the_simulators_engine_keys() -> None:
         core.submit(i, A, ids, SamplingParams(max_tokens=2, ignore_eos=True))
         while core.has_work():
             core.step()
-    prompt, hit = core.snapshot().prefix_tokens
+    snap = core.snapshot()
+    prompt, hit = snap.prefix_tokens
     assert prompt > 0 and hit >= 16 * (len(text) // 16 - 1)
+    # the controller's view leaves the watermark out of the available blocks
+    from fleetserve.runtime.views import LiveInstance
+
+    assert snap.watermark_blocks == core.engine.watermark_pages() > 0
+    view = LiveInstance(0, 0, A, snap)
+    per = snap.pages_per_block[A]
+    assert view.available_blocks == view.free_blocks - view.reserved_blocks - (
+        snap.watermark_blocks // per
+    )
     with pytest.raises(ConfigError, match="prefix_caching"):
         k = one(policy={"stack": "kunserve"}, engine={"prefix_caching": True})
         cluster.worker_specs(k, cluster.served_models(k))

@@ -109,7 +109,9 @@ class LiveInstance:
 
     @property
     def available_blocks(self) -> int:
-        return self.free_blocks - self.reserved_blocks
+        """Free, less the queued prompts' and the admission watermark's blocks
+        (as the simulated instance counts them)."""
+        return self.free_blocks - self.reserved_blocks - self._blocks(self.snap.watermark_blocks)
 
     def _snap_seqs(self) -> list[SeqSnap]:
         return [s for s in self.snap.seqs if s.model == self.model]

@@ -157,6 +157,7 @@ class WorkerSnap:
     kun_flips: int = 0  # live-exchange victims its groups flipped, cumulative
     group_jobs: tuple[int, int] = (0, 0)  # group jobs run alone, at once (spatial), cumulative
     prefill: tuple[int, float] = (0, 0.0)  # prompt tokens computed, seconds of those steps
+    watermark_blocks: int = 0  # KV pages admission keeps free (engine.watermark)
 
 
 @dataclass(frozen=True, slots=True)
@@ -943,6 +944,7 @@ class WorkerCore:
             total_blocks=pool.num_pages - weight_pages,
             used_blocks=kv_pages,
             free_blocks=pool.num_available - (weight_pages - held_pages),
+            watermark_blocks=int(e.watermark * (pool.num_pages - weight_pages)),
             pages_per_block={m: pool.pages_per_token_block(m) for m in e.models},
             num_running=len(e.running) + len(e.prefilling),
             num_waiting=len(e.waiting),
