@@ -70,7 +70,8 @@ bench-engine: $(STAMP)
 # 110 runs differ: fewer preemptions, docs/architecture.md "Still to do");
 # the single-model instance no longer re-admits a request it just preempted
 # before the others decode (results identical in every run, sim.events up by
-# <= 1%: one more event per such preemption);
+# <= 1%: one more event per such preemption); the multi-LLM world's dispatch
+# views count blocks as an instance does (3 vllm runs, round-robin);
 # session23.json.gz: against session22.json.gz, every single-model and KunServe
 # run gained gpus.lower_bound_kv and lower_bound_large, and lower_bound is now
 # the larger of the two per sample (changed in the 10 Azure runs of Mell's grid
