@@ -270,18 +270,20 @@ def test_a_world_refuses_the_sections_it_does_not_read(extra: dict[str, Any], ke
 
 
 @settings(max_examples=8, deadline=None)
-@example(seed=0, rate=40.0, gpus=6, mem_util=0.42)  # differed before session 25's views
+@example(seed=0, rate=40.0, gpus=6, mem_util=0.42, chunked=False)  # differed before
 @given(
     seed=st.integers(0, 10_000),
     rate=st.sampled_from([5.0, 20.0, 40.0]),
     gpus=st.sampled_from([3, 4, 6]),
     mem_util=st.sampled_from([0.42, 0.9]),
+    chunked=st.booleans(),
 )
 def test_vllm_is_one_system_in_both_worlds(
-    seed: int, rate: float, gpus: int, mem_util: float
+    seed: int, rate: float, gpus: int, mem_util: float, chunked: bool
 ) -> None:
     """Several models on dedicated GPUs (`vllm`: dedicated placement by rate,
-    round-robin dispatch that skips instances without room, FCFS): the
+    round-robin dispatch that skips instances without room, FCFS; chunked
+    prefill on or off): the
     single-model world (one ``Instance`` per GPU) and the multi-LLM world (one
     one-model group per GPU) give the same records, under memory pressure
     included. Session 25 made it so: one placement rule, and the groups' dispatch
@@ -303,6 +305,7 @@ def test_vllm_is_one_system_in_both_worlds(
             "model": models[0],
             "cluster": {"gpu": "a100-80gb", "gpus": gpus, "elastic": False, "mem_util": mem_util},
             "policy": {"stack": "vllm"},
+            "engine": {"chunked_prefill": chunked, "max_batched_tokens": 1024},
             "check_integrity": True,
         }
     )
@@ -313,7 +316,12 @@ def test_vllm_is_one_system_in_both_worlds(
         for m in models
     }
     settings_ = MultiRunSettings(
-        gpu="a100-80gb", n_gpus=gpus, mem_util=mem_util, check_integrity=True
+        gpu="a100-80gb",
+        n_gpus=gpus,
+        mem_util=mem_util,
+        check_integrity=True,
+        chunked_prefill=chunked,
+        max_batched_tokens=1024,
     )
     multi = run_multi_stack("vllm", svc, reqs, reqs, settings_)
     assert [_key(r) for r in one.records] == [_key(r) for r in multi.records]
