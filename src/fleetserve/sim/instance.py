@@ -282,7 +282,7 @@ class Instance:
         self._B = 0
         self._C: list[int] = []
         self._prefill: list[Seq] = []
-        self._preempted = False  # a mixed iteration preempted and admitted nothing
+        self._mixed_preempted = False  # the last mixed plan preempted and ran no chunk
         self.mig_in = 0  # blocks reserved for incoming KV copies (part of ``used``)
         self.mig_out = 0  # blocks held for detached outgoing requests (part of ``used``)
         self.mig_refs = 0  # migrations in flight that touch this instance
@@ -550,10 +550,12 @@ class Instance:
         if self._logs:
             self._changed()
         while True:
+            preempted = False
             if self.chunked and (self.waiting or self._prefilling):
                 end = self._start_mixed(now)
                 if end is not None:
                     return end
+                preempted = self._mixed_preempted
             elif self.waiting and self.pcache is not None:
                 cached = _CachedBudget(
                     self.total_blocks - self.used - self.watermark_blocks,
@@ -579,7 +581,7 @@ class Instance:
             if not self.running:
                 self.phase = IDLE
                 return None
-            end = self._start_decode(now)
+            end = self._start_decode(now, preempted)
             if end is not None:
                 return end
 
@@ -711,7 +713,7 @@ class Instance:
         # no admission in an iteration that preempted (vLLM's scheduler, and
         # the runtime engine's step): a victim is not re-admitted at once
         admit = not preempted
-        self._preempted = preempted and bool(self.waiting)  # a decode segment of one iteration
+        self._mixed_preempted = preempted
         B = len(self.running)
         cache = self.pcache
         if cache is not None:  # the decodes' blocks first, as vLLM allocates them
@@ -792,16 +794,15 @@ class Instance:
         for s in admitted:
             self.reserved_blocks -= blocks_for(s.prompt_tokens + s.gen_saved, self.block_size)
 
-    def _start_decode(self, now: float) -> float | None:
+    def _start_decode(self, now: float, preempted: bool = False) -> float | None:
         """Plan a decode segment. While the next iteration's blocks do not fit,
         the batching policy's victims are preempted, and the others decode in
         this same iteration (vLLM's scheduler: the running requests are
         scheduled after preempting as many as needed; a preempted request
-        waits at the head of the queue for a later boundary). Returns None
-        when every running request was preempted."""
+        waits at the head of the queue for a later boundary). ``preempted``:
+        the mixed plan at this boundary already preempted. Returns None when
+        every running request was preempted."""
         C, n_exh = self._growth()
-        preempted = self._preempted
-        self._preempted = False
         while n_exh == 0:
             self._preempt(self.policy.victim(self, list(self.running.values())))  # type: ignore[arg-type]
             preempted = True
