@@ -30,6 +30,18 @@ layout never over-commits (its check/commit pairs), and
 :meth:`SharingGroup.check_integrity` checks that every request is in exactly
 one place.
 
+Chunked prefill (``chunked_prefill``, FCFS and RR: the single-model
+instance's mixed iterations, so that a one-model group is that instance,
+``tests/test_one_model_worlds.py``). A job of a service with a prompt to start
+or to continue is one *mixed* iteration: every running request of that
+service decodes, then its partly prefilled prompts' next chunks, then the
+prompts the job admitted, within ``max_batched_tokens`` (a prompt needs one
+token of that budget to start; its KV is taken in full at admission, and the
+admission keeps free the blocks the iteration's decodes take, so an iteration
+that admits never preempts). A partly prefilled prompt holds its KV, is in no
+queue and counts as *ready* for the scheduler; it runs when its last chunk
+has run. Admission also keeps vLLM's watermark (``watermark``) free.
+
 Pipelined groups (KunServe's drop, :mod:`fleetserve.sim.multi_burst`) under a
 temporal scheduler run *prefill lanes* beside their decode round, as vLLM's
 pipeline-parallel engine does with its virtual engines (and as the KunServe
