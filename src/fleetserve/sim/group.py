@@ -108,7 +108,7 @@ class _GroupBudget:
     """Admission of prompts into one prefill job: memory (layout and quota),
     running-batch room, and the token budget (a lone prompt may exceed it)."""
 
-    __slots__ = ("group", "model", "seqs_left", "taken", "tokens_left")
+    __slots__ = ("group", "model", "reserve", "seqs_left", "taken", "tokens_left")
 
     def __init__(self, group: SharingGroup) -> None:
         self.group = group
@@ -116,6 +116,7 @@ class _GroupBudget:
         self.seqs_left = 0
         self.tokens_left = 0
         self.taken = 0
+        self.reserve = 0  # tokens kept free: the watermark (+ the decodes' growth, chunked)
 
     def fits(self, s: GroupSeq) -> bool:
         seq = cast(Seq, s)  # the scheduler got it from this group's state
@@ -123,6 +124,7 @@ class _GroupBudget:
         m = seq.model
         if self.model is None:
             self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
+            self.reserve = g.admission_reserve(m)
             if g.chunked:  # the mixed iteration's decodes and partial prompts come first
                 self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
         elif m != self.model:
@@ -135,7 +137,7 @@ class _GroupBudget:
                 return False
         elif self.taken and n > self.tokens_left:
             return False
-        return g.can_admit(seq, n)
+        return g.can_admit(seq, n, self.reserve)
 
     def take(self, s: GroupSeq) -> None:
         seq = cast(Seq, s)
@@ -356,18 +358,23 @@ class SharingGroup:
         empty pool, less the admission watermark)."""
         return self.layout.max_tokens(model) - self.watermark_tokens[model]
 
-    def can_admit(self, seq: Seq, tokens: int) -> bool:
-        """Whether a prompt of ``tokens`` tokens may be admitted now:
-        :meth:`can_hold`, with the watermark's token-blocks still free after it
-        (with chunked prefill, and the blocks the service's running requests
-        take in the same mixed iteration: so an iteration that admits never
-        preempts, and one that preempts admits nothing, as vLLM schedules)."""
-        m = seq.model
-        reserve = self.watermark_tokens[m]
+    def admission_reserve(self, model: str) -> int:
+        """Tokens (whole blocks) a prompt of ``model`` must leave free: the
+        watermark's, and with chunked prefill the blocks the service's running
+        requests take in the same mixed iteration (so an iteration that
+        admits never preempts, and one that preempts admits nothing, as vLLM
+        schedules). Fixed while one job's prompts are admitted."""
+        reserve = self.watermark_tokens[model]
         if self.chunked:
             bs = self.layout.block_size
-            reserve += bs * sum(1 for x in self.running[m].values() if x.kv_saved % bs == 0)
-        if reserve and not self.layout.can_grow(seq.id, m, tokens + reserve):
+            reserve += bs * sum(1 for x in self.running[model].values() if x.kv_saved % bs == 0)
+        return reserve
+
+    def can_admit(self, seq: Seq, tokens: int, reserve: int) -> bool:
+        """Whether a prompt of ``tokens`` tokens may be admitted now:
+        :meth:`can_hold`, with ``reserve`` tokens (:meth:`admission_reserve`)
+        still free after it."""
+        if reserve and not self.layout.can_grow(seq.id, seq.model, tokens + reserve):
             return False
         return self.can_hold(seq, tokens)
 
