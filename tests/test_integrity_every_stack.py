@@ -71,6 +71,38 @@ CASES += [(MULTI, n) for n in sorted(stacks_in(MULTI))]
 CASES += [(KUNSERVE, n) for n in sorted(stacks_in(KUNSERVE))]
 
 
+def _single(stack: str, reqs: list[Request], small: bool, **engine: Any) -> RunResult:
+    """The single-model world, integrity checks after every event."""
+    cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
+    if stack in ("mell", "llumnix") or not small:
+        cluster["elastic"] = True
+    else:
+        cluster.update(elastic=False, gpus=2)
+    data: dict[str, Any] = {
+        "model": MODEL,
+        "cluster": cluster,
+        "policy": {"stack": stack},
+        "check_integrity": True,
+    }
+    if engine:
+        data["engine"] = engine
+    return Simulator(config_from_dict(data), reqs).run()
+
+
+def _multi(stack: str, reqs: list[Request], small: bool, **settings_: Any) -> RunResult:
+    """The multi-LLM world, integrity checks after every event."""
+    run = MultiRunSettings(
+        gpu="a100-80gb",
+        n_gpus=2 if small else 4,
+        replacement=ReplacementConfig(initial_interval_s=4.0, min_interval_s=2.0),
+        keepalive_s=0.5,  # elastic stacks: groups sleep and wake within the run
+        processes=1,
+        check_integrity=True,
+        **settings_,
+    )
+    return run_multi_stack(stack, SERVICES, reqs, reqs, run)
+
+
 @pytest.mark.parametrize(("world", "stack"), CASES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=streams, small=st.booleans())
@@ -79,31 +111,10 @@ def test_every_stack_keeps_its_invariants_after_every_event(
 ) -> None:
     if world == SINGLE:
         reqs = _requests(items, (MODEL, MODEL))
-        cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
-        if stack in ("mell", "llumnix") or not small:
-            cluster["elastic"] = True
-        else:
-            cluster.update(elastic=False, gpus=2)
-        cfg = config_from_dict(
-            {
-                "model": MODEL,
-                "cluster": cluster,
-                "policy": {"stack": stack},
-                "check_integrity": True,
-            }
-        )
-        res = Simulator(cfg, reqs).run()
+        res = _single(stack, reqs, small)
     elif world == MULTI:
         reqs = _requests(items, ("a", "b"))
-        settings_ = MultiRunSettings(
-            gpu="a100-80gb",
-            n_gpus=2 if small else 4,
-            replacement=ReplacementConfig(initial_interval_s=4.0, min_interval_s=2.0),
-            keepalive_s=0.5,  # elastic stacks: groups sleep and wake within the run
-            processes=1,
-            check_integrity=True,
-        )
-        res = run_multi_stack(stack, SERVICES, reqs, reqs, settings_)
+        res = _multi(stack, reqs, small)
     else:
         reqs = _requests(items, (MODEL, MODEL))
         res = KunSimulator(
@@ -140,33 +151,15 @@ def test_every_stack_with_chunked_prefill_keeps_its_invariants(
 ) -> None:
     if world == SINGLE:
         reqs = _requests(items, (MODEL, MODEL))
-        cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
-        if stack in ("mell", "llumnix") or not small:
-            cluster["elastic"] = True
-        else:
-            cluster.update(elastic=False, gpus=2)
-        cfg = config_from_dict(
-            {
-                "model": MODEL,
-                "cluster": cluster,
-                "policy": {"stack": stack},
-                "engine": {"chunked_prefill": True, "max_batched_tokens": budget},
-                "check_integrity": True,
-            }
-        )
-        res = Simulator(cfg, reqs).run()
+        res = _single(stack, reqs, small, chunked_prefill=True, max_batched_tokens=budget)
     else:
         reqs = _requests(items, ("a", "b"))
-        settings_ = MultiRunSettings(
-            gpu="a100-80gb",
-            n_gpus=2 if small else 4,
+        res = _multi(
+            stack,
+            reqs,
+            small,
             mem_util=0.5 if small else 0.9,
-            replacement=ReplacementConfig(initial_interval_s=4.0, min_interval_s=2.0),
-            keepalive_s=0.5,
-            processes=1,
-            check_integrity=True,
             chunked_prefill=True,
             max_batched_tokens=budget,
         )
-        res = run_multi_stack(stack, SERVICES, reqs, reqs, settings_)
     _ends_once(res, len(reqs))

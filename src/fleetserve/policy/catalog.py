@@ -542,21 +542,9 @@ _SINGLE_ONLY_WHY = {
 }
 
 
-_KUN_OVERRIDES: tuple[str, ...] = (
-    "exchange",
-    "live_restore",
-    "strategy",
-    "static_stages",
-    "horizon_s",
-    "window_s",
-    "monitor_interval_s",
-    "restore_threshold",
-    "restore_min_s",
-    "restore_from",
-    "max_batch_slowdown",
-    "swap_max_out",
-)
-"""``kunserve`` fields the multi-LLM world reads (a stack with KunServe's drop)."""
+_KUN_OVERRIDES: tuple[str, ...] = tuple(f.name for f in fields(KunSettings))
+"""``kunserve`` fields the multi-LLM world reads: those overriding a stack's
+:class:`KunSettings` (KunServe's drop among sharing groups)."""
 _WORLD_SECTIONS: dict[str, dict[str, tuple[str, ...]]] = {
     SINGLE: {"multi": (), "fleet": (), "kunserve": ()},
     MULTI: {"kunserve": _KUN_OVERRIDES},

@@ -764,21 +764,11 @@ class SharingGroup:
             return self._mixed_done(job, seqs, chunks, start, now)
         done: list[Seq] = []
         live: list[Seq] = []
-        run = self.running[job.model]
         for s in seqs:
             s.in_job = False
-            s.gen_saved += 1
-            rec = s.record
             if job.phase == PREFILL:
-                run[s.id] = s
-                s.state = RUNNING
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
-            if s.gen_saved >= s.output_tokens:
-                self._finish(s, now)
-                done.append(s)
-            else:
-                live.append(s)
+                self._now_running(s, now)
+            self._emitted(s, now, done, live)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
 
@@ -790,7 +780,6 @@ class SharingGroup:
         runs (or finishes)."""
         m = job.model
         chunked = {id(s): n for s, n in chunks}
-        run = self.running[m]
         part = self.partial[m]
         done: list[Seq] = []
         live: list[Seq] = []
@@ -803,18 +792,26 @@ class SharingGroup:
                     live.append(s)
                     continue
                 part.remove(s)
-                run[s.id] = s
-                s.state = RUNNING
-                if s.record.first_token_s is None:
-                    s.record.first_token_s = now
-            s.gen_saved += 1
-            if s.gen_saved >= s.output_tokens:
-                self._finish(s, now)
-                done.append(s)
-            else:
-                live.append(s)
+                self._now_running(s, now)
+            self._emitted(s, now, done, live)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
+
+    def _now_running(self, s: Seq, now: float) -> None:
+        """``s``'s (re)prefill ended at ``now``: it runs (first token recorded)."""
+        self.running[s.model][s.id] = s
+        s.state = RUNNING
+        if s.record.first_token_s is None:
+            s.record.first_token_s = now
+
+    def _emitted(self, s: Seq, now: float, done: list[Seq], live: list[Seq]) -> None:
+        """``s`` emitted a token at ``now``: into ``done`` (finished) or ``live``."""
+        s.gen_saved += 1
+        if s.gen_saved >= s.output_tokens:
+            self._finish(s, now)
+            done.append(s)
+        else:
+            live.append(s)
 
     def _finish(self, s: Seq, now: float) -> None:
         self.layout.free(s.id)

@@ -1379,7 +1379,7 @@ class Engine:
             chunks[r.id] = n = min(len(r.tokens) - r.n_cached, left)
             pre.append(r)
             left -= n
-        if len(pre) < len(admitted) or any(r not in pre for r in admitted):
+        if any(r not in pre for r in admitted):
             raise RuntimeError(f"engine {self.engine_id}: a prompt admitted past the budget")
         self.prefilling += admitted
         return pre, decodes, chunks
