@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from fleetserve.runtime.engine import engine as engine_module
-from fleetserve.runtime.engine.engine import Engine
+from fleetserve.runtime.engine.engine import DECODE_GRAPH_MODES, Engine
 from fleetserve.runtime.engine.sampling import SamplingParams
 from fleetserve.runtime.engine.weights import load_weight_source, save_checkpoint
 
@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--attention", default="gather", choices=["gather", "flex"], help="engine attention"
     )
+    ap.add_argument(
+        "--decode-graphs",
+        default="auto",
+        choices=DECODE_GRAPH_MODES,
+        help="engine decode steps: CUDA graphs (capture), eager (off); auto: capture on CUDA",
+    )
     ap.add_argument("--out", help=f"JSON to write (default {OUT_JSON.relative_to(ROOT)})")
     ap.add_argument(
         "--dtype", default="float32", choices=sorted(DTYPES), help="both systems' weights and KV"
@@ -194,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"engine vs HF generate: prompts uniform in [{args.min_prompt}, {args.max_prompt}] "
         f"tokens, {n_new} new tokens, greedy {args.dtype} on {device} (engine attention "
-        f"{args.attention}), {args.threads} thread(s), best of {args.runs}"
+        f"{args.attention}, decode graphs {args.decode_graphs}), {args.threads} thread(s), "
+        f"best of {args.runs}"
     )
     engine_file = Path(engine_module.__file__ or "")
     engine_sha = hashlib.sha256(engine_file.read_bytes()).hexdigest()[:12]
@@ -205,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             src = load_weight_source(name)
             folder = save_checkpoint(Path(tmp) / name, src)
             hf = load_hf(folder, device, dtype)
-            eng = Engine([src], ARENA_BYTES, device=device, dtype=dtype, attention=args.attention)
+            eng = Engine(
+                [src],
+                ARENA_BYTES,
+                device=device,
+                dtype=dtype,
+                attention=args.attention,
+                decode_graphs=args.decode_graphs,
+            )
             warm = make_prompts(2, 8, 32, seed=999)
             run_engine(eng, name, warm, 4)
             run_hf(hf, warm, 4)
@@ -279,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
                 "dtype": args.dtype,
                 "attention": args.attention,
+                "decode_graphs": args.decode_graphs,
                 "max_new_tokens": n_new,
                 "prompt_range": [args.min_prompt, args.max_prompt],
                 "rows": rows,

@@ -58,6 +58,7 @@ from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, Job, ServiceStats
 from fleetserve.runtime.engine import paged_cpu
 from fleetserve.runtime.engine.config import EngineModelConfig
+from fleetserve.runtime.engine.decode_graphs import DecodeGraphs, gather_decode, gather_kv
 from fleetserve.runtime.engine.group import JobBudget, StateView
 from fleetserve.runtime.engine.kvpool import KVPool, PoolFull
 from fleetserve.runtime.engine.migration import (
@@ -212,6 +213,7 @@ class AttnGroup:
 
 
 ATTENTION_MODES = ("auto", "paged", "gather", "flex")
+DECODE_GRAPH_MODES = ("auto", "capture", "static", "off")
 _GROUP_MIN = 8  # a decode bucket takes this many requests before it may close
 
 
@@ -479,6 +481,16 @@ class Engine:
             default: on a 2-core CPU it measured faster, docs/runtime-parity.md),
             one after another on all threads. CPU only, not with
             ``attention="flex"``.
+        decode_graphs: how a step in which every request of a model decodes
+            one token runs (:mod:`~fleetserve.runtime.engine.decode_graphs`):
+
+            - ``capture``: as a replay of a CUDA graph captured per batch and
+              context bucket (CUDA, ``gather`` attention);
+            - ``static``: the same padded static step run eagerly, on any
+              device (what a replay computes; for checks);
+            - ``off``: the eager step (:meth:`_attend`'s buckets);
+            - ``auto`` (default): ``capture`` on CUDA with ``gather``
+              attention, else ``off``.
     """
 
     def __init__(
@@ -500,12 +512,17 @@ class Engine:
         engine_id: int = 0,
         attention: str = "auto",
         spatial_shares: bool = False,
+        decode_graphs: str = "auto",
     ) -> None:
         if not models:
             raise ConfigError("an engine needs at least one model")
         if attention not in ATTENTION_MODES:
             raise ConfigError(
                 f"attention {attention!r}: expected one of {', '.join(ATTENTION_MODES)}"
+            )
+        if decode_graphs not in DECODE_GRAPH_MODES:
+            raise ConfigError(
+                f"decode_graphs {decode_graphs!r}: expected one of {', '.join(DECODE_GRAPH_MODES)}"
             )
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -559,6 +576,7 @@ class Engine:
         hd = max(s.cfg.spec.head_dim for s, _ in srcs)
         self.pool = KVPool(arena_bytes, block_size, hd, dtype, self.device)
         self.attention = attention
+        self._graphs = self._decode_graphs(decode_graphs)
         self._flex: PagedFlex | None = None
         self._flex_models: set[str] = set()
         self._flex_step: tuple[Batch, FlexStep] | None = None
@@ -586,6 +604,23 @@ class Engine:
         if not paged_cpu.available():
             return "numba is not installed (pip install 'fleetserve[engine]')"
         return ""
+
+    def _decode_graphs(self, mode: str) -> DecodeGraphs | None:
+        cuda = self.device.type == "cuda"
+        if mode == "auto":
+            mode = "capture" if cuda and self.attention == "gather" else "off"
+        if mode == "off":
+            return None
+        if mode == "capture" and not cuda:
+            raise ConfigError(f"decode_graphs 'capture' needs a CUDA device, not {self.device}")
+        if self.attention == "flex":
+            raise ConfigError(f"decode_graphs {mode!r} runs the gather path, not attention 'flex'")
+        return DecodeGraphs(self.device, capture=mode == "capture")
+
+    def _weights_moved(self) -> None:
+        """Weights or the arena changed place: captured decode steps are stale."""
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def _choose_attention(self, name: str, head_dim: int) -> None:
         if self.attention != "flex":
@@ -649,6 +684,7 @@ class Engine:
         if layer not in m.layers:
             raise ValueError(f"model {model!r}: layer {layer} is not held")
         del m.layers[layer]
+        self._weights_moved()
         return self.pool.free_weights(f"{model}/{layer}") * self.pool.page_bytes
 
     def can_restore_layer(self, model: str) -> bool:
@@ -671,6 +707,7 @@ class Engine:
         fuse_views(views)  # qkv and gate_up: views of the same pages
         pack_views(views)  # CPU float32: oneDNN-packed copies for the GEMMs
         m.layers[layer] = views
+        self._weights_moved()
 
     # ------------------------------------------------- re-placement (SeaLLM)
     def load_model(
@@ -733,6 +770,7 @@ class Engine:
         for t in (m.embed, m.norm, m.lm_head):
             freed += t.numel() * t.element_size()
         del self.models[name]
+        self._weights_moved()
         self._flex_models.discard(name)
         self.pool.forget_cached(name)
         if self.group is not None:
@@ -769,6 +807,7 @@ class Engine:
             empty = torch.empty(0, dtype=self.dtype, device=self.device)
             m.embed = m.norm = m.lm_head = empty
         pool.release_arena()
+        self._weights_moved()
         self._asleep = held
         return freed
 
@@ -791,6 +830,7 @@ class Engine:
             return 0.0
         t0 = time.perf_counter()
         self.pool.acquire_arena()
+        self._weights_moved()
         dev, dt = self.device, self.dtype
         for name, layers in held.items():
             m = self.models[name]
@@ -1488,7 +1528,22 @@ class Engine:
         token_ids: Sequence[int],
     ) -> torch.Tensor:
         """Embed, run every layer (local KV), head: logits [B, V] of each
-        request's last new token. Tables must already hold the tokens."""
+        request's last new token. Tables must already hold the tokens.
+
+        A step in which every request decodes one token runs as a captured
+        decode step when the engine has them (``decode_graphs``)."""
+        m = self.models[model]
+        n_layers = m.cfg.spec.num_layers
+        if (
+            self._graphs is not None
+            and len(m.layers) == n_layers
+            and all(n == 1 for n in lens)
+            and all(s > 0 for s in starts)
+        ):
+            self._check_tables(rids, range(n_layers))
+            kv = self.pool.kv(model)
+            tables = [self.pool.table(r) for r in rids]
+            return self._graphs.run(model, m, kv, tables, starts, token_ids)
         batch = Batch.build(model, rids, starts, lens, self.device)
         h = self.embed(model, token_ids)
         h = self.run_layers(batch, h, range(self.models[model].cfg.spec.num_layers))
@@ -1555,15 +1610,12 @@ class Engine:
             batch, self._tables(batch, (layer,)), layer, q.to(dev), k.to(dev), v.to(dev)
         )
 
-    def _tables(self, batch: Batch, layers: Iterable[int]) -> torch.Tensor:
-        """Padded block tables [B, max_tb, num_layers, kv_heads] (-1 -> page 0).
-
-        Every request must have a table here holding ``layers``: a missing
-        layer would read as page 0 and write its K/V over another's pages.
-        """
+    def _check_tables(self, rids: Iterable[int], layers: Iterable[int]) -> None:
+        """Every request must have a table here holding ``layers``: a missing
+        layer would read as page 0 and write its K/V over another's pages."""
         pool = self.pool
         need = set(layers)
-        for r in batch.rids:
+        for r in rids:
             if not pool.has(r):
                 raise FleetserveError(f"engine {self.engine_id}: request {r} has no KV here")
             lack = need.difference(pool.layers(r))
@@ -1572,6 +1624,12 @@ class Engine:
                     f"engine {self.engine_id}: the KV table of request {r} lacks layers "
                     f"{sorted(lack)} (it holds {list(pool.layers(r))})"
                 )
+
+    def _tables(self, batch: Batch, layers: Iterable[int]) -> torch.Tensor:
+        """Padded block tables [B, max_tb, num_layers, kv_heads] (-1 -> page 0)
+        of the batch's requests (:meth:`_check_tables`)."""
+        self._check_tables(batch.rids, layers)
+        pool = self.pool
         max_tb = -(-batch.max_ctx // pool.block_size)
         tabs = [pool.table(r) for r in batch.rids]
         out = torch.full((len(tabs), max_tb, *tabs[0].shape[1:]), -1, dtype=torch.int64)
@@ -1644,19 +1702,11 @@ class Engine:
             if paged and q_len == 1:
                 continue  # done above
             ntb = -(-ctx // bs)
-            flat = tab[g.idx, :ntb].transpose(1, 2).reshape(-1)
-            shape = (n, nkv, ntb * bs, d)
-            keys = kv[:, 0].index_select(0, flat).view(shape)[:, :, :ctx]
-            vals = kv[:, 1].index_select(0, flat).view(shape)[:, :, :ctx]
-            if q_len == 1:
-                # decodes: plain matmul-softmax-matmul, the query heads of one KV
-                # head side by side (measured ~30% faster than CPU SDPA for one query)
-                qg = q[g.rows].view(n, nkv, nh // nkv, d)
-                sc = torch.matmul(qg, keys.transpose(-1, -2)).mul_(d**-0.5)
-                sc.masked_fill_(~g.mask.view(n, 1, 1, ctx), float("-inf"))
-                a = torch.matmul(torch.softmax(sc, dim=-1), vals)
-                out[g.rows] = a.reshape(n, nh * d)
+            if q_len == 1:  # decodes
+                valid = g.mask.view(n, ctx)
+                out[g.rows] = gather_decode(q[g.rows], kv, tab[g.idx, :ntb], valid, nh, nkv, d)
                 continue
+            keys, vals = gather_kv(kv, tab[g.idx, :ntb], ctx)
             qp = q.new_zeros(n, q_len, nh, d)
             qp[g.g_b, g.g_t] = q[g.rows]
             a = attention_padded(qp.transpose(1, 2), keys, vals, g.mask)
