@@ -72,9 +72,9 @@ def test_the_static_step_gives_the_eager_steps_tokens(
 ) -> None:
     eager, static = engines
     ps = prompts(n, lo, lo + span, seed)
-    before = static._graphs.replays  # type: ignore[union-attr]
+    before = static._graphs.eager_steps  # type: ignore[union-attr]
     assert run(static, model, ps, n_new) == run(eager, model, ps, n_new)
-    assert static._graphs.replays > before  # type: ignore[union-attr]
+    assert static._graphs.eager_steps > before  # type: ignore[union-attr]
     assert eager._graphs is None
 
 
@@ -127,6 +127,28 @@ def test_bad_modes_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="not attention 'flex'"):
         Engine([A], 48 * MiB, decode_graphs="static", attention="flex")
     assert Engine([A], 48 * MiB)._graphs is None  # auto on a CPU: off
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_gives_up_after_three(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    eng = Engine([A], 48 * MiB, decode_graphs="static", attention="gather")
+    ref = Engine([A], 48 * MiB, decode_graphs="off", attention="gather")
+    dg = eng._graphs
+    assert dg is not None
+    tries: list[int] = []
+
+    def broken(g: object, fn: object) -> None:
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    dg.capture = True  # as on CUDA, with a capture that always fails
+    monkeypatch.setattr(dg, "_capture", broken)
+    ps = [[11, 12, 13, 14, 15]]  # 5 + 10 tokens: every step in one bucket (1 request, 1 block)
+    p = SamplingParams(max_tokens=10, ignore_eos=True)
+    assert eng.generate(A, ps, p) == ref.generate(A, ps, p)
+    assert len(tries) == 3  # then the bucket stays eager
+    assert dg.replays == 0 and dg.eager_steps == 9
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ what a replay computes, checkable on a CPU (the engine's
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ import torch.nn.functional as F
 from fleetserve.runtime.engine.model import mlp_residual, out_residual, qkv, rms_norm
 
 __all__ = ["DecodeGraphs", "gather_decode", "gather_kv", "pow2_at_least"]
+
+logger = logging.getLogger(__name__)
+_MAX_FAILURES = 3  # capture tries of one bucket before its steps stay eager
 
 
 def pow2_at_least(n: int) -> int:
@@ -112,6 +116,7 @@ class _Graph:
     src: torch.Tensor  # [B] int64: the row whose K/V each row writes
     graph: Any = None
     logits: torch.Tensor | None = None
+    failures: int = 0  # captures that failed (the step then ran eagerly)
 
 
 def decode_step(m: Any, kv: torch.Tensor, g: _Graph) -> torch.Tensor:
@@ -163,7 +168,8 @@ class DecodeGraphs:
         self._graphs: OrderedDict[tuple[str, int, int], _Graph] = OrderedDict()
         self._pool: Any = None
         self.captured = 0  # graphs captured, cumulative
-        self.replays = 0  # steps run from a graph (or statically), cumulative
+        self.replays = 0  # steps run as a replay, cumulative
+        self.eager_steps = 0  # static steps run eagerly (no graph), cumulative
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -211,12 +217,13 @@ class DecodeGraphs:
         g.pos.copy_(pos, non_blocking=True)
         g.tab.copy_(tab, non_blocking=True)
         g.src.copy_(src, non_blocking=True)
-        self.replays += 1
-        if not self.capture:
+        if self.capture and g.graph is None and g.failures < _MAX_FAILURES:
+            self._try_capture(g, lambda: decode_step(m, kv, g))
+        if g.graph is None:
+            self.eager_steps += 1
             out = decode_step(m, kv, g)
         else:
-            if g.graph is None:
-                self._capture(g, lambda: decode_step(m, kv, g))
+            self.replays += 1
             g.graph.replay()
             assert g.logits is not None
             out = g.logits
@@ -241,6 +248,23 @@ class DecodeGraphs:
             self._graphs.popitem(last=False)
         return g
 
+    def _try_capture(self, g: _Graph, fn: Callable[[], torch.Tensor]) -> None:
+        """Capture ``g``; when the capture fails (another thread's work on the
+        legacy stream can invalidate it), log it and leave the bucket without
+        a graph: its steps run eagerly, and it is tried again at most
+        ``_MAX_FAILURES`` times in all."""
+        try:
+            self._capture(g, fn)
+        except RuntimeError as e:
+            g.failures += 1
+            g.graph = g.logits = None
+            logger.warning(
+                "decode step capture failed (%d of %d tries), running it eagerly: %s",
+                g.failures,
+                _MAX_FAILURES,
+                e,
+            )
+
     def _capture(self, g: _Graph, fn: Callable[[], torch.Tensor]) -> None:
         """Warm up on a side stream (cuBLAS handles, the allocator), then capture.
 
@@ -256,7 +280,8 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another engine thread (remote attention) may use the GPU meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.logits = fn()
         g.graph = graph
         self.captured += 1
