@@ -61,6 +61,7 @@ from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_poli
 from fleetserve.policy.mechanism import MODES
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
+from fleetserve.sim.group_instance import GroupInstance
 from fleetserve.sim.instance import IDLE, Instance, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
@@ -133,6 +134,7 @@ class Simulator:
         progress_every: int = 4096,
         placement: Sequence[str] | None = None,
         on_iteration_end: Callable[[Instance, float], None] | None = None,
+        one_model_groups: bool = False,
     ) -> None:
         self.cfg = config
         self._placement = tuple(placement) if placement is not None else None
@@ -154,6 +156,22 @@ class Simulator:
         self.memory = MEMORY.get(pn["memory"]).from_config(config)
         self.migration = MIGRATION.get(pn["migration"]).from_config(config)
         self.migration.attach(self.dispatcher)
+        self.one_model_groups = one_model_groups
+        if one_model_groups:
+            why = [
+                w
+                for w, bad in (
+                    (f"migration policy {pn['migration']!r}", pn["migration"] != "none"),
+                    ("engine.prefix_caching", config.engine.prefix_caching),
+                    ("an iteration observer", on_iteration_end is not None),
+                )
+                if bad
+            ]
+            if why:
+                raise ConfigError(
+                    "one_model_groups (instances as one-model sharing groups) does not "
+                    f"model {', '.join(why)} yet"
+                )
 
         # Models, their instances' KV capacity, and the per-request feasibility limit.
         names = sorted({r.model for r in self.requests} or {config.model})
@@ -247,6 +265,28 @@ class Simulator:
         cl = self.cfg.cluster
         eng = self.cfg.engine
         gpus = self.pool.allocate(cl.tp, now)
+        if self.one_model_groups:
+            return self._add_instance(
+                GroupInstance(
+                    self._next_iid,
+                    model,
+                    self.specs[model],
+                    gpus,
+                    cl.tp,
+                    self.blocks[model],
+                    cl.block_size,
+                    self.costs[model],
+                    self.batching_name,
+                    self.clock,
+                    max_num_seqs=eng.max_num_seqs,
+                    max_batched_tokens=eng.max_batched_tokens,
+                    watermark=eng.watermark,
+                    macro_steps=self.cfg.macro_steps,
+                    chunked_prefill=eng.chunked_prefill,
+                ),
+                now,
+                load,
+            )
         inst = Instance(
             self._next_iid,
             model,
@@ -265,6 +305,11 @@ class Simulator:
             prefix_caching=eng.prefix_caching,
             prefix_stats=self.prefix_stats,
         )
+        return self._add_instance(inst, now, load)
+
+    def _add_instance(self, inst: Any, now: float, load: bool) -> Instance:
+        cl = self.cfg.cluster
+        model = inst.model
         self._next_iid += 1
         if load and cl.activation_s > 0:
             inst.ready_s = now + cl.activation_s
@@ -576,7 +621,7 @@ class Simulator:
                 cap += inst.total_blocks * bb
                 demand += (u + inst.reserved_blocks) * bb
                 queued += len(inst.waiting)
-                running += len(inst.running) + len(inst._prefill) + len(inst._prefilling)
+                running += len(inst.running) + len(inst.prefilling())
         queued += len(self.held) + len(self.mig.transit)
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 

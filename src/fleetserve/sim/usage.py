@@ -29,14 +29,11 @@ at the next grid sample when the cluster is large again.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from fleetserve.sim.instance import DECODE
-
-if TYPE_CHECKING:
-    from fleetserve.sim.instance import Instance
+from fleetserve.sim.instance import DECODE, Instance
 
 TOTALS_FROM = 16
 """Instances from which samples use the kept totals (below half of it they
@@ -166,6 +163,9 @@ class UsageTotals:
         return self.g0 + bisect_left(times, t, self.cur - self.g0)
 
     def _snap(self, inst: Instance, bb: int) -> None:
+        if not isinstance(inst, Instance):
+            self._snap_group(inst, bb)
+            return
         s = _Snap()
         used = inst.used
         if inst.phase >= DECODE:
@@ -183,11 +183,30 @@ class UsageTotals:
                 d = (grown - end_growth) * bb
                 self.delta[a:b] += d
                 s.start, s.delta = self.cur, d
-        s.used = used * bb
+        s.running = len(inst.running) + len(inst._prefill) + len(inst._prefilling)
+        self._add_snap(inst, s, used * bb, bb)
+
+    def _snap_group(self, inst: Any, bb: int) -> None:
+        """A one-model group's snapshot (:class:`~fleetserve.sim.group_instance.GroupInstance`):
+        the blocks at its job's end, less those held ahead of each grid time
+        before it."""
+        s = _Snap()
+        used, end, ahead = inst.usage_segment()
+        if end is not None:
+            stop = self._grid_until(end)
+            if stop > self.cur:
+                a, b = self.cur - self.g0, stop - self.g0
+                d = -ahead(np.array(self.times[a:b])) * bb
+                self.delta[a:b] += d
+                s.start, s.delta = self.cur, d
+        s.running = len(inst.running) + len(inst.prefilling())
+        self._add_snap(inst, s, used * bb, bb)
+
+    def _add_snap(self, inst: Any, s: _Snap, used: int, bb: int) -> None:
+        s.used = used
         s.reserved = inst.reserved_blocks * bb
         s.cap = inst.total_blocks * bb
         s.queued = len(inst.waiting)
-        s.running = len(inst.running) + len(inst._prefill) + len(inst._prefilling)
         self.snaps[inst.id] = s
         self.used += s.used
         self.reserved += s.reserved

@@ -1,0 +1,280 @@
+"""A one-model sharing group behind the single-model simulator's instance
+protocol: the next step of issue 21's "one instance model".
+
+The single-model world (:class:`~fleetserve.sim.simulator.Simulator`) keeps
+one :class:`~fleetserve.sim.instance.Instance` per GPU (group) and drives it
+with a small protocol: ``enqueue``/``schedule``/``truncate`` return the end of
+the iteration in flight (pushed as an ``ITER_END`` event for ``version``),
+``complete`` ends it and returns the requests that finished, and the dispatch
+policies, the cluster index (:mod:`fleetserve.cluster.index`) and the usage
+totals (:mod:`fleetserve.sim.usage`) read lazy "as of now" views between
+events. :class:`GroupInstance` speaks that protocol over a one-model
+:class:`~fleetserve.sim.group.SharingGroup` (partitioned layout, the group
+scheduler of the same name as the batching policy: FCFS or RR):
+
+- **Events.** A one-model group under a temporal scheduler has at most one job
+  in flight, so its job token is the instance's ``version``: a job cut short
+  (``truncate``) gets a new token and the old event is stale, as an
+  instance's truncated segment gets a new version.
+- **Views.** :class:`~fleetserve.sim.multi.HostView`, the multi-LLM world's
+  dispatch view, counts blocks as an instance does (a macro job's blocks
+  allocated ahead of now count as free). ``avail_bounds`` bounds it until the
+  next change report: it only falls while a macro job runs, down to the
+  job's end.
+- **Change reports.** Every protocol call reports the instance to the logs it
+  is tracked by (conservative: the group changes at every call).
+- **Usage totals.** :meth:`GroupInstance.usage_segment` gives the blocks at
+  the end of the job in flight, its end, and the blocks held ahead of any
+  time before it, which the totals subtract at their grid times.
+- **Activation.** An instance activated during a run waits for its weights
+  (``ready_s``): the group is ``loading`` and starts no job until then.
+
+Requests keep the group's *explicit* token counts (``kv_saved``, ``gen_saved``,
+updated at job ends), where an instance keeps its running requests *bound* to
+its step counter; a policy that reads a running request's tokens in the middle
+of a macro segment would see the counts at the segment's start. The stacks the
+switch accepts read none (their dispatch reads the instance views above).
+
+Behind a switch (``Simulator(..., one_model_groups=True)``), for the stacks
+without migration (``vllm``, ``bf``, ``wf``, ``ll``) and without prefix
+caching; ``tests/test_group_instance.py`` checks that their records, time
+series and events equal the instance's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fleetserve.errors import ConfigError
+from fleetserve.policy.sharing import BATCHING, PREFILL, GroupScheduler
+from fleetserve.sim.group import SharingGroup
+from fleetserve.sim.kvlayout import make_layout
+from fleetserve.sim.multi import HostView
+from fleetserve.sim.seq import Seq
+
+if TYPE_CHECKING:
+    from fleetserve.cluster.state import SeqView
+    from fleetserve.costmodel import InstanceCost
+    from fleetserve.sim.instance import SimClock
+    from fleetserve.spec import ModelSpec
+
+__all__ = ["GroupInstance"]
+
+IDLE, BUSY = 0, 1  # ``phase``: the instance's IDLE, and any job in flight
+
+
+class GroupInstance:
+    """One model on one GPU (group) as a one-model sharing group (see the
+    module docstring). The arguments are :class:`~fleetserve.sim.instance.Instance`'s,
+    with the model's shape (``spec``) and the batching policy by name."""
+
+    def __init__(
+        self,
+        iid: int,
+        model: str,
+        spec: ModelSpec,
+        gpus: tuple[int, ...],
+        tp: int,
+        total_blocks: int,
+        block_size: int,
+        cost: InstanceCost,
+        batching: str,
+        clock: SimClock,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        watermark: float,
+        macro_steps: bool,
+        chunked_prefill: bool = False,
+    ) -> None:
+        sched: GroupScheduler = BATCHING.get(batching)()
+        if not sched.one_model:
+            raise ConfigError(
+                f"batching {batching!r} has no one-model case (fcfs and rr have): "
+                "a single-model instance cannot run it as a group"
+            )
+        kv = total_blocks * block_size * spec.kv_bytes_per_token
+        layout = make_layout("partitioned", kv, {model: spec}, block_size)
+        if layout.max_tokens(model) != total_blocks * block_size:  # pragma: no cover
+            raise RuntimeError(f"{model}: the group's layout does not hold {total_blocks} blocks")
+        sched.setup({}, kv)
+        self.group = SharingGroup(
+            iid,
+            gpus,
+            tp,
+            {model: cost},
+            layout,
+            sched,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            macro_steps=macro_steps,
+            watermark=watermark,
+            chunked_prefill=chunked_prefill,
+        )
+        self.id = iid
+        self.model = model
+        self.gpus = gpus
+        self.tp = tp
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self.cost = cost
+        self.clock = clock
+        self._ready_s = 0.0
+        self.version = -1  # the token of the job in flight (its ITER_END's version)
+        # the migration fields the simulator reads (no migration here)
+        self.mig_refs = self.mig_in = self.mig_out = 0
+        self.copy_load = 0.0
+        self.preempted_migrating: list[Seq] = []
+        self._logs: list[dict[int, Any]] = []
+
+    # ---------------------------------------------------------- activation
+    @property
+    def ready_s(self) -> float:
+        """Loading its weights until then (``cluster.activation_s``)."""
+        return self._ready_s
+
+    @ready_s.setter
+    def ready_s(self, t: float) -> None:
+        self._ready_s = t
+        if t > self.clock.now:
+            self.group.state = "loading"
+
+    # ------------------------------------------------------------------ view
+    def _view(self) -> HostView:
+        return HostView(self.group, self.model, self.clock.now)
+
+    @property
+    def phase(self) -> int:
+        return BUSY if self.group.jobs else IDLE
+
+    @property
+    def used_blocks(self) -> int:
+        return self._view().used_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.used_blocks
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.group.queued_blocks[self.model]
+
+    @property
+    def available_blocks(self) -> int:
+        return self._view().available_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.group.running[self.model])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.group.waiting[self.model])
+
+    @property
+    def decode_steps(self) -> int:
+        return 0
+
+    @property
+    def idle(self) -> bool:
+        return self.group.idle
+
+    @property
+    def waiting(self) -> Any:
+        return self.group.waiting[self.model]
+
+    @property
+    def running(self) -> dict[int, Seq]:
+        return self.group.running[self.model]
+
+    def prefilling(self) -> list[Seq]:
+        """Requests admitted whose prefill has not completed: in a prefill job,
+        or partly prefilled (chunked prefill)."""
+        g = self.group
+        out = list(g.partial[self.model])
+        for token, (job, seqs, _, _) in g.jobs.items():
+            if job.phase == PREFILL and token not in g._chunks:
+                out += seqs
+        return out
+
+    def seqs(self) -> list[SeqView]:
+        return [*self.running.values(), *self.prefilling(), *self.waiting]
+
+    def avail_bounds(self) -> tuple[int, int]:
+        """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` its value
+        when the macro job in flight ends (its blocks ahead then held)."""
+        hi = self.available_blocks
+        return hi - self.group.ahead_blocks(self.model, self.clock.now), hi
+
+    def usage_segment(self) -> tuple[int, float | None, Callable[[np.ndarray], np.ndarray]]:
+        """For the usage totals: ``(blocks, end, ahead)``: the blocks held when
+        the job in flight ends (the layout's now), that end (None: no macro
+        job), and ``ahead(times)``, the blocks held ahead of each time before it."""
+        g = self.group
+        lay = g.layout
+        blocks = lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model)
+        macro = [(tok, ends) for tok, ends in g._ends.items()]
+        if not macro:
+            return blocks, None, lambda t: np.zeros(len(t), dtype=np.int64)
+        ((token, ends),) = macro
+        kv0 = np.array([s.kv_saved - 1 for s in g.jobs[token][1]], dtype=np.int64)
+        k = len(ends)
+        bs = self.block_size
+
+        def ahead(times: np.ndarray) -> np.ndarray:
+            j = ends.searchsorted(times, side="right")
+            steps = np.minimum(j + 1, k)
+            held = -(-(kv0[None, :] + steps[:, None]) // bs)
+            return np.asarray((-(-(kv0 + k) // bs)).sum() - held.sum(axis=1), dtype=np.int64)
+
+        return blocks, float(ends[-1]), ahead
+
+    # ------------------------------------------------------ change reports
+    def track(self, log: dict[int, Any]) -> None:
+        self._logs.append(log)
+
+    def untrack(self, log: dict[int, Any]) -> None:
+        self._logs = [g for g in self._logs if g is not log]
+
+    def _changed(self) -> None:
+        for log in self._logs:
+            log[self.id] = self
+
+    def _started(self, evs: list[tuple[float, int]]) -> float | None:
+        """The end of the job ``evs`` started (one at most: a temporal one-model
+        group runs one job at a time); it becomes the instance's version."""
+        self._changed()
+        if not evs:
+            return None
+        if len(evs) > 1:  # pragma: no cover - a one-model temporal group
+            raise RuntimeError(f"instance {self.id}: {len(evs)} jobs started at once")
+        end, token = evs[0]
+        self.version = token
+        return end
+
+    # -------------------------------------------------------------- actions
+    def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> float | None:
+        """Queue a request; the end of a job it started or cut short, if any."""
+        return self._started(self.group.enqueue(seq, now, head=head))
+
+    def truncate(self, now: float) -> float | None:
+        return self._started(self.group.truncate(now))
+
+    def schedule(self, now: float) -> float | None:
+        """Start the next job (none while loading); its end, if any."""
+        g = self.group
+        if g.state == "loading" and now >= self._ready_s:
+            g.state = "live"
+        return self._started(g.schedule(now))
+
+    def complete(self, now: float) -> list[Seq]:
+        """End the job in flight (its ``ITER_END`` for ``version``)."""
+        done = self.group.complete(self.version, now)
+        self._changed()
+        return done
+
+    def check_integrity(self) -> None:
+        self.group.check_integrity()

@@ -1,0 +1,141 @@
+"""The single-model world with its instances as one-model sharing groups
+(``Simulator(..., one_model_groups=True)``, sim/group_instance.py) gives the
+same run as with its own instances: every request record, the whole time
+series (the usage totals of 16 instances and more included) and the GPU
+intervals, for the stacks without migration, elastic or fixed, FCFS or RR,
+chunked prefill or not, under memory pressure (preemptions, activations).
+
+This is issue 21's step 2 (docs/architecture.md, "Still to do"): the
+instance becomes the one-model case of the group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from fleetserve.config import config_from_dict
+from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import RunResult
+from fleetserve.sim.simulator import Simulator
+from fleetserve.workload.request import Request
+
+MODEL = "llama-2-7b"
+_TS = ("t", "active_gpus", "kv_used_bytes", "kv_capacity_bytes", "kv_demand_bytes")
+_TS += ("queued", "running")
+
+
+def _load(seed: int, n: int, rate: float) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    ts = np.cumsum(rng.exponential(1 / rate, size=n))
+    return [
+        Request(i, MODEL, float(t), int(rng.integers(1, 2000)), int(rng.integers(1, 500)))
+        for i, t in enumerate(ts)
+    ]
+
+
+def _run(cfg: dict[str, Any], reqs: list[Request], groups: bool) -> RunResult:
+    return Simulator(config_from_dict(cfg), reqs, one_model_groups=groups).run()
+
+
+def _same(cfg: dict[str, Any], reqs: list[Request]) -> RunResult:
+    a, b = _run(cfg, reqs, False), _run(cfg, reqs, True)
+
+    def key(r: Any) -> tuple[Any, ...]:
+        return (r.id, r.status, r.reason, r.instance, r.first_token_s, r.finish_s)
+
+    def more(r: Any) -> tuple[Any, ...]:
+        return (r.generated, r.preemptions)
+
+    assert [key(r) + more(r) for r in a.records] == [key(r) + more(r) for r in b.records]
+    for f in _TS:
+        assert getattr(a.timeseries, f) == getattr(b.timeseries, f), f
+    assert a.gpu_intervals == b.gpu_intervals
+    assert a.end_s == b.end_s
+    return a
+
+
+def _cfg(stack: str, cluster: dict[str, Any], **engine: Any) -> dict[str, Any]:
+    batching = engine.pop("batching", "fcfs")
+    return {
+        "model": MODEL,
+        "cluster": {"gpu": "a100-80gb", **cluster},
+        "policy": {"stack": stack, "batching": batching},
+        "engine": engine,
+        "check_integrity": True,
+    }
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    stack=st.sampled_from(["vllm", "bf", "wf", "ll"]),
+    elastic=st.booleans(),
+    mem_util=st.sampled_from([0.19, 0.25, 0.9]),
+    rate=st.sampled_from([5.0, 20.0]),
+    batching=st.sampled_from(["fcfs", "rr"]),
+    chunked=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.01]),
+)
+@example(
+    seed=1,
+    stack="vllm",
+    elastic=True,
+    mem_util=0.19,
+    rate=20.0,
+    batching="fcfs",
+    chunked=False,
+    watermark=0.01,
+)
+def test_one_model_groups_run_the_instances_run(
+    seed: int,
+    stack: str,
+    elastic: bool,
+    mem_util: float,
+    rate: float,
+    batching: str,
+    chunked: bool,
+    watermark: float,
+) -> None:
+    cluster: dict[str, Any] = {"elastic": elastic, "mem_util": mem_util}
+    if elastic:
+        cluster |= {"max_gpus": 8, "activation_s": 2.0}
+    else:
+        cluster["gpus"] = 3
+    cfg = _cfg(
+        stack,
+        cluster,
+        batching=batching,
+        chunked_prefill=chunked,
+        max_batched_tokens=2048,
+        watermark=watermark,
+    )
+    _same(cfg, _load(seed, 250, rate))
+
+
+def test_the_usage_totals_of_many_groups_equal_the_instances() -> None:
+    """20 instances: the time series come from the kept totals (sim/usage.py),
+    with the groups' macro jobs' blocks held ahead subtracted per grid time."""
+    cfg = _cfg("wf", {"elastic": False, "gpus": 20, "mem_util": 0.19})
+    res = _same(cfg, _load(3, 900, 60.0))
+    assert max(res.timeseries.running) > 20
+    assert sum(r.preemptions for r in res.records) > 0
+
+
+@pytest.mark.parametrize(
+    ("stack", "engine", "why"),
+    [
+        ("mell", {}, "migration policy 'mell'"),
+        ("llumnix", {}, "migration policy 'llumnix'"),
+        ("vllm", {"prefix_caching": True}, "engine.prefix_caching"),
+    ],
+)
+def test_what_the_groups_do_not_model_yet_is_refused(
+    stack: str, engine: dict[str, Any], why: str
+) -> None:
+    cfg = config_from_dict(_cfg(stack, {"elastic": True, "max_gpus": 4}, **engine))
+    with pytest.raises(ConfigError, match=why):
+        Simulator(cfg, _load(0, 5, 1.0), one_model_groups=True)
