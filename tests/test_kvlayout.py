@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,6 +157,53 @@ def test_fill_until_full_never_overcommits(layout_name: str, tokens: list[int]) 
             assert not layout.holds(rid)
         layout.check_integrity()
         assert layout.used_bytes() <= layout.capacity_bytes
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@settings(max_examples=30, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 300)), min_size=2, max_size=12),
+    more=st.integers(0, 200),
+    model_ix=st.integers(0, 2),
+)
+def test_grow_all_is_the_grows_one_after_another(
+    layout_name: str, held: list[tuple[int, int]], more: int, model_ix: int
+) -> None:
+    """One commit of several grows of one model (the simulated group's macro
+    job) equals the grows in order: the same books when they fit, nothing
+    changed (PoolFull) when they do not, and ``can_add_blocks(grow_needs)``
+    says which beforehand (a layout's fit is additive in one model's blocks)."""
+    models = {"l7": L7, "l13": L13, "qwen": QWEN}
+    names = list(models)
+    model = names[model_ix]
+
+    def fresh() -> KVLayout:
+        lay = make_layout(layout_name, 5 * TB13 + 77, models)
+        for rid, (m, t) in enumerate(held):
+            if lay.can_grow(rid, names[m], t):
+                lay.grow(rid, names[m], t)
+        return lay
+
+    one, bulk = fresh(), fresh()
+    rids = [r for r in range(len(held)) if one.holds(r) and one.model_of(r) == model]
+    want = [one.tokens_of(r) + more + r % 3 for r in rids]
+    fits_one = True
+    for r, t in zip(rids, want, strict=True):
+        if not one.can_grow(r, model, t):
+            fits_one = False
+            break
+        one.grow(r, model, t)
+    predicted = bulk.can_add_blocks(model, bulk.grow_needs(model, rids, np.array(want)))
+    assert predicted == fits_one
+    before = _snapshot(bulk, range(len(held)))
+    if fits_one:
+        bulk.grow_all(model, rids, want)
+        assert _snapshot(bulk, range(len(held))) == _snapshot(one, range(len(held)))
+    else:
+        with pytest.raises(PoolFull):
+            bulk.grow_all(model, rids, want)
+        assert _snapshot(bulk, range(len(held))) == before
+    bulk.check_integrity()
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))

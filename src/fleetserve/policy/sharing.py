@@ -319,6 +319,33 @@ class GroupFcfs(GroupScheduler):
             return [_job(m, DECODE, state.ready(m))]
         return []
 
+    def stable_iterations(
+        self,
+        state: GroupState,
+        model: str,
+        batch: Sequence[GroupSeq],
+        ends: Sequence[float],
+        now: float,
+    ) -> int:
+        return _one_service_works(state, model, ends)
+
+
+def _one_service_works(state: GroupState, model: str, ends: Sequence[float]) -> int:
+    """FCFS's and RR's :meth:`~GroupScheduler.stable_iterations`: all of
+    ``ends`` when no other service has running requests, else 1.
+
+    A queued prompt does not stop the segment. The scheduler chose this decode
+    because the head of the queue it tried did not fit. Within a segment nothing
+    arrives, nothing finishes and no request is preempted (the group allocates
+    the segment's KV first), so the queues and the batch stay the same while
+    the free KV only shrinks. The head that did not fit therefore does not fit
+    at any boundary of the segment, and every step-by-step choice is this same
+    decode. The single-model instance steps its decode segments past a queue
+    the same way."""
+    if any(state.ready(m) for m in state.models if m != model):
+        return 1
+    return len(ends)
+
 
 @BATCHING.register("rr")
 class RoundRobin(GroupScheduler):
@@ -350,6 +377,16 @@ class RoundRobin(GroupScheduler):
                 self._last = i
                 return [_job(m, DECODE, ready)]
         return []
+
+    def stable_iterations(
+        self,
+        state: GroupState,
+        model: str,
+        batch: Sequence[GroupSeq],
+        ends: Sequence[float],
+        now: float,
+    ) -> int:
+        return _one_service_works(state, model, ends)
 
 
 @BATCHING.register("mlfq")

@@ -642,7 +642,10 @@ class SharingGroup:
         the blocks of the iterations cut off are given back). The
         scheduler still sees every iteration (``on_job_end`` per iteration),
         and the iteration ends are the running sum of the same iteration times
-        as step by step, so results equal a step-by-step run.
+        as step by step, so results equal a step-by-step run. When the KV of
+        all of them does not fit, the job runs the iterations that do
+        (:meth:`_iterations_that_fit`), as an instance's decode segment ends
+        at its first block shortage.
         """
         k = min(min(s.output_tokens - s.gen_saved for s in seqs), _MACRO_MAX)
         if k <= 1:
@@ -654,14 +657,58 @@ class SharingGroup:
         k = self.scheduler.stable_iterations(self._state, model, seqs, ends.tolist(), now)
         if k <= 1:
             return None
-        lay = self.layout
-        for i, s in enumerate(seqs):
-            if not self.can_hold(s, s.kv_saved + k):
-                for x in seqs[:i]:  # undo: step by step allocates as it goes
-                    lay.shrink(x.id, x.kv_saved)
-                return None
-            lay.grow(s.id, s.model, s.kv_saved + k)
+        k = self._iterations_that_fit(model, seqs, k)
+        if k <= 1:
+            return None
+        self.layout.grow_all(model, [s.id for s in seqs], [s.kv_saved + k for s in seqs])
         return ends[:k]
+
+    def _iterations_that_fit(self, model: str, seqs: list[Seq], k: int) -> int:
+        """The most iterations, at most ``k``, for which every request of
+        ``seqs`` can hold its KV at once (each one more token per iteration;
+        0 or 1: step by step). The iteration after them is the first a
+        step-by-step run would find short of memory, where it preempts; the
+        instance ends its decode segment at the same iteration.
+
+        Without a quota (``kv_limit`` infinite) the KV the iterations need is
+        one sum over the requests (the layout's fit is additive); with one,
+        each probe grows the requests in order through :meth:`can_hold` and
+        undoes it. Bisection on the count either way."""
+        lay = self.layout
+        if self.scheduler.kv_limit(model) == math.inf:
+            ids = [s.id for s in seqs]
+            kv = np.fromiter((s.kv_saved for s in seqs), np.int64, len(seqs))
+
+            def fits(n: int) -> bool:
+                return lay.can_add_blocks(model, lay.grow_needs(model, ids, kv + n))
+
+        else:
+
+            def fits(n: int) -> bool:
+                grown = 0
+                ok = True
+                for s in seqs:
+                    if not self.can_hold(s, s.kv_saved + n):
+                        ok = False
+                        break
+                    lay.grow(s.id, s.model, s.kv_saved + n)
+                    grown += 1
+                for x in seqs[:grown]:
+                    lay.shrink(x.id, x.kv_saved)
+                return ok
+
+        if fits(k):
+            return k
+        lo, hi = 1, k  # fits(hi) is false
+        if not fits(lo):
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def truncate(self, now: float) -> list[tuple[float, int]]:
         """End a macro job after its iteration in flight (a request arrived:

@@ -90,12 +90,15 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 from types import MappingProxyType
 from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
 
 from fleetserve.errors import ConfigError, FleetserveError, UnknownNameError
 from fleetserve.spec.types import ModelSpec
@@ -396,6 +399,54 @@ class KVLayout(ABC):
         self._rblocks[rid] = keep
         self._mblocks[model] -= drop
         return self._release(rid, model, drop)
+
+    def grow_needs(self, model: str, rids: Sequence[int], tokens: npt.NDArray[np.int64]) -> int:
+        """Token-blocks of ``model`` that growing each held request ``rids[i]``
+        (of ``model``) to ``tokens[i]`` tokens would add, all together."""
+        held = np.fromiter((self._rblocks[r] for r in rids), np.int64, len(rids))
+        add = -(-tokens // self._block_size) - held
+        return int(add[add > 0].sum())
+
+    def can_add_blocks(self, model: str, add: int) -> bool:
+        """Whether ``add`` more token-blocks of ``model`` fit now, in any number
+        of grows (a layout's fit is additive in one model's token-blocks: the
+        grows one after another fit exactly when their sum does)."""
+        self._check_model(model)
+        return add <= 0 or self._fits(model, add)
+
+    def grow_all(self, model: str, rids: Sequence[int], tokens: Sequence[int]) -> None:
+        """:meth:`grow` each held request ``rids[i]`` of ``model`` to
+        ``tokens[i]`` tokens, as one commit: :class:`PoolFull` (nothing
+        changed) when their new token-blocks do not fit together."""
+        bs = self._block_size
+        adds = []
+        total = 0
+        for rid, t in zip(rids, tokens, strict=True):
+            if self._rmodel.get(rid) != model or type(t) is not int:
+                self._check_grow_args(rid, model, t)
+                if rid not in self._rmodel:
+                    raise KeyError(f"request {rid} holds no KV in this {self.name} layout")
+            a = -(-t // bs) - self._rblocks[rid]
+            adds.append(a)
+            if a > 0:
+                total += a
+        if total and not self._fits(model, total):
+            raise PoolFull(
+                f"{self.name} KV layout: {len(adds)} requests of service {model!r} need "
+                f"{total} more token-block(s); {self.free_bytes_for(model)} bytes free"
+            )
+        rtok, rblk = self._rtokens, self._rblocks
+        grown = 0
+        for rid, t, a in zip(rids, tokens, adds, strict=True):
+            if a > 0:
+                self._alloc(rid, model, a)
+                rblk[rid] += a
+            held = rtok[rid]
+            if t > held:
+                rtok[rid] = t
+                grown += t - held
+        self._mblocks[model] += total
+        self._mtokens[model] += grown
 
     # --- per request ----------------------------------------------------------
     def holds(self, rid: int) -> bool:
