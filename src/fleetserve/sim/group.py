@@ -77,7 +77,7 @@ from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 if TYPE_CHECKING:
     from fleetserve.costmodel import InstanceCost
     from fleetserve.costmodel.pipeline import StagedCost
-    from fleetserve.sim.kvlayout import KVLayout
+    from fleetserve.sim.kvlayout import KVLayout, LayoutStats
 
 _EPS = 1e-9
 _MACRO_MAX = 512  # iterations per macro job at most
@@ -327,6 +327,30 @@ class SharingGroup:
                 kv0 = s.kv_saved - 1  # the job counted its first token at its start
                 out += -(-(kv0 + k) // bs) - -(-(kv0 + now_steps) // bs)
         return out
+
+    def layout_stats(self, now: float) -> LayoutStats:
+        """The layout's accounting as of ``now``: a macro decode job's requests
+        count the tokens of the iterations done and the one in flight, as a
+        step-by-step run holds them (the job allocated its whole segment when
+        it started). The samples of the multi-LLM world then do not depend on
+        how long its macro jobs are. Each such request is shrunk to its tokens
+        now for the reading and grown back in one commit after it."""
+        lay = self.layout
+        back: list[tuple[str, list[Seq], int]] = []
+        for token, ends in self._ends.items():
+            job, seqs, _, _ = self.jobs[token]
+            k = len(ends)
+            j = int(np.searchsorted(ends, now, side="right"))
+            steps = j + 1 if j + 1 < k else k
+            if steps == k:
+                continue
+            for s in seqs:  # kv_saved counts the job's first token (its start)
+                lay.shrink(s.id, s.kv_saved - 1 + steps)
+            back.append((job.model, seqs, k))
+        st = lay.stats()
+        for m, seqs, k in back:
+            lay.grow_all(m, [s.id for s in seqs], [s.kv_saved - 1 + k for s in seqs])
+        return st
 
     def request_ids(self) -> list[int]:
         """Every request here, once: queued, prefilling (in a prefill job, or

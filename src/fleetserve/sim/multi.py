@@ -1014,7 +1014,7 @@ class MultiSimulator:
         for g in self.groups:
             if g.state == "merged":
                 continue  # its memory is its pipelined group's now
-            st = g.layout.stats()
+            st = g.layout_stats(now)  # as of now: a macro job's blocks ahead not counted
             used += st.used_bytes
             cap += st.capacity_bytes
             q = sum(len(w) for w in g.waiting.values())
