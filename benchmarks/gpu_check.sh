@@ -24,7 +24,8 @@ stamp "== CUDA tests"
 timeout 300 "$PY" -m pytest -p no:cacheprovider -o addopts="--strict-markers" -q -rs \
   tests/test_engine.py tests/test_engine_layers.py tests/test_engine_migration.py \
   tests/test_engine_profiler.py tests/test_engine_flex.py tests/test_decode_graphs.py \
-  -k "cuda or gpu or across_devices" \
+  tests/test_engine_bf16.py \
+  -k "cuda or gpu or across_devices or bf16" \
   2>&1 | tee "$OUT/cuda_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 stamp "== engine vs HF generate on CUDA (decode steps as CUDA graphs or eager)"
