@@ -177,3 +177,29 @@ def test_cuda_captured_steps_equal_the_eager_steps(dtype: str) -> None:
     assert again == got
     if dtype == "float32":  # other kernels (buckets, no padding): the same greedy tokens
         assert got == want_eager
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_serve_cuda_graphs_reaches_each_workers_engine(
+    on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve.cuda_graphs`` (default true) -> WorkerSpec -> the engine's
+    ``decode_graphs`` ("auto": graphs on CUDA; "off": eager)."""
+    from fleetserve.cli.serve import serve_config_dict
+    from fleetserve.config import config_from_dict
+    from fleetserve.runtime import cluster, worker
+
+    data = {"serve": {"workers": 1, "gpu_memory_mb": 48, "models": [A], "cuda_graphs": on}}
+    cfg = config_from_dict(serve_config_dict(data))
+    (spec,) = cluster.worker_specs(cfg, cluster.served_models(cfg))
+    assert spec.cuda_graphs is on
+    seen: list[str] = []
+
+    def engine(*args: object, **kw: object) -> Engine:
+        seen.append(str(kw["decode_graphs"]))
+        return Engine(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker, "Engine", engine)
+    worker.WorkerCore(spec)
+    assert seen == ["auto" if on else "off"]
+    assert config_from_dict(serve_config_dict({"serve": {}})).serve.cuda_graphs is True

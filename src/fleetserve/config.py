@@ -711,6 +711,10 @@ class ServeConfigSection:
         device: ``cpu`` (emulated GPUs) or ``cuda`` / ``cuda:N``.
         dtype: weights and KV element type.
         threads_per_worker: torch CPU threads of each worker.
+        cuda_graphs: on a CUDA device, a step in which every request of a
+            model decodes one token is the replay of a captured CUDA graph
+            (the engine's ``decode_graphs``; docs/gpu.md); false: every step
+            eager. No effect on the CPU.
         spatial_shares: a worker hosting several models under a spatial
             scheduler (MuxServe's ADBS) runs the jobs of one scheduling point
             at once, each on its share of the worker's threads (needs 2 or
@@ -768,6 +772,7 @@ class ServeConfigSection:
     device: str = "cpu"
     dtype: str = "float32"
     threads_per_worker: int = 1
+    cuda_graphs: bool = True
     spatial_shares: bool = False
     max_queue: int = 64
     max_running: int = 64

@@ -272,6 +272,7 @@ def worker_specs(
             dtype=sv.dtype,
             threads=sv.threads_per_worker,
             spatial_shares=sv.spatial_shares,
+            cuda_graphs=sv.cuda_graphs,
             max_running=sv.max_running,
             max_batch_tokens=sv.max_batch_tokens,
             batching=batching,

@@ -99,6 +99,7 @@ class WorkerSpec:
     services: tuple[tuple[str, ServiceStats], ...] = ()  # what a group scheduler reads
     chunked_prefill: bool = False  # engine.chunked_prefill
     spatial_shares: bool = False  # serve.spatial_shares
+    cuda_graphs: bool = True  # serve.cuda_graphs
     prefix_caching: bool = False  # engine.prefix_caching
     watermark: float = 0.0  # engine.watermark
     asleep: bool = False  # start without weights or arena (an elastic pool's inactive GPU)
@@ -253,6 +254,7 @@ class WorkerCore:
             watermark=spec.watermark,
             engine_id=spec.worker_id,
             spatial_shares=spec.spatial_shares,
+            decode_graphs="auto" if spec.cuda_graphs else "off",
         )
         if spec.asleep:
             self.engine.sleep()
