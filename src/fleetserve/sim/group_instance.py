@@ -38,9 +38,11 @@ switch accepts read none (their dispatch reads the instance views above).
 Behind a switch (``Simulator(..., one_model_groups=True)``), for the stacks
 without migration (``vllm``, ``bf``, ``wf``, ``ll``) and without prefix
 caching; ``tests/test_group_instance.py`` checks that their records, time
-series and GPU intervals equal the instance's (the event counts differ a
-little, 65,646 against 65,555 on the Azure trace of ``make bench``; where
-the extra segment ends come from is not traced yet). About 4x slower than the
+series and GPU intervals equal the instance's. The event counts differ a
+little (65,646 against 65,555 on the Azure trace of ``make bench``): a
+decode iteration that preempts runs as a job of its own in the group, where
+the instance's segment goes on past it when no queued prompt could be
+admitted. About 4x slower than the
 instance for now (``make bench``): the group works per request in every job.
 """
 
