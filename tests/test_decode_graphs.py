@@ -95,6 +95,47 @@ def test_two_models_decode_in_one_step_each_through_its_graph() -> None:
     assert keys == {A, B}
 
 
+@pytest.mark.parametrize("features", ["preemption", "prefix+chunked"])
+def test_the_static_step_under_preemption_prefix_caching_and_chunked_prefill(
+    features: str,
+) -> None:
+    """Pages taken back and recomputed (preemption), pages shared by cached
+    prefixes, mixed steps between decode-only ones: the static step's tokens
+    are still the eager step's."""
+    kw: dict[str, object] = {"attention": "gather", "block_size": 4}
+    if features == "preemption":
+        probe = Engine([A], 48 * MiB, **kw)  # type: ignore[arg-type]
+        spec = probe.models[A].cfg.spec
+        page = probe.pool.page_bytes
+        weights = probe.pool.weight_pages() * page
+        arena = weights + 12 * spec.num_layers * spec.num_kv_heads * page  # 48 tokens of KV
+        ps = prompts(6, 3, 14, 5)
+    else:
+        kw |= {"prefix_caching": True, "chunked_prefill": True, "max_batch_tokens": 24}
+        arena = 48 * MiB
+        base = prompts(1, 30, 30, 9)[0]
+        ps = [base + q for q in prompts(6, 1, 12, 6)]
+    outs, preempted = [], []
+    for mode in ("off", "static"):
+        eng = Engine([A], arena, decode_graphs=mode, **kw)  # type: ignore[arg-type]
+        p = SamplingParams(max_tokens=16, ignore_eos=True)
+        rids = [eng.add_request(A, q, p) for q in ps]
+        n = 0
+        while eng.has_work():
+            n += len(eng.step().preempted)
+            eng.check_integrity()
+        outs.append([eng.pop_finished(r).output_ids for r in rids])
+        preempted.append(n)
+        if mode == "static":
+            assert eng._graphs is not None and eng._graphs.eager_steps > 0
+        if features != "preemption":
+            assert eng.prefix_hits > 0
+    assert outs[0] == outs[1]
+    assert preempted[0] == preempted[1]
+    if features == "preemption":
+        assert preempted[1] > 0
+
+
 def test_a_moved_layer_drops_the_captured_steps_and_tokens_stay_exact() -> None:
     eng = Engine([A], 48 * MiB, decode_graphs="static", attention="gather")
     ref = Engine([A], 48 * MiB, decode_graphs="off", attention="gather")
