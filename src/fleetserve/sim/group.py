@@ -72,6 +72,7 @@ import numpy.typing as npt
 from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 from fleetserve.sim.contention import BandwidthSharing, decode_weight
+from fleetserve.sim.kvlayout import HeadwiseLayout
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
@@ -309,7 +310,7 @@ class SharingGroup:
         macro job allocates its whole segment's KV when it starts, while an
         instance counts, as of now, the blocks of the iterations done and the
         one in flight (``Instance.used_blocks``). Dispatch views count them
-        as free (:class:`~fleetserve.sim.multi.HostView`)."""
+        as free (:class:`HostView`)."""
         if not self._ends:
             return 0
         bs = self.layout.block_size
@@ -995,6 +996,101 @@ class SharingGroup:
             limit = self.scheduler.kv_limit(m)
             over = lay.used_bytes(m) > limit + 1e-6
             assert not over or lay.holders(m) == 1, (m, lay.used_bytes(m), limit)
+
+
+class HostView:
+    """A sharing group as one service's instance, for the dispatch policies
+    (implements :class:`~fleetserve.cluster.state.InstanceView`): the
+    service's requests and the KV memory the group's layout could give it::
+
+        group 3 hosting a, b          view (3, "a")
+        +------------------------+    num_running/waiting: a's only
+        | a's KV | b's KV | free |    available_blocks: free bytes a could
+        +------------------------+    use (its quota under ADBS) / a's block
+
+    A view is made when a request is dispatched and read at once.
+    """
+
+    __slots__ = ("_g", "_now", "model")
+
+    def __init__(self, group: SharingGroup, model: str, now: float = 0.0) -> None:
+        self._g = group
+        self.model = model
+        self._now = now
+
+    @property
+    def id(self) -> int:
+        return self._g.id
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(self._g.gpus)
+
+    @property
+    def tp(self) -> int:
+        return self._g.tp
+
+    @property
+    def block_size(self) -> int:
+        return self._g.layout.block_size
+
+    @property
+    def total_blocks(self) -> int:
+        return self._g.layout.max_tokens(self.model) // self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        """As of now (a macro job's blocks ahead not counted, as an instance)."""
+        lay = self._g.layout
+        ahead = self._g.ahead_blocks(self.model, self._now)
+        return lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model) - ahead
+
+    @property
+    def free_blocks(self) -> int:
+        """As of now: macro jobs' blocks ahead count as free, as an instance
+        counts them (the service's own; in a head-wise pool, every service's,
+        whose units any service can use)."""
+        g = self._g
+        lay = g.layout
+        per = lay.bytes_per_token_block(self.model)
+        if isinstance(lay, HeadwiseLayout):
+            ahead = sum(
+                g.ahead_blocks(m, self._now) * lay.bytes_per_token_block(m) for m in g.models
+            )
+            return (lay.free_bytes_for(self.model) + ahead) // per
+        return lay.free_bytes_for(self.model) // per + g.ahead_blocks(self.model, self._now)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._g.queued_blocks[self.model]
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks less the queued prompts' and the admission watermark's,
+        as an instance counts them (since session 25: before, the free ones)."""
+        g = self._g
+        wm = g.watermark_tokens[self.model] // self.block_size
+        return self.free_blocks - self.reserved_blocks - wm
+
+    @property
+    def num_running(self) -> int:
+        return len(self._g.running[self.model])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._g.waiting[self.model])
+
+    @property
+    def decode_steps(self) -> int:
+        return 0
+
+    @property
+    def idle(self) -> bool:
+        return self._g.idle
+
+    def seqs(self) -> list[Any]:
+        g = self._g
+        return [*g.running[self.model].values(), *g.waiting[self.model]]
 
 
 class _StateView:

@@ -16,7 +16,7 @@ scheduler of the same name as the batching policy: FCFS or RR):
   in flight, so its job token is the instance's ``version``: a job cut short
   (``truncate``) gets a new token and the old event is stale, as an
   instance's truncated segment gets a new version.
-- **Views.** :class:`~fleetserve.sim.multi.HostView`, the multi-LLM world's
+- **Views.** :class:`~fleetserve.sim.group.HostView`, the multi-LLM world's
   dispatch view, counts blocks as an instance does (a macro job's blocks
   allocated ahead of now count as free). ``avail_bounds`` bounds it until the
   next change report: it only falls while a macro job runs, down to the
@@ -55,9 +55,8 @@ import numpy as np
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import BATCHING, PREFILL, GroupScheduler
-from fleetserve.sim.group import SharingGroup
+from fleetserve.sim.group import HostView, SharingGroup
 from fleetserve.sim.kvlayout import make_layout
-from fleetserve.sim.multi import HostView
 from fleetserve.sim.seq import Seq
 
 if TYPE_CHECKING:
