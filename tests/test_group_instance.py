@@ -139,3 +139,64 @@ def test_what_the_groups_do_not_model_yet_is_refused(
     cfg = config_from_dict(_cfg(stack, {"elastic": True, "max_gpus": 4}, **engine))
     with pytest.raises(ConfigError, match=why):
         Simulator(cfg, _load(0, 5, 1.0), one_model_groups=True)
+
+
+def _multi_one_group(reqs: list[Request], sched: str, mem_util: float) -> list[Any]:
+    from fleetserve.policy.groups import GroupPlacement, PlacementPlan
+    from fleetserve.sim.multi import MultiConfig, MultiSimulator
+    from fleetserve.spec import get_model
+    from fleetserve.workload.service import Service
+
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    svc = Service(
+        MODEL,
+        get_model(MODEL),
+        len(reqs) / span,
+        sum(r.prompt_tokens for r in reqs) / len(reqs),
+        sum(r.output_tokens for r in reqs) / len(reqs),
+    )
+    plan = PlacementPlan((GroupPlacement((0,), 1, (MODEL,)),), 1)
+    cfg = MultiConfig(
+        gpu="a100-80gb",
+        n_gpus=1,
+        scheduler=sched,
+        layout="partitioned",
+        mem_util=mem_util,
+        watermark=0.01,
+        check_integrity=True,
+    )
+    return list(MultiSimulator(cfg, {MODEL: svc}, plan, reqs).run().records)
+
+
+@pytest.mark.parametrize("sched", ["mlfq", "db"])
+@pytest.mark.parametrize("mem_util", [0.25, 0.9])
+def test_mlfq_and_db_run_in_the_single_model_world_as_a_one_model_group(
+    sched: str, mem_util: float
+) -> None:
+    """A batching policy without a one-model case (FastServe's MLFQ, SeaLLM's
+    DB) runs in the single-model world on one-model groups, with statistics
+    profiled from the workload as the multi-LLM world profiles them: one model
+    on one GPU gives the multi-LLM world's records."""
+    reqs = _load(4, 200, 8.0)
+    cfg = _cfg("vllm", {"elastic": False, "gpus": 1, "mem_util": mem_util}, batching=sched)
+    one = Simulator(config_from_dict(cfg), reqs).run()
+    multi = _multi_one_group(reqs, sched, mem_util)
+
+    def key(r: Any) -> tuple[Any, ...]:
+        return (r.id, r.status, r.first_token_s, r.finish_s, r.generated, r.preemptions)
+
+    assert [key(r) for r in one.records] == [key(r) for r in multi]
+    assert all(r.status == "finished" for r in one.records)
+
+
+def test_mlfq_and_db_run_on_an_elastic_pool_and_adbs_is_refused() -> None:
+    cfg = _cfg("bf", {"elastic": True, "max_gpus": 6, "mem_util": 0.25}, batching="db")
+    res = Simulator(config_from_dict(cfg), _load(5, 300, 25.0)).run()
+    assert max(res.timeseries.active_gpus) > 1
+    assert all(r.status in ("finished", "rejected") for r in res.records)
+    with pytest.raises(ConfigError, match=r"at once \(spatial sharing"):
+        cfg = _cfg("vllm", {"elastic": False, "gpus": 1}, batching="adbs")
+        Simulator(config_from_dict(cfg), _load(0, 5, 1.0))
+    with pytest.raises(ConfigError, match=r"engine\.chunked_prefill"):
+        cfg = _cfg("vllm", {"elastic": False, "gpus": 1}, batching="mlfq", chunked_prefill=True)
+        Simulator(config_from_dict(cfg), _load(0, 5, 1.0))

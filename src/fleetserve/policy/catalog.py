@@ -669,16 +669,20 @@ def with_family_overrides(
     return replace(stack, batching=b, placement=p)
 
 
-def resolve_policies(config: SimConfig) -> dict[str, str]:
+def resolve_policies(config: SimConfig, *, groups: bool = False) -> dict[str, str]:
     """The policy name of every family (stack choices, then per-family overrides),
     each checked against its registry, plus the migration ``mechanism``
     (``migration.mechanism``, else the stack's).
 
     These are the single-model simulator's families (and the runtime
-    controller's): the stack must run in the single-model world.
+    controller's): the stack must run in the single-model world. Its batching
+    policy must have a one-model case (FCFS, RR), or, with ``groups`` (the
+    single-model simulator, which then runs one-model sharing groups), be a
+    temporal group scheduler (MLFQ, DB).
 
     Raises:
         UnknownNameError: an unknown stack, policy or mechanism name (with suggestions).
+        ConfigError: a batching policy the world cannot run.
     """
     pol = config.policy
     stack = stack_for(pol.stack, SINGLE)
@@ -699,6 +703,17 @@ def resolve_policies(config: SimConfig) -> dict[str, str]:
         ("memory", MEMORY),
     ):
         registry.get(names[fam])
-    instance_batching(names["batching"])  # a one-model instance must be able to run it
+    sched = BATCHING.get(names["batching"])
+    if groups and sched.spatial:
+        temporal = [n for n in BATCHING.names() if not BATCHING.get(n).spatial]
+        raise ConfigError(
+            f"batching {names['batching']!r} runs prefill and decode jobs at once "
+            "(spatial sharing, a multi-LLM stack's); the single-model world runs "
+            f"{', '.join(temporal)}"
+        )
+    if not (groups and not sched.one_model):
+        # a one-model instance must be able to run it; the single-model
+        # simulator (``groups``) runs the temporal rest on one-model groups
+        instance_batching(names["batching"])
     MECHANISM.get(names["mechanism"])
     return names

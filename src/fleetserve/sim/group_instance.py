@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.sharing import BATCHING, PREFILL, GroupScheduler
+from fleetserve.policy.sharing import BATCHING, PREFILL, GroupScheduler, ServiceStats
 from fleetserve.sim.group import HostView, SharingGroup
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.sim.seq import Seq
@@ -88,6 +88,7 @@ class GroupInstance:
         batching: str,
         clock: SimClock,
         *,
+        stats: ServiceStats | None = None,
         max_num_seqs: int,
         max_batched_tokens: int,
         watermark: float,
@@ -95,16 +96,18 @@ class GroupInstance:
         chunked_prefill: bool = False,
     ) -> None:
         sched: GroupScheduler = BATCHING.get(batching)()
-        if not sched.one_model:
+        if sched.spatial:
             raise ConfigError(
-                f"batching {batching!r} has no one-model case (fcfs and rr have): "
-                "a single-model instance cannot run it as a group"
+                f"batching {batching!r} runs jobs at once (spatial sharing): a one-model "
+                "instance runs one job at a time"
             )
+        if not sched.one_model and stats is None:
+            raise ConfigError(f"batching {batching!r} needs the statistics of {model!r}")
         kv = total_blocks * block_size * spec.kv_bytes_per_token
         layout = make_layout("partitioned", kv, {model: spec}, block_size)
         if layout.max_tokens(model) != total_blocks * block_size:  # pragma: no cover
             raise RuntimeError(f"{model}: the group's layout does not hold {total_blocks} blocks")
-        sched.setup({}, kv)
+        sched.setup({model: stats} if stats is not None else {}, kv)
         self.group = SharingGroup(
             iid,
             gpus,

@@ -59,12 +59,14 @@ from fleetserve.policy import (
 from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
+from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.group_instance import GroupInstance
 from fleetserve.sim.instance import IDLE, Instance, SimClock
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
+from fleetserve.sim.multi import service_stats
 from fleetserve.sim.pool import GpuPool
 from fleetserve.sim.prefix_cache import PrefixStats
 from fleetserve.sim.seq import Seq
@@ -72,6 +74,7 @@ from fleetserve.sim.usage import UsageTotals
 from fleetserve.spec import ModelSpec, get_model
 from fleetserve.spec.memory import kv_capacity_blocks
 from fleetserve.workload.request import Request, check_run_order
+from fleetserve.workload.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +96,7 @@ def preflight(config: SimConfig) -> None:
 
         kun_preflight(config)
         return
-    resolve_policies(config)
+    resolve_policies(config, groups=True)
     gpu = config.cluster.gpu_spec()
     cl = config.cluster
     for m in {config.model, *(config.workload.models or ())}:
@@ -150,28 +153,34 @@ class Simulator:
 
         cl = config.cluster
         self.gpu = cl.gpu_spec()
-        self.policy_names = pn = resolve_policies(config)
+        self.policy_names = pn = resolve_policies(config, groups=True)
         self.dispatcher = DISPATCH.get(pn["dispatch"]).from_config(config)
         self.batching_name = pn["batching"]
         self.memory = MEMORY.get(pn["memory"]).from_config(config)
         self.migration = MIGRATION.get(pn["migration"]).from_config(config)
         self.migration.attach(self.dispatcher)
-        self.one_model_groups = one_model_groups
-        if one_model_groups:
+        # a temporal batching policy without a one-model case (MLFQ, DB) runs on
+        # one-model sharing groups, with the statistics its scheduler reads
+        needs_groups = not BATCHING.get(pn["batching"]).one_model
+        self.one_model_groups = one_model_groups or needs_groups
+        if self.one_model_groups:
             why = [
                 w
                 for w, bad in (
                     (f"migration policy {pn['migration']!r}", pn["migration"] != "none"),
                     ("engine.prefix_caching", config.engine.prefix_caching),
                     ("an iteration observer", on_iteration_end is not None),
+                    ("engine.chunked_prefill", needs_groups and config.engine.chunked_prefill),
                 )
                 if bad
             ]
             if why:
-                raise ConfigError(
-                    "one_model_groups (instances as one-model sharing groups) does not "
-                    f"model {', '.join(why)} yet"
+                reason = (
+                    f"batching {pn['batching']!r} runs on one-model sharing groups"
+                    if needs_groups
+                    else "one_model_groups (instances as one-model sharing groups)"
                 )
+                raise ConfigError(f"{reason}, which do not model {', '.join(why)} yet")
 
         # Models, their instances' KV capacity, and the per-request feasibility limit.
         names = sorted({r.model for r in self.requests} or {config.model})
@@ -186,6 +195,7 @@ class Simulator:
             if self.max_req_blocks[m] < 1:
                 raise ConfigError(f"model {m} leaves no KV space on {cl.tp} x {cl.gpu}")
             self.costs[m] = self.cost_model.bind(spec, self.gpu, cl.tp)
+        self.group_stats = self._service_stats() if needs_groups else {}
 
         limit = cl.max_gpus if cl.elastic else (cl.gpus or 0)
         self.pool = GpuPool(limit, self.gpu.gpus_per_node)
@@ -278,6 +288,7 @@ class Simulator:
                     self.costs[model],
                     self.batching_name,
                     self.clock,
+                    stats=self.group_stats.get(model),
                     max_num_seqs=eng.max_num_seqs,
                     max_batched_tokens=eng.max_batched_tokens,
                     watermark=eng.watermark,
@@ -321,6 +332,25 @@ class Simulator:
             usage = self._usage = UsageTotals(self.cfg.sample_interval_s)
         usage.add(inst, self.specs[model].kv_bytes_per_token * cl.block_size)
         return inst
+
+    def _service_stats(self) -> dict[str, ServiceStats]:
+        """Each model's statistics for a group scheduler (SeaLLM's profiled
+        L̂_s and σ_s, MLFQ's prefill estimate), profiled from the workload as
+        the multi-LLM world profiles them (:func:`~fleetserve.sim.multi.service_stats`)."""
+        reqs = self.requests
+        span = (reqs[-1].arrival_s - reqs[0].arrival_s) if reqs else 0.0
+        services = {}
+        for m, spec in self.specs.items():
+            rs = [r for r in reqs if r.model == m]
+            n = len(rs)
+            services[m] = Service(
+                m,
+                spec,
+                n / span if span > 0 else float(n),
+                max(1.0, sum(r.prompt_tokens for r in rs) / n) if n else 1.0,
+                max(1.0, sum(r.output_tokens for r in rs) / n) if n else 1.0,
+            )
+        return service_stats(services, reqs, self.gpu, self.cost_model)[0]
 
     # ----------------------------------------------------------------- loop
     def run(self) -> RunResult:
