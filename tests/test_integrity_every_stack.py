@@ -132,6 +132,33 @@ def test_every_stack_keeps_its_invariants_after_every_event(
     _ends_once(res, len(reqs))
 
 
+_GROUPED = [n for n, st_ in sorted(stacks_in(SINGLE).items()) if st_.migration == "none"]
+
+
+@pytest.mark.parametrize(("stack", "batching"), [(n, b) for n in _GROUPED for b in ("mlfq", "db")])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=streams, small=st.booleans())
+def test_single_model_stacks_on_one_model_groups_keep_their_invariants(
+    stack: str, batching: str, items: list[tuple[float, int, int, bool]], small: bool
+) -> None:
+    """The single-model world's stacks without migration on one-model sharing
+    groups: MLFQ and DB (the batching policies that run only there), and the
+    switch for FCFS."""
+    reqs = _requests(items, (MODEL, MODEL))
+    cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
+    cluster |= {"elastic": False, "gpus": 2} if small else {"elastic": True}
+    data = {
+        "model": MODEL,
+        "cluster": cluster,
+        "policy": {"stack": stack, "batching": batching},
+        "check_integrity": True,
+    }
+    _ends_once(Simulator(config_from_dict(data), reqs).run(), len(reqs))
+    data["policy"] = {"stack": stack}
+    sim = Simulator(config_from_dict(data), reqs, one_model_groups=True)
+    _ends_once(sim.run(), len(reqs))
+
+
 def _chunked_cases() -> list[tuple[str, str]]:
     """Stacks that run chunked prefill: every single-model stack; the
     multi-LLM stacks whose group scheduler has a one-model case (FCFS, RR)
