@@ -187,6 +187,7 @@ def test_mlfq_and_db_run_in_the_single_model_world_as_a_one_model_group(
 
     assert [key(r) for r in one.records] == [key(r) for r in multi]
     assert all(r.status == "finished" for r in one.records)
+    assert any("one-model sharing groups" in n for n in one.notes)
 
 
 def test_mlfq_and_db_run_on_an_elastic_pool_and_adbs_is_refused() -> None:

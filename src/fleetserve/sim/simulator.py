@@ -196,6 +196,12 @@ class Simulator:
                 raise ConfigError(f"model {m} leaves no KV space on {cl.tp} x {cl.gpu}")
             self.costs[m] = self.cost_model.bind(spec, self.gpu, cl.tp)
         self.group_stats = self._service_stats() if needs_groups else {}
+        if needs_groups:
+            self.notes.append(
+                f"batching {pn['batching']!r} ran on one-model sharing groups, its "
+                "per-model statistics (mean and spread of a request's execution time) "
+                "profiled from this run's own requests, as SeaLLM profiles history"
+            )
 
         limit = cl.max_gpus if cl.elastic else (cl.gpus or 0)
         self.pool = GpuPool(limit, self.gpu.gpus_per_node)
