@@ -107,6 +107,12 @@ def test_policies_that_need_service_statistics_are_refused_on_one_model(name: st
     cfg = config_from_dict({"policy": {"stack": "vllm", "batching": name}})
     with pytest.raises(ConfigError, match="statistics"):
         resolve_policies(cfg)
+    # the single-model simulator runs the temporal ones on one-model sharing groups
+    if name == "adbs":
+        with pytest.raises(ConfigError, match=r"at once \(spatial sharing"):
+            resolve_policies(cfg, groups=True)
+    else:
+        assert resolve_policies(cfg, groups=True)["batching"] == name
 
 
 def test_unknown_batching_suggests_names() -> None:

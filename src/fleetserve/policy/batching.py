@@ -16,8 +16,11 @@ through :class:`OneModel`:
   arrived last, as vLLM preempts).
 
 MLFQ, DB and ADBS need per-service statistics (execution-time estimates,
-quotas) that only the multi-LLM world computes today; a one-model world
-asking for them gets a clear error.
+quotas). The multi-LLM world computes them, and so does the single-model
+simulator, which runs MLFQ and DB on one-model sharing groups
+(:mod:`fleetserve.sim.group_instance`; ADBS runs jobs at once, which a
+one-model instance does not). The KunServe world and the runtime's one-model
+workers do not; asking them for these policies gets a clear error.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ def instance_batching(name: str, **params: Any) -> OneModel:
     cls = BATCHING.get(name)
     if not cls.one_model:
         raise ConfigError(
-            f"batching {name!r} needs per-service statistics, which only the multi-LLM "
-            f"world computes; a one-model instance runs: {', '.join(one_model_batching())}"
+            f"batching {name!r} needs per-service statistics, which a one-model "
+            f"instance here does not have; it runs {', '.join(one_model_batching())} (the "
+            "single-model simulator runs mlfq and db on one-model sharing groups, the "
+            "multi-LLM world every batching policy)"
         )
     return OneModel(cls(**params))
 
