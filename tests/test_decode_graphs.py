@@ -136,6 +136,26 @@ def test_the_static_step_under_preemption_prefix_caching_and_chunked_prefill(
         assert preempted[1] > 0
 
 
+def test_every_bucket_of_a_model_reads_its_tables_from_one_buffer() -> None:
+    """One table buffer per model, grown to a power of two when a larger
+    bucket comes (the model's graphs then go): memory of one bucket, not of
+    every bucket."""
+    eng = Engine([A], 48 * MiB, decode_graphs="static", attention="gather", block_size=4)
+    dg = eng._graphs
+    assert dg is not None
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng.generate(A, prompts(1, 3, 5, 1), p)
+    small = dg._tables[A].numel()
+    out = eng.generate(A, prompts(7, 20, 60, 2), p)
+    flat = dg._tables[A]
+    assert flat.numel() > small and flat.numel() & (flat.numel() - 1) == 0
+    ptr = flat.untyped_storage().data_ptr()
+    assert len(dg) >= 1
+    assert all(g.tab.untyped_storage().data_ptr() == ptr for g in dg._graphs.values())
+    ref = Engine([A], 48 * MiB, decode_graphs="off", attention="gather", block_size=4)
+    assert out == ref.generate(A, prompts(7, 20, 60, 2), p)
+
+
 def test_a_moved_layer_drops_the_captured_steps_and_tokens_stay_exact() -> None:
     eng = Engine([A], 48 * MiB, decode_graphs="static", attention="gather")
     ref = Engine([A], 48 * MiB, decode_graphs="off", attention="gather")
