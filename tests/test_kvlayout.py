@@ -140,6 +140,43 @@ def test_random_streams_keep_books(
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@settings(max_examples=40, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 300)), min_size=1, max_size=14),
+    cuts=st.lists(st.integers(0, 120), min_size=14, max_size=14),
+    frees=st.sets(st.integers(0, 13), max_size=5),
+)
+def test_stats_as_of_fewer_tokens_equal_a_shrink_and_change_nothing(
+    layout_name: str, held: list[tuple[int, int]], cuts: list[int], frees: set[int]
+) -> None:
+    """A sample as of an earlier point of a segment allocated ahead: the same
+    stats as shrinking those requests, without changing the layout (the merged
+    layout computes it; a shrink and a grow back could move its slots)."""
+    models = {"l7": L7, "l13": L13, "qwen": QWEN}
+    names = list(models)
+
+    def build() -> KVLayout:
+        lay = make_layout(layout_name, 9 * TB13 + 77, models)
+        for rid, (m, t) in enumerate(held):
+            if lay.can_grow(rid, names[m], t):
+                lay.grow(rid, names[m], t)
+        for rid in frees:  # partly used blocks of every age
+            if lay.holds(rid):
+                lay.free(rid)
+        return lay
+
+    peek, real = build(), build()
+    rids = range(len(held))
+    cut = {r: max(0, peek.tokens_of(r) - cuts[r]) for r in rids if peek.holds(r)}
+    before = _snapshot(peek, rids)
+    got = peek.stats_as_of(cut)
+    assert _snapshot(peek, rids) == before
+    for r, t in cut.items():
+        real.shrink(r, t)
+    assert got == real.stats()
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 @settings(max_examples=30, deadline=None)
 @given(tokens=st.lists(st.integers(1, 400), min_size=1, max_size=30))
 def test_fill_until_full_never_overcommits(layout_name: str, tokens: list[int]) -> None:

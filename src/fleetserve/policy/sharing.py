@@ -189,6 +189,15 @@ class GroupScheduler(Policy):
     macro_step_safe: ClassVar[bool] = False
     """On a one-model instance: decisions depend only on queue order and free
     memory, so a fixed decode batch may advance several iterations at once."""
+    decodes_past_queue: ClassVar[bool] = False
+    """A queued prompt does not end a decode segment (:meth:`stable_iterations`).
+    True for a scheduler that decodes only when the head of the queue it tried
+    did not fit (FCFS, RR). Within a segment nothing arrives, nothing finishes
+    and no request is preempted (the group allocates the segment's KV first),
+    so the queues and the batch stay the same while the free KV only shrinks:
+    that head fits at no boundary of the segment, and every step-by-step
+    choice is the same decode. The single-model instance steps its decode
+    segments past a queue the same way."""
 
     def setup(self, services: Mapping[str, ServiceStats], kv_capacity_bytes: int) -> None:
         """Called once per group before anything runs (services it hosts)."""
@@ -237,10 +246,11 @@ class GroupScheduler(Policy):
         arrival and no finish meanwhile (the group cuts the segment short on
         an arrival). Lets the simulator advance them as one job.
 
-        Default: all of them when nothing is queued and no other service has
-        running requests (then this batch is the only possible job), else 1.
+        Default: all of them when no other service has running requests and
+        nothing is queued (or :attr:`decodes_past_queue`), else 1: then this
+        batch is the only possible job.
         """
-        if any(state.waiting(m) for m in state.models):
+        if not self.decodes_past_queue and any(state.waiting(m) for m in state.models):
             return 1
         if any(state.ready(m) for m in state.models if m != model):
             return 1
@@ -305,6 +315,7 @@ class GroupFcfs(GroupScheduler):
 
     one_model = True
     macro_step_safe = True
+    decodes_past_queue = True
 
     def schedule(self, state: GroupState, budget: GroupBudget, now: float) -> list[Job]:
         heads = [(q[0].arrival_s, q[0].id, m) for m in state.models if (q := state.waiting(m))]
@@ -319,33 +330,6 @@ class GroupFcfs(GroupScheduler):
             return [_job(m, DECODE, state.ready(m))]
         return []
 
-    def stable_iterations(
-        self,
-        state: GroupState,
-        model: str,
-        batch: Sequence[GroupSeq],
-        ends: Sequence[float],
-        now: float,
-    ) -> int:
-        return _one_service_works(state, model, ends)
-
-
-def _one_service_works(state: GroupState, model: str, ends: Sequence[float]) -> int:
-    """FCFS's and RR's :meth:`~GroupScheduler.stable_iterations`: all of
-    ``ends`` when no other service has running requests, else 1.
-
-    A queued prompt does not stop the segment. The scheduler chose this decode
-    because the head of the queue it tried did not fit. Within a segment nothing
-    arrives, nothing finishes and no request is preempted (the group allocates
-    the segment's KV first), so the queues and the batch stay the same while
-    the free KV only shrinks. The head that did not fit therefore does not fit
-    at any boundary of the segment, and every step-by-step choice is this same
-    decode. The single-model instance steps its decode segments past a queue
-    the same way."""
-    if any(state.ready(m) for m in state.models if m != model):
-        return 1
-    return len(ends)
-
 
 @BATCHING.register("rr")
 class RoundRobin(GroupScheduler):
@@ -357,6 +341,7 @@ class RoundRobin(GroupScheduler):
     """
 
     one_model = True
+    decodes_past_queue = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -377,16 +362,6 @@ class RoundRobin(GroupScheduler):
                 self._last = i
                 return [_job(m, DECODE, ready)]
         return []
-
-    def stable_iterations(
-        self,
-        state: GroupState,
-        model: str,
-        batch: Sequence[GroupSeq],
-        ends: Sequence[float],
-        now: float,
-    ) -> int:
-        return _one_service_works(state, model, ends)
 
 
 @BATCHING.register("mlfq")

@@ -313,61 +313,63 @@ class SharingGroup:
         as free (:class:`HostView`)."""
         if not self._ends:
             return 0
+        return int(self.ahead_blocks_at(model, np.array([now]))[0])
+
+    def ahead_blocks_at(self, model: str, times: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+        """:meth:`ahead_blocks` at each of ``times``: as of a time, a macro
+        job's requests hold the tokens of the iterations done and the one in
+        flight."""
         bs = self.layout.block_size
-        out = 0
+        out = np.zeros(len(times), dtype=np.int64)
         for token, ends in self._ends.items():
             job, seqs, _, _ = self.jobs[token]
             if job.model != model:
                 continue
             k = len(ends)
-            j = int(np.searchsorted(ends, now, side="right"))
-            now_steps = j + 1 if j + 1 < k else k
-            if now_steps == k:
-                continue
-            for s in seqs:
-                kv0 = s.kv_saved - 1  # the job counted its first token at its start
-                out += -(-(kv0 + k) // bs) - -(-(kv0 + now_steps) // bs)
+            steps = np.minimum(ends.searchsorted(times, side="right") + 1, k)
+            # the job counted its first token at its start
+            kv0 = np.fromiter((s.kv_saved - 1 for s in seqs), np.int64, len(seqs))
+            held = -(-(kv0[None, :] + steps[:, None]) // bs)
+            out += int((-(-(kv0 + k) // bs)).sum()) - held.sum(axis=1)
         return out
+
+    def macro_end(self, model: str) -> float | None:
+        """When ``model``'s macro decode job in flight ends (None: none)."""
+        ends = [float(e[-1]) for t, e in self._ends.items() if self.jobs[t][0].model == model]
+        return max(ends) if ends else None
 
     def layout_stats(self, now: float) -> LayoutStats:
         """The layout's accounting as of ``now``: a macro decode job's requests
         count the tokens of the iterations done and the one in flight, as a
         step-by-step run holds them (the job allocated its whole segment when
         it started). The samples of the multi-LLM world then do not depend on
-        how long its macro jobs are. Each such request is shrunk to its tokens
-        now for the reading and grown back in one commit after it."""
-        lay = self.layout
-        back: list[tuple[str, list[Seq], int]] = []
+        how long its macro jobs are (:meth:`KVLayout.stats_as_of
+        <fleetserve.sim.kvlayout.KVLayout.stats_as_of>`; nothing changes)."""
+        now_tokens: dict[int, int] = {}
         for token, ends in self._ends.items():
-            job, seqs, _, _ = self.jobs[token]
             k = len(ends)
             j = int(np.searchsorted(ends, now, side="right"))
             steps = j + 1 if j + 1 < k else k
-            if steps == k:
-                continue
-            for s in seqs:  # kv_saved counts the job's first token (its start)
-                lay.shrink(s.id, s.kv_saved - 1 + steps)
-            back.append((job.model, seqs, k))
-        st = lay.stats()
-        for m, seqs, k in back:
-            lay.grow_all(m, [s.id for s in seqs], [s.kv_saved - 1 + k for s in seqs])
-        return st
+            if steps < k:  # kv_saved counts the job's first token (its start)
+                now_tokens.update((s.id, s.kv_saved - 1 + steps) for s in self.jobs[token][1])
+        return self.layout.stats_as_of(now_tokens) if now_tokens else self.layout.stats()
+
+    def prefilling(self, model: str) -> list[Seq]:
+        """Requests of ``model`` admitted whose prefill has not completed:
+        partly prefilled (chunked prefill), or in a prefill job."""
+        out = list(self.partial[model])
+        for token, (job, seqs, _, _) in self.jobs.items():
+            if job.model == model and job.phase == PREFILL and token not in self._chunks:
+                out += seqs
+        return out
 
     def request_ids(self) -> list[int]:
-        """Every request here, once: queued, prefilling (in a prefill job, or
-        partly prefilled) and running."""
-        ids = [
+        """Every request here, once: queued, prefilling and running."""
+        return [
             s.id
             for m in self._models
-            for s in (*self.waiting[m], *self.partial[m], *self.running[m].values())
+            for s in (*self.waiting[m], *self.prefilling(m), *self.running[m].values())
         ]
-        ids += [
-            s.id
-            for token, (job, ss, _, _) in self.jobs.items()
-            if job.phase == PREFILL and token not in self._chunks
-            for s in ss
-        ]
-        return ids
 
     def mixed_reserved_tokens(self, model: str) -> int:
         """Chunked prefill: the token budget a mixed iteration of ``model``

@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.sharing import BATCHING, PREFILL, GroupScheduler, ServiceStats
+from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.group import HostView, SharingGroup
+from fleetserve.sim.instance import ChangeReports
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.sim.seq import Seq
 
@@ -70,7 +71,7 @@ __all__ = ["GroupInstance"]
 IDLE, BUSY = 0, 1  # ``phase``: the instance's IDLE, and any job in flight
 
 
-class GroupInstance:
+class GroupInstance(ChangeReports):
     """One model on one GPU (group) as a one-model sharing group (see the
     module docstring). The arguments are :class:`~fleetserve.sim.instance.Instance`'s,
     with the model's shape (``spec``) and the batching policy by name."""
@@ -198,14 +199,8 @@ class GroupInstance:
         return self.group.running[self.model]
 
     def prefilling(self) -> list[Seq]:
-        """Requests admitted whose prefill has not completed: in a prefill job,
-        or partly prefilled (chunked prefill)."""
-        g = self.group
-        out = list(g.partial[self.model])
-        for token, (job, seqs, _, _) in g.jobs.items():
-            if job.phase == PREFILL and token not in g._chunks:
-                out += seqs
-        return out
+        """Requests admitted whose prefill has not completed."""
+        return self.group.prefilling(self.model)
 
     def seqs(self) -> list[SeqView]:
         return [*self.running.values(), *self.prefilling(), *self.waiting]
@@ -221,34 +216,9 @@ class GroupInstance:
         the job in flight ends (the layout's now), that end (None: no macro
         job), and ``ahead(times)``, the blocks held ahead of each time before it."""
         g = self.group
-        lay = g.layout
-        blocks = lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model)
-        macro = [(tok, ends) for tok, ends in g._ends.items()]
-        if not macro:
-            return blocks, None, lambda t: np.zeros(len(t), dtype=np.int64)
-        ((token, ends),) = macro
-        kv0 = np.array([s.kv_saved - 1 for s in g.jobs[token][1]], dtype=np.int64)
-        k = len(ends)
-        bs = self.block_size
-
-        def ahead(times: np.ndarray) -> np.ndarray:
-            j = ends.searchsorted(times, side="right")
-            steps = np.minimum(j + 1, k)
-            held = -(-(kv0[None, :] + steps[:, None]) // bs)
-            return np.asarray((-(-(kv0 + k) // bs)).sum() - held.sum(axis=1), dtype=np.int64)
-
-        return blocks, float(ends[-1]), ahead
-
-    # ------------------------------------------------------ change reports
-    def track(self, log: dict[int, Any]) -> None:
-        self._logs.append(log)
-
-    def untrack(self, log: dict[int, Any]) -> None:
-        self._logs = [g for g in self._logs if g is not log]
-
-    def _changed(self) -> None:
-        for log in self._logs:
-            log[self.id] = self
+        m = self.model
+        blocks = g.layout.used_bytes(m) // g.layout.bytes_per_token_block(m)
+        return blocks, g.macro_end(m), lambda times: g.ahead_blocks_at(m, times)
 
     def _started(self, evs: list[tuple[float, int]]) -> float | None:
         """The end of the job ``evs`` started (one at most: a temporal one-model

@@ -207,7 +207,28 @@ class _CachedBudget(_Budget):
                 self.revived.add(e.key)
 
 
-class Instance:
+class ChangeReports:
+    """Change reports of an instance (module docstring): the logs it is
+    tracked by (``_logs``, set by the instance) get ``log[id] = instance``
+    on every change of its blocks, queue or batch."""
+
+    id: int
+    _logs: list[dict[int, Any]]
+
+    def track(self, log: dict[int, Any]) -> None:
+        """Write ``log[self.id] = self`` on every change of blocks, queue or batch."""
+        self._logs.append(log)
+
+    def untrack(self, log: dict[int, Any]) -> None:
+        """Stop reporting to ``log``."""
+        self._logs = [g for g in self._logs if g is not log]
+
+    def _changed(self) -> None:
+        for log in self._logs:
+            log[self.id] = self
+
+
+class Instance(ChangeReports):
     """One model on one GPU (group): queue, running batch, KV blocks, timing.
 
     Args:
@@ -370,18 +391,6 @@ class Instance:
         n1 = self._n - 1
         k = int(self._ends.searchsorted(self.clock.now, side="right"))
         return a - self._grown(n1), a - self._grown(k if k < n1 else n1)
-
-    def track(self, log: dict[int, Any]) -> None:
-        """Write ``log[self.id] = self`` on every change of blocks, queue or batch."""
-        self._logs.append(log)
-
-    def untrack(self, log: dict[int, Any]) -> None:
-        """Stop reporting to ``log``."""
-        self._logs = [g for g in self._logs if g is not log]
-
-    def _changed(self) -> None:
-        for log in self._logs:
-            log[self.id] = self
 
     # -------------------------------------------------------------- actions
     def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> float | None:

@@ -86,6 +86,7 @@ the pool. ``check_integrity`` is the slow, exhaustive check for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -502,6 +503,24 @@ class KVLayout(ABC):
             stranded_bytes=self._reclaimable_bytes() - worst,
         )
 
+    def stats_as_of(self, tokens: Mapping[int, int]) -> LayoutStats:
+        """:meth:`stats` as if each held request ``rid`` of ``tokens`` held
+        only ``tokens[rid]`` tokens (no more than it holds), changing nothing:
+        a sample as of an earlier point of a decode segment whose KV was
+        allocated ahead (:meth:`~fleetserve.sim.group.SharingGroup.layout_stats`).
+
+        Here the requests are shrunk, the stats read, and the requests grown
+        back. That restores the state exactly because these layouts keep counts
+        only (partitioned, head-wise). The merged layout, whose slots have an
+        order, computes it without shrinking."""
+        back = [(rid, self._rtokens[rid]) for rid in tokens]
+        for rid, t in tokens.items():
+            self.shrink(rid, t)
+        st = self.stats()
+        for rid, t in back:
+            self.grow(rid, self._rmodel[rid], t)
+        return st
+
     def check_integrity(self) -> None:
         """Check every accounting invariant (slow: for tests and idle loops).
 
@@ -846,6 +865,49 @@ class MergedLayout(KVLayout):
             internal_frag=(used - valid) / used if used else 0.0,
             # reclaimable (free + every model's free slots) - the least free_bytes_for
             stranded_bytes=(free + sum(slots)) - (free + min(slots)),
+        )
+
+    def stats_as_of(self, tokens: Mapping[int, int]) -> LayoutStats:
+        """:meth:`KVLayout.stats_as_of` without shrinking (a shrink and a grow
+        back could land in other slots: a grow takes the oldest partly used
+        block first): the slots each request would give back are its table's
+        tail, and a physical block returns to the pool when they are all its
+        used slots."""
+        st = self.stats()
+        bs = self._block_size
+        rel: Counter[int] = Counter()  # slots given back, per physical block
+        valid = entries = 0
+        for rid, t in tokens.items():
+            m = self._rmodel[rid]
+            held = self._rtokens[rid]
+            if t >= held:
+                continue
+            valid += (held - t) * self._kvb[m]
+            drop = self._rblocks[rid] - _ceil_div(t, bs)
+            if drop > 0:
+                entries += drop
+                rel.update(pid for pid, _ in self._table[rid][-drop:])
+        back: Counter[str] = Counter()  # whole blocks returned, per model
+        slots = dict(self._free_slots)
+        for pid, n in rel.items():
+            m = self._owner[pid]
+            k = self._k[m]
+            slots[m] += n
+            if len(self._slot_free.get(pid, ())) + n == k:
+                back[m] += 1
+                slots[m] -= k
+        freed = sum(back.values()) * self._pbytes
+        used = st.used_bytes - freed
+        valid_b = st.valid_bytes - valid
+        per = [n * self._tb[m] for m, n in slots.items()]
+        return dataclasses.replace(
+            st,
+            used_bytes=used,
+            valid_bytes=valid_b,
+            free_bytes=st.free_bytes + freed,
+            table_entries=st.table_entries - entries,
+            internal_frag=(used - valid_b) / used if used else 0.0,
+            stranded_bytes=sum(per) - min(per),
         )
 
     def _fit_detail(self, model: str) -> str:
