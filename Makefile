@@ -70,7 +70,9 @@ bench-engine: $(STAMP)
 # job's blocks allocated ahead no longer count: kv_utilization and kv_layout
 # means of its 38 runs fell by 0-6%), and FCFS/RR groups keep decode segments
 # past a queued prompt that does not fit (sim.events down in 19 runs, up to
-# 74%; busy_fraction differs in its last digit in 2); docs/architecture.md;
+# 74%; busy_fraction differs in its last digit in 2; in the 16 merged-layout
+# runs the samples are computed, not shrunk and regrown, which had moved slots:
+# stranded bytes fell, kv_utilization by < 0.3%); docs/architecture.md;
 # session25.json.gz: against session23.json.gz, the multi-LLM world keeps
 # engine.watermark free at admission as the single-model world does (19 of its
 # 110 runs differ: fewer preemptions, docs/architecture.md "Still to do");
