@@ -39,9 +39,11 @@ for dt in float32 bfloat16; do
       --out "$OUT/decode_${dt}_${att}_$graphs.json" > "$OUT/decode_${dt}_${att}_$graphs.log" 2>&1 || rc=1
     stamp "$dt $att graphs=$graphs"
     grep -E "^tiny|^engine vs" "$OUT/decode_${dt}_${att}_$graphs.log"
-    echo "recompiles: $(grep -c 'Recompiling' "$OUT/decode_${dt}_${att}_$graphs.log")"
+    echo "recompiles: $(grep -c 'Recompiling' "$OUT/decode_${dt}_${att}_$graphs.log"), failed captures: $(grep -c 'capture failed' "$OUT/decode_${dt}_${att}_$graphs.log")"
   done
 done
+stamp "== the first prefill of a new prompt length (cuDNN attention's per-length plans)"
+timeout 120 "$PY" benchmarks/cuda_new_lengths.py --dtype bfloat16 2>&1 | tee "$OUT/new_lengths.log" | grep -v Warn || rc=1
 stamp "== FlexAttention over the arena vs gather (one decode step)"
 timeout 240 "$PY" benchmarks/flex_probe.py 2>&1 | tee "$OUT/flex_probe.log" | grep -v "^  " || rc=1
 if [ -z "$QUICK" ]; then

@@ -172,6 +172,7 @@ class DecodeGraphs:
         self.captured = 0  # graphs captured, cumulative
         self.replays = 0  # steps run as a replay, cumulative
         self.eager_steps = 0  # static steps run eagerly (no graph), cumulative
+        self.failed = 0  # captures that failed, cumulative
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -278,6 +279,7 @@ class DecodeGraphs:
             self._capture(g, fn)
         except RuntimeError as e:
             g.failures += 1
+            self.failed += 1
             g.graph = g.logits = None
             logger.warning(
                 "decode step capture failed (%d of %d tries), running it eagerly: %s",
@@ -298,7 +300,12 @@ class DecodeGraphs:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if self._pool is None:
+        # A pool lives while a graph captured into it does: once the last one
+        # is gone (LRU, a larger table buffer, clear), capturing into its handle
+        # again trips an internal assert of the caching allocator (measured on
+        # an H100, torch 2.11: every capture after the first buffer growth
+        # failed), so a fresh pool is taken then.
+        if self._pool is None or not any(o.graph is not None for o in self._graphs.values()):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another engine thread (remote attention) may use the GPU meanwhile

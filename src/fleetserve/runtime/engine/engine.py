@@ -83,6 +83,7 @@ from fleetserve.runtime.engine.model import (
     pack_views,
     qkv,
     rms_norm,
+    sdpa,
 )
 from fleetserve.runtime.engine.paged_flex import FlexStep, PagedFlex, flex_supported
 from fleetserve.runtime.engine.sampling import (
@@ -1675,12 +1676,11 @@ class Engine:
         out = q.new_empty(q.shape[0], nh * d)
         # whole prompts: causal attention on their own k/v (no gather, no padding)
         for lo, hi in batch.fresh:
-            a = F.scaled_dot_product_attention(
+            a = sdpa(
                 q[lo:hi].transpose(0, 1)[None],
                 k[lo:hi].transpose(0, 1)[None],
                 v[lo:hi].transpose(0, 1)[None],
                 is_causal=True,
-                enable_gqa=True,
             )
             out[lo:hi] = a[0].transpose(0, 1).reshape(hi - lo, nh * d)
         if self._flex is not None and batch.model in self._flex_models and batch.groups:
