@@ -1,8 +1,8 @@
 """Running requests by the decode step at which they finish.
 
-Both instance kinds (:class:`fleetserve.sim.instance.Instance` and the
-KunServe executor) decode their running batch one step at a time and know,
-when a request joins the batch, the step at which it will finish. This queue
+A bound batch (:class:`fleetserve.sim.batch.BoundBatch`: the running requests
+of a single-model instance or a KunServe executor) decodes one step at a time
+and knows, when a request joins, the step at which it will finish. This queue
 returns them in ``(finish step, request id)`` order. A request that leaves the
 batch early (preempted, migrated, evicted) or joins again with another
 finish step leaves a stale entry behind; entries are checked against the

@@ -108,8 +108,8 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
+from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import beside_copies
-from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
@@ -289,11 +289,10 @@ class Instance(ChangeReports):
         self._chunks: list[tuple[Seq, int]] = []  # prefill chunks of the mixed iteration
         self.waiting: deque[Seq] = deque()
         self.reserved_blocks = 0
-        self.running: dict[int, Seq] = {}
-        self._finishing = FinishQueue()
-        self.steps = 0
-        self._hist = [0] * block_size
-        self._sum_base = 0
+        # the running requests, bound to its step counter (sim/batch.py); the
+        # dict is the batch's own, never rebound
+        self.batch = BoundBatch(block_size)
+        self.running: dict[int, Seq] = self.batch.running
         self.used = 0  # allocated blocks at the last boundary (excl. in-segment growth)
         self.phase = IDLE
         self.ready_s = 0.0  # loading its weights until then (cluster.activation_s)
@@ -352,21 +351,26 @@ class Instance(ChangeReports):
         return self.phase == IDLE and not self.waiting and not self.running and not self.mig_refs
 
     @property
+    def steps(self) -> int:
+        """Decode iterations completed at the last boundary."""
+        return self.batch.steps
+
+    @property
     def decode_steps(self) -> int:
         """Decode iterations completed as of ``clock.now`` (in-flight segment included)."""
         if self.phase < DECODE:
-            return self.steps
+            return self.batch.steps
         k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        return self.steps + (k if k < self._n else self._n)
+        return self.batch.steps + (k if k < self._n else self._n)
 
     def kv_steps(self) -> int:
         """``steps`` a running request's KV reflects as of ``clock.now``: the
         completed decode iterations plus the one in flight (its token's block is
         already allocated, as :attr:`used_blocks` counts it)."""
         if self.phase < DECODE:
-            return self.steps
+            return self.batch.steps
         k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        return self.steps + (k + 1 if k < self._n else self._n)
+        return self.batch.steps + (k + 1 if k < self._n else self._n)
 
     def prefilling(self) -> list[Seq]:
         """Requests admitted whose prefill has not completed yet."""
@@ -505,14 +509,9 @@ class Instance(ChangeReports):
         """
         assert self.phase == IDLE and seq.bound and self.running.get(seq.id) is seq
         bs = self.block_size
-        del self.running[seq.id]
-        kv = seq.base + self.steps
-        seq.gen_saved = kv - seq.prompt_tokens + 1
-        seq.bound = False
+        kv = self.batch.unrun(seq)
         seq.state = TRANSIT
         seq.kv_saved = kv if keep_blocks else 0
-        self._hist[seq.base % bs] -= 1
-        self._sum_base -= seq.base
         if keep_blocks:
             self.mig_out += blocks_for(kv, bs) - seq.shared
             if seq.refs:
@@ -535,21 +534,9 @@ class Instance(ChangeReports):
         assert seq.refs is None and seq.shared == 0  # migrated KV is private here
         self.mig_in -= blocks
         seq.inst = self
-        self._run(seq, kv)
+        self.batch.run(seq, kv)
         if self._logs:
             self._changed()
-
-    def _run(self, s: Seq, kv: int) -> None:
-        """Start running ``s`` holding ``kv`` tokens (``generated = kv - prompt + 1``)."""
-        base = kv - self.steps
-        s.base = base
-        s.bound = True
-        s.state = RUNNING
-        s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
-        self.running[s.id] = s
-        self._hist[base % self.block_size] += 1
-        self._sum_base += base
-        self._finishing.add(s.finish_step, s.id)
 
     def schedule(self, now: float) -> float | None:
         """Start the next iteration at ``now``; its end time, or None when idle
@@ -687,23 +674,7 @@ class Instance(ChangeReports):
     def _growth(self) -> tuple[list[int], int]:
         """``C`` (new blocks by residue, see the module docstring) and the first
         decode iteration that would run out of blocks."""
-        bs = self.block_size
-        B = len(self.running)
-        D = self.steps
-        hist = self._hist
-        C = []
-        acc = 0
-        for r in range(bs):
-            acc += hist[(-r - D) % bs]
-            C.append(acc)
-        free0 = self.total_blocks - self.used
-        n_exh = -1
-        for s in range(bs):
-            c = C[s]
-            j = s if c > free0 else ((free0 - c) // B + 1) * bs + s
-            if n_exh < 0 or j < n_exh:
-                n_exh = j
-        return C, n_exh
+        return self.batch.growth(self.total_blocks - self.used)
 
     def _start_mixed(self, now: float) -> float | None:
         """Plan one chunked-prefill iteration; None when no prompt chunk can run."""
@@ -778,7 +749,7 @@ class Instance(ChangeReports):
                 left -= n
         if not chunks:
             return None
-        ctx = self._sum_base + B * self.steps + B
+        ctx = self.batch.tokens + B
         work = [(n, s.prefilled) for s, n in chunks]
         t_mixed = self.cost.mixed_time(work, B, ctx)
         if self.copy_load:
@@ -819,12 +790,10 @@ class Instance(ChangeReports):
                 return None
             C, n_exh = self._growth()
         B = len(self.running)
-        D = self.steps
-        step = self._finishing.earliest(self.running)
-        n = min(step - D, n_exh)
+        n = min(self.batch.earliest_finish() - self.batch.steps, n_exh)
         if not self.macro or (preempted and self._may_admit()):
             n = 1  # the next boundary may admit a request (a victim) again
-        ctx0 = self._sum_base + B * D
+        ctx0 = self.batch.tokens
         ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
         t = self.cost.decode_time(B, ctx)
         if self.copy_load:
@@ -851,14 +820,9 @@ class Instance(ChangeReports):
 
     def _preempt(self, seq: Seq) -> None:
         bs = self.block_size
-        del self.running[seq.id]
-        kv = seq.base + self.steps
-        seq.gen_saved = kv - seq.prompt_tokens + 1
-        seq.bound = False
+        kv = self.batch.unrun(seq)
         seq.state = WAITING
         seq.kv_saved = 0
-        self._hist[seq.base % bs] -= 1
-        self._sum_base -= seq.base
         if seq.refs is None:
             self.used -= blocks_for(kv, bs)
         else:
@@ -887,18 +851,10 @@ class Instance(ChangeReports):
             self.used += self._grown(n - 1)
             if self.pcache is not None:  # the segment's growth evicted these
                 self.pcache.fit(self.total_blocks - self.used)
-            self.steps += n
-            steps = self.steps
-            running = self.running
-            for s in self._finishing.due(steps, running):
-                del running[s.id]
-                kv = s.base + steps
-                s.bound = False
+            self.batch.steps += n
+            for s, kv in self.batch.due():
                 s.state = DONE
                 s.kv_saved = 0
-                s.gen_saved = s.output_tokens
-                self._hist[s.base % bs] -= 1
-                self._sum_base -= s.base
                 if s.refs is None:
                     self.used -= blocks_for(kv, bs)
                 else:
@@ -942,7 +898,7 @@ class Instance(ChangeReports):
             s.kv_saved = 0
             done.append(s)
             return
-        self._run(s, kv)
+        self.batch.run(s, kv)
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
@@ -972,8 +928,7 @@ class Instance(ChangeReports):
         assert self.reserved_blocks == sum(
             blocks_for(s.prefill_tokens, bs) for s in self.waiting
         ), self.id
-        assert sum(self._hist) == len(self.running)
-        assert self._sum_base == sum(s.base for s in self.running.values())
+        self.batch.check()
         ids_w = {s.id for s in self.waiting}
         ids_r = set(self.running)
         ids_p = {s.id for s in self._prefill} | {s.id for s in self._prefilling}

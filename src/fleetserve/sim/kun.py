@@ -188,9 +188,9 @@ from fleetserve.policy.kunserve import (
 from fleetserve.policy.llumnix import Llumnix
 from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView, Victim
 from fleetserve.sim.admission import context_note, context_reason
+from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import BandwidthSharing, decode_weight
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
-from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kun_parts import Channel, Piece, Transfer, WaitQueue
 from fleetserve.sim.seq import DONE, HOST, PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
@@ -258,7 +258,10 @@ class Executor:
         self.sim = sim
         self.created_s = now
         self.waiting = WaitQueue()
-        self.running: dict[int, Seq] = {}
+        # the running requests, bound to its step counter (sim/batch.py); the
+        # dict is the batch's own, never rebound
+        self.batch = BoundBatch()
+        self.running: dict[int, Seq] = self.batch.running
         self.stalled: dict[int, Seq] = {}
         self.prefill: list[Seq] = []  # being prefilled (every lane's, on a pipeline)
         self.pending_attach: list[Seq] = []
@@ -271,11 +274,8 @@ class Executor:
         self.swapped: deque[Seq] = deque()
         self.swap_out_busy = False
         self.swap_in_busy = False
-        self.steps = 0
-        self.sum_base = 0
         self.static = 0  # KV tokens of requests not running (prefill, stalled, reserved in)
         self.inflight = 0  # tokens the decode iteration in flight is adding
-        self.finishing = FinishQueue()
         self.phase = IDLE
         self.version = 0
         self.frozen = False
@@ -298,7 +298,7 @@ class Executor:
     # ---------------------------------------------------------------- memory
     def T(self) -> int:
         """KV tokens this executor's requests hold (see the module docstring)."""
-        return self.sum_base + len(self.running) * self.steps + self.static + self.inflight
+        return self.batch.tokens + self.static + self.inflight
 
     def _mem_floors(self) -> None:
         """Bring ``_room0`` and ``_cap0`` up to the simulator's memory version:
@@ -406,8 +406,13 @@ class Executor:
         return len(self.waiting)
 
     @property
+    def steps(self) -> int:
+        """Decode rounds completed."""
+        return self.batch.steps
+
+    @property
     def decode_steps(self) -> int:
-        return self.steps
+        return self.batch.steps
 
     @property
     def idle(self) -> bool:
@@ -449,27 +454,17 @@ class Executor:
     # -------------------------------------------------------------- requests
     def kv_steps(self) -> int:
         """A bound request holds ``base + kv_steps()`` KV tokens."""
-        return self.steps
+        return self.batch.steps
 
     # -------------------------------------------------------------- requests
     def run(self, s: Seq, kv: int) -> None:
         """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
-        s.base = kv - self.steps
-        s.state = RUNNING
-        s.bound = True
         s.inst = self
-        s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
-        self.running[s.id] = s
-        self.sum_base += s.base
-        self.finishing.add(s.finish_step, s.id)
+        self.batch.run(s, kv)
 
     def unrun(self, s: Seq) -> int:
         """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
-        del self.running[s.id]
-        kv = s.base + self.steps
-        self.sum_base -= s.base
-        s.bound = False
-        s.gen_saved = kv - s.prompt_tokens + 1
+        kv = self.batch.unrun(s)
         s.kv_saved = kv
         return kv
 
@@ -1250,7 +1245,7 @@ class KunSimulator:
             exe.phase = IDLE
             return
         exe.inflight = B
-        ctx = exe.sum_base + B * exe.steps + B
+        ctx = exe.batch.tokens + B
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
         moved = self._moved_kv(exe) if self.live_src and self.remote_reads else None
         t, busy = exe.pcost.decode_round(B, ctx, extra, moved_kv=moved)
@@ -1346,11 +1341,9 @@ class KunSimulator:
                 exe.stage.remove(_DECODE_JOB)
                 exe.retime_due = True
             exe.inflight = 0
-            exe.steps += 1
-            steps = exe.steps
-            for fin in exe.finishing.due(steps, exe.running):
-                exe.unrun(fin)
-                fin.gen_saved = fin.output_tokens
+            exe.batch.steps += 1
+            for fin, kv in exe.batch.due():
+                fin.kv_saved = kv
                 self._finish(exe, fin, now)
             if exe.tracked:
                 for s in list(exe.tracked.values()):

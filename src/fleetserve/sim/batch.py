@@ -1,0 +1,128 @@
+"""A running batch whose requests decode together: bound token counts.
+
+A single-model instance (:class:`~fleetserve.sim.instance.Instance`) and a
+KunServe executor (:class:`~fleetserve.sim.kun.Executor`) decode every running
+request at each iteration. So a request's counts follow one step counter: it
+holds ``base + steps`` tokens of KV (``base`` fixed when it joined), and it
+finishes at a step known when it joins. A decode iteration moves the counter,
+not every request (:class:`~fleetserve.sim.seq.Seq`, "bound"), and finishes
+come out of a heap keyed by step (:class:`~fleetserve.sim.finish.FinishQueue`).
+This is what keeps the single-model world at tens of thousands of requests per
+wall-second.
+
+:class:`BoundBatch` is that batch, one implementation for both. With a block
+size it also keeps a histogram of the requests' ``base`` modulo the block size:
+the requests whose next token opens a new block at a given step are those of one
+residue, so the blocks a segment of ``n`` iterations adds are one sum over the
+histogram (:meth:`BoundBatch.growth`; see :mod:`fleetserve.sim.instance`,
+"Macro-steps"). The holder keeps the decode segment in flight and answers the
+"as of now" counts (``decode_steps``, ``kv_steps()``) a bound request reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fleetserve.sim.finish import FinishQueue
+from fleetserve.sim.seq import RUNNING, Seq
+
+
+class BoundBatch:
+    """The running requests of one holder, bound to its step counter.
+
+    Args:
+        block_size: tokens per KV block, to count the blocks a decode segment
+            adds (:meth:`growth`); None: the holder counts KV in tokens.
+    """
+
+    __slots__ = ("_finishing", "_hist", "block_size", "running", "steps", "sum_base")
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.running: dict[int, Seq] = {}
+        self.steps = 0  # decode iterations completed
+        self.sum_base = 0  # sum of the running requests' ``base``
+        self.block_size = block_size
+        self._hist = [0] * block_size if block_size else []
+        self._finishing = FinishQueue()
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens the running requests hold after ``steps`` iterations."""
+        return self.sum_base + len(self.running) * self.steps
+
+    def run(self, s: Seq, kv: int) -> None:
+        """``s`` joins holding ``kv`` tokens of KV, so it has generated
+        ``kv - prompt + 1`` tokens (its last token's KV is written by its
+        next iteration); it finishes at the step that generates its last."""
+        base = kv - self.steps
+        s.base = base
+        s.bound = True
+        s.state = RUNNING
+        s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))
+        self.running[s.id] = s
+        self.sum_base += base
+        if self._hist:
+            self._hist[base % len(self._hist)] += 1
+        self._finishing.add(s.finish_step, s.id)
+
+    def unrun(self, s: Seq) -> int:
+        """Take running ``s`` out, its counts saved (``gen_saved``; the caller
+        sets ``kv_saved`` and its state); returns the KV tokens it held."""
+        del self.running[s.id]
+        kv = s.base + self.steps
+        self.sum_base -= s.base
+        if self._hist:
+            self._hist[s.base % len(self._hist)] -= 1
+        s.bound = False
+        s.gen_saved = kv - s.prompt_tokens + 1
+        return kv
+
+    def earliest_finish(self) -> int:
+        """The earliest step at which a running request finishes."""
+        return self._finishing.earliest(self.running)
+
+    def due(self) -> Iterator[tuple[Seq, int]]:
+        """Take out (:meth:`unrun`) the requests that have finished by
+        ``steps``, in order; yields each (it has generated all its tokens)
+        with the KV tokens it held."""
+        for s in self._finishing.due(self.steps, self.running):
+            yield s, self.unrun(s)
+
+    def growth(self, free: int) -> tuple[list[int], int]:
+        """``(C, n)`` for a decode segment starting now with ``free`` blocks free.
+
+        ``C[r]`` counts the new blocks the iterations ``0..r`` open (one per
+        request whose token lands on a block's first slot), so iteration ``j``
+        has opened ``(j // bs) * len(self) + C[j % bs]`` blocks in all. ``n``
+        is the first iteration that finds no block free (0: the next one)."""
+        hist = self._hist
+        bs = len(hist)
+        B = len(self.running)
+        D = self.steps
+        C = []
+        acc = 0
+        for r in range(bs):
+            acc += hist[(-r - D) % bs]
+            C.append(acc)
+        n_exh = -1
+        for r in range(bs):
+            c = C[r]
+            j = r if c > free else ((free - c) // B + 1) * bs + r
+            if n_exh < 0 or j < n_exh:
+                n_exh = j
+        return C, n_exh
+
+    def check(self) -> None:
+        """The sums and the histogram agree with the running requests."""
+        assert self.sum_base == sum(s.base for s in self.running.values())
+        if self._hist:
+            assert sum(self._hist) == len(self.running)
+            bs = len(self._hist)
+            for r in range(bs):
+                n = sum(1 for s in self.running.values() if s.base % bs == r)
+                assert self._hist[r] == n, (r, self._hist[r], n)
+        for s in self.running.values():
+            assert s.bound and s.state == RUNNING, s.id
