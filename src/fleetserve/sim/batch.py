@@ -15,16 +15,35 @@ size it also keeps a histogram of the requests' ``base`` modulo the block size:
 the requests whose next token opens a new block at a given step are those of one
 residue, so the blocks a segment of ``n`` iterations adds are one sum over the
 histogram (:meth:`BoundBatch.growth`; see :mod:`fleetserve.sim.instance`,
-"Macro-steps"). The holder keeps the decode segment in flight and answers the
-"as of now" counts (``decode_steps``, ``kv_steps()``) a bound request reads.
+"Macro-steps").
+
+The batch also keeps the decode segment in flight (the iterations its holder
+started as one job: their end times and the blocks each opens), so it answers
+the "as of now" counts a bound request reads (:attr:`BoundBatch.decode_steps`,
+:meth:`BoundBatch.kv_steps`) and the blocks held as of now
+(:meth:`BoundBatch.grown`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.seq import RUNNING, Seq
+
+
+class SimClock:
+    """The simulation's current time, shared by one simulation's objects only."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+_NO_ENDS = np.empty(0)
 
 
 class BoundBatch:
@@ -33,17 +52,92 @@ class BoundBatch:
     Args:
         block_size: tokens per KV block, to count the blocks a decode segment
             adds (:meth:`growth`); None: the holder counts KV in tokens.
+        clock: the simulation clock, for the counts as of now while a decode
+            segment is in flight (None: the holder runs no segments).
     """
 
-    __slots__ = ("_finishing", "_hist", "block_size", "running", "steps", "sum_base")
+    __slots__ = (
+        "_B",
+        "_C",
+        "_finishing",
+        "_hist",
+        "block_size",
+        "clock",
+        "ends",
+        "n",
+        "running",
+        "steps",
+        "sum_base",
+    )
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, clock: SimClock | None = None) -> None:
         self.running: dict[int, Seq] = {}
-        self.steps = 0  # decode iterations completed
+        self.steps = 0  # decode iterations completed (at the last segment's end)
         self.sum_base = 0  # sum of the running requests' ``base``
         self.block_size = block_size
+        self.clock = clock
         self._hist = [0] * block_size if block_size else []
         self._finishing = FinishQueue()
+        # the decode segment in flight: its iterations' end times, how many
+        # (0: none), and the batch size and growth by residue at its start
+        self.ends: np.ndarray = _NO_ENDS
+        self.n = 0
+        self._B = 0
+        self._C: list[int] = []
+
+    # --------------------------------------------------------- the segment
+    def begin(self, ends: np.ndarray, n: int, C: list[int]) -> None:
+        """A decode segment of ``n`` iterations starts (ending at ``ends``;
+        ``C`` from :meth:`growth`; the running requests decode in each)."""
+        self.ends = ends
+        self.n = n
+        self._B = len(self.running)
+        self._C = C
+
+    def cut(self, n: int) -> None:
+        """The segment in flight ends after its first ``n`` iterations."""
+        self.n = n
+
+    def end(self) -> int:
+        """The segment in flight completed: the step counter moves by its
+        iterations (returned); the finished requests are then :meth:`due`."""
+        n = self.n
+        self.steps += n
+        self.n = 0
+        return n
+
+    def completed(self, now: float) -> int:
+        """Iterations of the segment in flight completed by ``now`` (at most ``n``)."""
+        k = int(self.ends.searchsorted(now, side="right"))
+        return k if k < self.n else self.n
+
+    def grown(self, j: int) -> int:
+        """Blocks the segment's iterations ``0..j`` open (``j < n``)."""
+        bs = len(self._C)
+        return (j // bs) * self._B + self._C[j % bs]
+
+    def grown_at(self, j: np.ndarray) -> np.ndarray:
+        """:meth:`grown` of each iteration index of ``j`` (each ``< n``)."""
+        bs = len(self._C)
+        return (j // bs) * self._B + np.asarray(self._C, dtype=np.int64)[j % bs]
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode iterations completed as of now (the segment's included)."""
+        if not self.n:
+            return self.steps
+        assert self.clock is not None
+        k = int(self.ends.searchsorted(self.clock.now, side="right"))
+        return self.steps + (k if k < self.n else self.n)
+
+    def kv_steps(self) -> int:
+        """``steps`` a running request's KV reflects as of now: the completed
+        iterations plus the one in flight (its token's block is allocated)."""
+        if not self.n:
+            return self.steps
+        assert self.clock is not None
+        k = int(self.ends.searchsorted(self.clock.now, side="right"))
+        return self.steps + (k + 1 if k < self.n else self.n)
 
     def __len__(self) -> int:
         return len(self.running)
@@ -59,6 +153,7 @@ class BoundBatch:
         next iteration); it finishes at the step that generates its last."""
         base = kv - self.steps
         s.base = base
+        s.batch = self
         s.bound = True
         s.state = RUNNING
         s.finish_step = self.steps + (s.output_tokens - (kv - s.prompt_tokens + 1))

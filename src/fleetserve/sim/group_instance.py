@@ -63,7 +63,7 @@ from fleetserve.sim.seq import Seq
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
     from fleetserve.costmodel import InstanceCost
-    from fleetserve.sim.instance import SimClock
+    from fleetserve.sim.batch import SimClock
     from fleetserve.spec import ModelSpec
 
 __all__ = ["GroupInstance"]

@@ -108,7 +108,7 @@ import numpy as np
 
 from fleetserve.cluster.state import blocks_for
 from fleetserve.policy.base import AdmissionBudget, BatchingPolicy
-from fleetserve.sim.batch import BoundBatch
+from fleetserve.sim.batch import BoundBatch, SimClock
 from fleetserve.sim.contention import beside_copies
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
@@ -119,15 +119,6 @@ if TYPE_CHECKING:
     from fleetserve.sim.prefix_cache import Entry
 
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
-
-
-class SimClock:
-    """The simulation's current time, shared by one simulation's objects only."""
-
-    __slots__ = ("now",)
-
-    def __init__(self) -> None:
-        self.now = 0.0
 
 
 class _Budget(AdmissionBudget):
@@ -291,16 +282,12 @@ class Instance(ChangeReports):
         self.reserved_blocks = 0
         # the running requests, bound to its step counter (sim/batch.py); the
         # dict is the batch's own, never rebound
-        self.batch = BoundBatch(block_size)
+        self.batch = BoundBatch(block_size, clock)
         self.running: dict[int, Seq] = self.batch.running
         self.used = 0  # allocated blocks at the last boundary (excl. in-segment growth)
         self.phase = IDLE
         self.ready_s = 0.0  # loading its weights until then (cluster.activation_s)
         self.version = 0
-        self._ends: np.ndarray = np.empty(0)
-        self._n = 0
-        self._B = 0
-        self._C: list[int] = []
         self._prefill: list[Seq] = []
         self._mixed_preempted = False  # the last mixed plan preempted and ran no chunk
         self.mig_in = 0  # blocks reserved for incoming KV copies (part of ``used``)
@@ -331,9 +318,8 @@ class Instance(ChangeReports):
         """Blocks allocated as of ``clock.now`` (including the iteration in flight)."""
         if self.phase < DECODE:
             return self.used
-        k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        n1 = self._n - 1
-        return self.used + self._grown(k if k < n1 else n1)
+        b = self.batch
+        return self.used + b.grown(min(b.completed(self.clock.now), b.n - 1))
 
     @property
     def free_blocks(self) -> int:
@@ -358,19 +344,13 @@ class Instance(ChangeReports):
     @property
     def decode_steps(self) -> int:
         """Decode iterations completed as of ``clock.now`` (in-flight segment included)."""
-        if self.phase < DECODE:
-            return self.batch.steps
-        k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        return self.batch.steps + (k if k < self._n else self._n)
+        return self.batch.decode_steps
 
     def kv_steps(self) -> int:
         """``steps`` a running request's KV reflects as of ``clock.now``: the
         completed decode iterations plus the one in flight (its token's block is
         already allocated, as :attr:`used_blocks` counts it)."""
-        if self.phase < DECODE:
-            return self.batch.steps
-        k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        return self.batch.steps + (k + 1 if k < self._n else self._n)
+        return self.batch.kv_steps()
 
     def prefilling(self) -> list[Seq]:
         """Requests admitted whose prefill has not completed yet."""
@@ -380,10 +360,6 @@ class Instance(ChangeReports):
         """Running, prefilling and waiting requests (not those detached or in transit)."""
         return [*self.running.values(), *self._prefill, *self._prefilling, *self.waiting]
 
-    def _grown(self, j: int) -> int:
-        bs = self.block_size
-        return (j // bs) * self._B + self._C[j % bs]
-
     # ------------------------------------------------------ change reports
     def avail_bounds(self) -> tuple[int, int]:
         """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` its value
@@ -392,9 +368,9 @@ class Instance(ChangeReports):
         a = self.total_blocks - self.used - self.reserved_blocks - self.watermark_blocks
         if self.phase < DECODE:
             return a, a
-        n1 = self._n - 1
-        k = int(self._ends.searchsorted(self.clock.now, side="right"))
-        return a - self._grown(n1), a - self._grown(k if k < n1 else n1)
+        b = self.batch
+        n1 = b.n - 1
+        return a - b.grown(n1), a - b.grown(min(b.completed(self.clock.now), n1))
 
     # -------------------------------------------------------------- actions
     def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> float | None:
@@ -424,13 +400,14 @@ class Instance(ChangeReports):
         an iteration-end event for the new ``version``), else None.
         """
         if self.phase == DECODE:
-            k = int(self._ends.searchsorted(now, side="right"))
-            if k + 1 < self._n:
-                self._n = k + 1
+            b = self.batch
+            k = int(b.ends.searchsorted(now, side="right"))
+            if k + 1 < b.n:
+                b.cut(k + 1)
                 self.version += 1
                 if self._logs:
                     self._changed()
-                return float(self._ends[k])
+                return float(b.ends[k])
         return None
 
     # ------------------------------------------------------------- migration
@@ -757,10 +734,7 @@ class Instance(ChangeReports):
             t_mixed = float(beside_copies(t_mixed, mem, self.copy_load))
         end = now + t_mixed
         self._chunks = chunks
-        self._ends = np.array([end])
-        self._n = 1
-        self._B = B
-        self._C = C
+        self.batch.begin(np.array([end]), 1, C)
         self.phase = MIXED
         self.version += 1
         return end
@@ -799,10 +773,7 @@ class Instance(ChangeReports):
         if self.copy_load:
             t = beside_copies(t, self.cost.decode_memory(B, ctx), self.copy_load)
         ends = np.cumsum(np.concatenate(([now], t)))[1:]
-        self._ends = ends
-        self._n = n
-        self._B = B
-        self._C = C
+        self.batch.begin(ends, n, C)
         self.phase = DECODE
         self.version += 1
         return float(ends[-1])
@@ -847,11 +818,10 @@ class Instance(ChangeReports):
                 self._prefilled(s, now, done)
             self._prefill = []
         elif self.phase >= DECODE:
-            n = self._n
-            self.used += self._grown(n - 1)
+            self.used += self.batch.grown(self.batch.n - 1)
             if self.pcache is not None:  # the segment's growth evicted these
                 self.pcache.fit(self.total_blocks - self.used)
-            self.batch.steps += n
+            self.batch.end()
             for s, kv in self.batch.due():
                 s.state = DONE
                 s.kv_saved = 0
@@ -924,7 +894,7 @@ class Instance(ChangeReports):
         assert self.used == kv_blocks + self.mig_in + self.mig_out, (self.id, self.used, kv_blocks)
         assert 0 <= self.used_blocks <= self.total_blocks, (self.id, self.used_blocks)
         if self.phase >= DECODE:  # the growth planned for the whole segment fits
-            assert self.used + self._grown(self._n - 1) <= self.total_blocks, self.id
+            assert self.used + self.batch.grown(self.batch.n - 1) <= self.total_blocks, self.id
         assert self.reserved_blocks == sum(
             blocks_for(s.prefill_tokens, bs) for s in self.waiting
         ), self.id

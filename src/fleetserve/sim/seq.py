@@ -24,8 +24,9 @@ Phases (``state``; every world uses the subset its mechanisms have)::
 Token counts, two ways:
 
 * **bound** (``bound`` true): the request runs in a batch that steps together
-  (an instance, a KunServe executor), and holds ``base + inst.kv_steps()``
-  tokens of KV with ``base + inst.decode_steps - prompt + 1`` generated. A
+  (:class:`~fleetserve.sim.batch.BoundBatch`: an instance's, a KunServe
+  executor's), and holds ``base + batch.kv_steps()`` tokens of KV with
+  ``base + batch.decode_steps - prompt + 1`` generated. A
   decode iteration moves the instance's step counter, not every request: this
   is what keeps the single-model world at tens of thousands of requests per
   wall-second (see :mod:`fleetserve.sim.instance`, "Macro-steps").
@@ -66,6 +67,7 @@ class Seq:
     __slots__ = (
         "arrival_s",
         "base",
+        "batch",
         "bound",
         "finish_step",
         "gen_saved",
@@ -105,7 +107,8 @@ class Seq:
         self.inst: Any = None  # the instance / group / executor that holds or queues it
         self.state = NEW
         self.bound = False
-        self.base = 0  # bound: kv = base + inst.kv_steps()
+        self.base = 0  # bound: kv = base + batch.kv_steps()
+        self.batch: Any = None  # bound: the BoundBatch (sim/batch.py) it runs in
         self.finish_step = 0  # bound: the inst step at which it finishes
         self.gen_saved = 0  # explicit: tokens generated
         self.kv_saved = 0  # explicit: KV tokens held
@@ -135,7 +138,7 @@ class Seq:
     def generated(self) -> int:
         """Output tokens generated so far (as of the holder's ``now``)."""
         if self.bound:
-            return self.base + self.inst.decode_steps - self.prompt_tokens + 1
+            return self.base + self.batch.decode_steps - self.prompt_tokens + 1
         return self.gen_saved
 
     @property
@@ -143,7 +146,7 @@ class Seq:
         """KV tokens held now (bound: counting the in-flight iteration's token,
         the count the holder's blocks are allocated for)."""
         if self.bound:
-            return self.base + self.inst.kv_steps()
+            return self.base + self.batch.kv_steps()
         return self.kv_saved
 
     @property
@@ -153,7 +156,7 @@ class Seq:
             # both terms from one lookup: with d = decode_steps - kv steps,
             # prompt + generated = base + decode_steps + 1 and kv_tokens is the
             # same while an iteration is in flight, one less between iterations
-            return self.base + self.inst.decode_steps + 1
+            return self.base + self.batch.decode_steps + 1
         return max(self.kv_saved, self.prompt_tokens + self.gen_saved)
 
     @property

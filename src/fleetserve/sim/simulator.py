@@ -61,9 +61,10 @@ from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_poli
 from fleetserve.policy.mechanism import MODES
 from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
+from fleetserve.sim.batch import SimClock
 from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.group_instance import GroupInstance
-from fleetserve.sim.instance import IDLE, Instance, SimClock
+from fleetserve.sim.instance import IDLE, Instance
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.multi import service_stats

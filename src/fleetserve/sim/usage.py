@@ -169,18 +169,17 @@ class UsageTotals:
         s = _Snap()
         used = inst.used
         if inst.phase >= DECODE:
-            ends = inst._ends
-            n1 = inst._n - 1
-            end_growth = inst._grown(n1)
+            batch = inst.batch
+            ends = batch.ends
+            n1 = batch.n - 1
+            end_growth = batch.grown(n1)
             used += end_growth
             stop = self._grid_until(float(ends[n1])) if n1 else self.cur
             if stop > self.cur:  # grid times before the segment's end: growth still to come
                 a, b = self.cur - self.g0, stop - self.g0
                 k = ends.searchsorted(np.array(self.times[a:b]), side="right")
                 np.minimum(k, n1, out=k)
-                bs = inst.block_size
-                grown = (k // bs) * inst._B + np.asarray(inst._C, dtype=np.int64)[k % bs]
-                d = (grown - end_growth) * bb
+                d = (batch.grown_at(k) - end_growth) * bb
                 self.delta[a:b] += d
                 s.start, s.delta = self.cur, d
         s.running = len(inst.running) + len(inst._prefill) + len(inst._prefilling)
