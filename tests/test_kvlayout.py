@@ -243,6 +243,97 @@ def test_grow_all_is_the_grows_one_after_another(
     bulk.check_integrity()
 
 
+def _books(layout: KVLayout) -> tuple[object, ...]:
+    """The per-model books (what a bound batch must keep equal)."""
+    per_model = tuple(
+        (
+            m,
+            layout.used_bytes(m),
+            layout.free_bytes_for(m),
+            layout.token_blocks(m),
+            layout.valid_bytes(m),
+            layout.holders(m),
+            layout.free_token_blocks(m),
+        )
+        for m in layout.models
+    )
+    return (layout.stats(), per_model)
+
+
+@pytest.mark.parametrize("layout_name", ["headwise", "partitioned"])
+@settings(max_examples=30, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 300)), min_size=1, max_size=12),
+    steps=st.lists(st.integers(1, 40), max_size=6),
+    leave=st.lists(st.integers(0, 11), max_size=4),
+)
+def test_a_bound_batch_keeps_the_books_of_its_requests(
+    layout_name: str, held: list[tuple[int, int]], steps: list[int], leave: list[int]
+) -> None:
+    """A service's bound batch (``bind``, ``bulk_change``: a sharing group's
+    running requests that decode together) keeps the same books as its
+    requests held one by one: after binding, after each decode segment of
+    ``n`` tokens per request (its new blocks and tokens as one change, as
+    ``BoundBatch.growth`` counts them), and after requests leave. A segment
+    that does not fit raises PoolFull and changes nothing."""
+    models = {"l7": L7, "l13": L13, "qwen": QWEN}
+    names = list(models)
+    bs = 16
+
+    def fresh() -> KVLayout:
+        lay = make_layout(layout_name, 5 * TB13 + 77, models)
+        for rid, (m, t) in enumerate(held):
+            if lay.can_grow(rid, names[m], t):
+                lay.grow(rid, names[m], t)
+        return lay
+
+    one, bound = fresh(), fresh()
+    model = names[held[0][0]]
+    rids = [r for r in range(len(held)) if one.holds(r) and one.model_of(r) == model]
+    tokens = {r: one.tokens_of(r) for r in rids}
+    for r in rids:
+        bound.bind(r)
+    assert _books(bound) == _books(one)
+    blocks = sum(-(-t // bs) for t in tokens.values())
+    assert bound.bulk(model) == (len(rids), sum(tokens.values()), blocks)
+    for n in steps:
+        want = {r: t + n for r, t in tokens.items()}
+        add = sum(-(-want[r] // bs) + (-tokens[r] // bs) for r in rids)
+        fits = all(one.can_grow(r, model, want[r]) for r in rids)
+        fits = fits and bound.can_add_blocks(model, add)
+        before = _books(bound)
+        if not fits:
+            if add > 0:
+                with pytest.raises(PoolFull):
+                    bound.bulk_change(model, 0, n * len(rids), add)
+            assert _books(bound) == before
+            continue
+        for r in rids:
+            one.grow(r, model, want[r])
+        bound.bulk_change(model, 0, n * len(rids), add)
+        tokens = want
+        assert _books(bound) == _books(one)
+        bound.check_integrity()
+    for i in leave:
+        if not rids:
+            break
+        r = rids.pop(i % len(rids))
+        one.free(r)
+        t = tokens.pop(r)
+        bound.bulk_change(model, -1, -t, (-t) // bs)
+        assert _books(bound) == _books(one)
+    bound.check_integrity()
+    with pytest.raises(ValueError, match="bound batch"):
+        bound.bulk_change(model, -(len(rids) + 1), 0, 0)
+
+
+def test_the_merged_layout_has_no_bound_batch() -> None:
+    lay = make_layout("merged", 5 * TB13, {"l7": L7, "l13": L13})
+    lay.grow(0, "l7", 20)
+    with pytest.raises(NotImplementedError, match="names every slot"):
+        lay.bind(0)
+
+
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 @pytest.mark.parametrize("model", [L7, L13, L70, OPT, QWEN], ids=lambda m: m.name)
 def test_max_tokens_and_units_needed_agree_with_grow(layout_name: str, model: ModelSpec) -> None:

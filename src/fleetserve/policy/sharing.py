@@ -270,6 +270,8 @@ class GroupScheduler(Policy):
         event in between (a macro job's iterations but its last). Equals
         ``on_job_end(job, seqs, t - prev, t)`` for each end ``t`` in order (the
         default); a scheduler may apply them at once."""
+        if type(self).on_job_end is GroupScheduler.on_job_end:
+            return  # each would be a no-op (FCFS, RR): a macro job's ends cost nothing
         prev = start
         for t in ends:
             self.on_job_end(job, seqs, t - prev, t)
@@ -296,8 +298,11 @@ def admit_in_order(waiting: Iterable[_S], budget: _Budget) -> list[_S]:
     return out
 
 
+_ID = attrgetter("id")
+
+
 def _job(model: str, phase: str, seqs: Sequence[GroupSeq], share: float = 1.0) -> Job:
-    return Job(model, phase, tuple(s.id for s in seqs), share)
+    return Job(model, phase, tuple(map(_ID, seqs)), share)
 
 
 @BATCHING.register("fcfs")
@@ -324,11 +329,16 @@ class GroupFcfs(GroupScheduler):
             got = admit_in_order(state.waiting(m), budget)
             if got:
                 return [_job(m, PREFILL, got)]
-        oldest = [(min(s.arrival_s for s in r), m) for m in state.models if (r := state.ready(m))]
-        if oldest:
-            _, m = min(oldest)
-            return [_job(m, DECODE, state.ready(m))]
-        return []
+        ready = [(m, r) for m in state.models if (r := state.ready(m))]
+        if not ready:
+            return []
+        if len(ready) == 1:  # one service has running requests: its decode
+            m, r = ready[0]
+        else:  # the service whose running requests include the earliest arrival
+            _, _, m, r = min(
+                (min(s.arrival_s for s in r), i, m, r) for i, (m, r) in enumerate(ready)
+            )
+        return [_job(m, DECODE, r)]
 
 
 @BATCHING.register("rr")

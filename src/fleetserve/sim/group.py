@@ -71,6 +71,7 @@ import numpy.typing as npt
 
 from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
+from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import BandwidthSharing, decode_weight
 from fleetserve.sim.kvlayout import HeadwiseLayout
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
@@ -78,6 +79,7 @@ from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 if TYPE_CHECKING:
     from fleetserve.costmodel import InstanceCost
     from fleetserve.costmodel.pipeline import StagedCost
+    from fleetserve.sim.batch import SimClock
     from fleetserve.sim.kvlayout import KVLayout, LayoutStats
 
 _EPS = 1e-9
@@ -184,6 +186,17 @@ class SharingGroup:
             ``watermark`` of its token-blocks in an empty pool afterwards
             (with one service and the partitioned layout, exactly the
             single-model instance's ``watermark`` of its blocks).
+        bound: keep each service's running requests *bound* to a step
+            counter (:class:`~fleetserve.sim.batch.BoundBatch`, as the
+            single-model instance does) instead of counting each request's
+            tokens at every job: a decode job then costs O(block size +
+            finishes), not O(requests). Needs a scheduler whose decode job
+            takes every running request of its service (the one-model
+            schedulers, FCFS and RR), one job at a time (temporal, not
+            pipelined), no chunked prefill, a count-only KV layout and
+            ``clock`` (the counts as of now). The records are the explicit
+            path's (``tests/test_group_instance.py``).
+        clock: the simulation clock (for ``bound``).
     """
 
     def __init__(
@@ -201,6 +214,8 @@ class SharingGroup:
         contention: bool = False,
         watermark: float = 0.0,
         chunked_prefill: bool = False,
+        bound: bool = False,
+        clock: SimClock | None = None,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -256,6 +271,30 @@ class SharingGroup:
         # it joins a pipelined group, then it is "merged" (empty)
         self.state = "live"
         self.incoming = 0  # migrated requests on their way here
+        # bound running batches (``bound``): service -> its batch, whose dict
+        # of running requests is ``running[service]``
+        self._bound: dict[str, BoundBatch] = {}
+        if bound:
+            why = [
+                w
+                for w, bad in (
+                    (
+                        "a scheduler whose decode job takes every running request (fcfs, rr)",
+                        not scheduler.one_model or scheduler.spatial,
+                    ),
+                    ("no pipelined group", self.lanes),
+                    ("no chunked prefill", chunked_prefill),
+                    ("a count-only KV layout (partitioned, headwise)", not layout.counts_only),
+                    ("the simulation clock", clock is None),
+                )
+                if bad
+            ]
+            if why:
+                raise ConfigError(f"group {gid}: bound running batches need " + "; ".join(why))
+            for m in self._models:
+                b = BoundBatch(bs, clock)
+                self._bound[m] = b
+                self.running[m] = b.running
 
     # ------------------------------------------------------------ GroupState
     @property
@@ -276,6 +315,8 @@ class SharingGroup:
         run = self.running[model]
         if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
             out = list(run.values())
+        elif model in self._bound:  # a bound batch decodes as a whole
+            out = []
         else:
             out = [s for s in run.values() if not s.in_job]
         part = self.partial[model]
@@ -313,7 +354,16 @@ class SharingGroup:
         as free (:class:`HostView`)."""
         if not self._ends:
             return 0
-        return int(self.ahead_blocks_at(model, np.array([now]))[0])
+        b = self._bound.get(model)
+        if b is None:
+            return int(self.ahead_blocks_at(model, np.array([now]))[0])
+        out = 0
+        for token, ends in self._ends.items():  # a bound batch's segment: its growth
+            if self.jobs[token][0].model == model:
+                k = len(ends)
+                steps = min(int(ends.searchsorted(now, side="right")) + 1, k)
+                out += b.grown(k - 1) - b.grown(steps - 1)
+        return out
 
     def ahead_blocks_at(self, model: str, times: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
         """:meth:`ahead_blocks` at each of ``times``: as of a time, a macro
@@ -321,12 +371,16 @@ class SharingGroup:
         flight."""
         bs = self.layout.block_size
         out = np.zeros(len(times), dtype=np.int64)
+        b = self._bound.get(model)
         for token, ends in self._ends.items():
             job, seqs, _, _ = self.jobs[token]
             if job.model != model:
                 continue
             k = len(ends)
             steps = np.minimum(ends.searchsorted(times, side="right") + 1, k)
+            if b is not None:  # the batch's growth by iteration
+                out += b.grown(k - 1) - b.grown_at(steps - 1)
+                continue
             # the job counted its first token at its start
             kv0 = np.fromiter((s.kv_saved - 1 for s in seqs), np.int64, len(seqs))
             held = -(-(kv0[None, :] + steps[:, None]) // bs)
@@ -346,13 +400,21 @@ class SharingGroup:
         how long its macro jobs are (:meth:`KVLayout.stats_as_of
         <fleetserve.sim.kvlayout.KVLayout.stats_as_of>`; nothing changes)."""
         now_tokens: dict[int, int] = {}
+        bulk: dict[str, tuple[int, int]] = {}
         for token, ends in self._ends.items():
             k = len(ends)
             j = int(np.searchsorted(ends, now, side="right"))
             steps = j + 1 if j + 1 < k else k
-            if steps < k:  # kv_saved counts the job's first token (its start)
-                now_tokens.update((s.id, s.kv_saved - 1 + steps) for s in self.jobs[token][1])
-        return self.layout.stats_as_of(now_tokens) if now_tokens else self.layout.stats()
+            if steps < k:
+                job, seqs, _, _ = self.jobs[token]
+                b = self._bound.get(job.model)
+                if b is not None:  # the batch's tokens and blocks of the iterations ahead
+                    bulk[job.model] = (len(b) * (k - steps), b.grown(k - 1) - b.grown(steps - 1))
+                else:  # kv_saved counts the job's first token (its start)
+                    now_tokens.update((s.id, s.kv_saved - 1 + steps) for s in seqs)
+        if now_tokens or bulk:
+            return self.layout.stats_as_of(now_tokens, bulk)
+        return self.layout.stats()
 
     def prefilling(self, model: str) -> list[Seq]:
         """Requests of ``model`` admitted whose prefill has not completed:
@@ -531,6 +593,9 @@ class SharingGroup:
             if self._bw is not None:
                 traffic = self.costs[m].prefill_memory_s(lens)
         else:
+            bb = self._bound.get(m)
+            if bb is not None:
+                return self._start_bound(job, bb, now)
             seqs = self._decode_seqs(job)
             macro = self.macro and not (self.chunked and any(self.partial.values()))
             ends = self._macro_ends(m, seqs, now) if macro else None
@@ -656,6 +721,70 @@ class SharingGroup:
         self.held_share += share
         return token
 
+    def _start_bound(self, job: Job, b: BoundBatch, now: float) -> tuple[float, int] | None:
+        """A decode job of a bound batch: the explicit path's decision
+        (:meth:`_macro_ends`, else one iteration that preempts victims while
+        it does not fit, :meth:`_grow_decode`) from the batch's counts. The
+        iterations that fit are the batch's growth
+        (:meth:`~fleetserve.sim.batch.BoundBatch.growth`) within the free
+        token-blocks; the layout takes the segment's tokens and blocks as one
+        change of the batch's totals."""
+        m = job.model
+        if len(job.seqs) != len(b):
+            raise RuntimeError(
+                f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
+                f"{len(b)} running requests; a bound batch decodes as a whole"
+            )
+        lay = self.layout
+        cost = self.costs[m]
+        B = len(b)
+        C, n_fit = b.growth(lay.free_token_blocks(m))
+        if self.macro and n_fit > 1:
+            k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
+            if k > 1:
+                ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
+                ends = np.cumsum(np.concatenate(([now], cost.decode_time(B, ctxs))))[1:]
+                seqs = list(b.running.values())
+                # the ends as an array: the one-model schedulers read their number only
+                k = self.scheduler.stable_iterations(
+                    self._state, m, seqs, cast("Sequence[float]", ends), now
+                )
+                if k > 1:
+                    return self._begin_bound(job, b, ends[:k], C, now)
+        while n_fit == 0:
+            cands = list(b.running.values())
+            victim = self.scheduler.victim(self._state, m, cands)
+            if victim not in cands:
+                raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
+            self._preempt(cast("Seq", victim))
+            if not b.running:
+                return None
+            C, n_fit = b.growth(lay.free_token_blocks(m))
+        B = len(b)
+        end = now + cost.decode_time_scalar(B, float(b.tokens + B), job.share)
+        return self._begin_bound(job, b, np.array([end]), C, now)
+
+    def _begin_bound(
+        self, job: Job, b: BoundBatch, ends: np.ndarray, C: list[int], now: float
+    ) -> tuple[float, int]:
+        """Start a bound batch's decode segment of ``len(ends)`` iterations:
+        its KV allocated ahead (as a macro job's), one job."""
+        k = len(ends)
+        m = job.model
+        b.begin(ends, k, C)
+        self.layout.bulk_change(m, 0, len(b) * k, b.grown(k - 1))
+        token = self._register(Job(m, DECODE, job.seqs, 1.0), [], now, 1.0)
+        if k > 1:
+            self._ends[token] = ends
+        return (float(ends[-1]), token)
+
+    def _unbind(self, s: Seq) -> int:
+        """Take running ``s`` out of its bound batch, its KV freed; its tokens."""
+        b = self._bound[s.model]
+        kv = b.unrun(s)
+        self.layout.bulk_change(s.model, -1, -kv, (-kv) // self.layout.block_size)
+        return kv
+
     def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> np.ndarray | None:
         """End times of the decode iterations this batch may run as one job
         (None: step by step).
@@ -754,6 +883,13 @@ class SharingGroup:
                 out.append((float(ends[j]), new))
                 # give back the KV allocated ahead for the iterations cut off:
                 # the blocks are then exactly those of a step-by-step run
+                b = self._bound.get(entry[0].model)
+                if b is not None:
+                    k = len(ends)
+                    give = b.grown(k - 1) - b.grown(j)
+                    self.layout.bulk_change(entry[0].model, 0, -len(b) * (k - j - 1), -give)
+                    b.cut(j + 1)
+                    continue
                 for s in entry[1]:
                     self.layout.shrink(s.id, s.kv_saved + j)
         return out
@@ -795,8 +931,11 @@ class SharingGroup:
         return job
 
     def _preempt(self, s: Seq) -> None:
-        self.layout.free(s.id)
-        del self.running[s.model][s.id]
+        if s.bound:
+            self._unbind(s)
+        else:
+            self.layout.free(s.id)
+            del self.running[s.model][s.id]
         s.kv_saved = 0
         s.state = WAITING
         s.record.preemptions += 1
@@ -812,7 +951,8 @@ class SharingGroup:
             return []
         job, seqs, start, share = entry
         ends = self._ends.pop(token, None)
-        if ends is not None and len(ends) > 1:  # a macro job: all but its last iteration
+        bound = job.model in self._bound
+        if ends is not None and len(ends) > 1 and not bound:  # a macro job: all but its last
             k = len(ends)
             done_ends = ends[:-1].tolist()
             self.scheduler.on_job_ends(job, seqs, done_ends, start)
@@ -836,6 +976,9 @@ class SharingGroup:
         chunks = self._chunks.pop(token, None)
         if chunks is not None:
             return self._mixed_done(job, seqs, chunks, start, now)
+        b = self._bound.get(job.model)
+        if b is not None:
+            return self._bound_done(job, b, seqs, ends, start, now)
         done: list[Seq] = []
         live: list[Seq] = []
         for s in seqs:
@@ -843,6 +986,53 @@ class SharingGroup:
             if job.phase == PREFILL:
                 self._now_running(s, now)
             self._emitted(s, now, done, live)
+        self.scheduler.on_job_end(job, live, now - start, now)
+        return done
+
+    def _bound_done(
+        self,
+        job: Job,
+        b: BoundBatch,
+        seqs: list[Seq],
+        ends: np.ndarray | None,
+        start: float,
+        now: float,
+    ) -> list[Seq]:
+        """A job of a service with a bound batch ended. A decode segment moves
+        the batch's step counter and its finished requests leave; a prefill's
+        requests join the batch (or finish at their first token)."""
+        done: list[Seq] = []
+        if job.phase == DECODE:
+            if ends is not None and len(ends) > 1:  # all but its last iteration
+                self.scheduler.on_job_ends(
+                    job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
+                )
+                start = float(ends[-2])
+            b.end()
+            lay = self.layout
+            bs = lay.block_size
+            for s, kv in b.due():
+                lay.bulk_change(s.model, -1, -kv, (-kv) // bs)
+                s.kv_saved = 0
+                self._finished(s, now)
+                done.append(s)
+            self.scheduler.on_job_end(job, list(b.running.values()), now - start, now)
+            return done
+        live: list[Seq] = []
+        for s in seqs:
+            s.in_job = False
+            if s.record.first_token_s is None:
+                s.record.first_token_s = now
+            if s.gen_saved + 1 >= s.output_tokens:  # done at its first token
+                s.gen_saved += 1
+                self.layout.free(s.id)
+                s.kv_saved = 0
+                self._finished(s, now)
+                done.append(s)
+                continue
+            self.layout.bind(s.id)
+            b.run(s, s.kv_saved)
+            live.append(s)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
 
@@ -890,6 +1080,10 @@ class SharingGroup:
     def _finish(self, s: Seq, now: float) -> None:
         self.layout.free(s.id)
         del self.running[s.model][s.id]
+        self._finished(s, now)
+
+    def _finished(self, s: Seq, now: float) -> None:
+        """``s`` (out of the group's sets, its KV freed) finished at ``now``."""
         s.state = DONE
         rec = s.record
         rec.status = "finished"
@@ -929,8 +1123,11 @@ class SharingGroup:
             raise RuntimeError(f"group {self.id}: cannot hand over requests with jobs in flight")
         out = [s for m in self._models for s in self.running[m].values()]
         for s in out:
-            self.layout.free(s.id)
-            del self.running[s.model][s.id]
+            if s.bound:
+                s.kv_saved = self._unbind(s)
+            else:
+                self.layout.free(s.id)
+                del self.running[s.model][s.id]
             s.inst = None
             s.state = TRANSIT
         return out
@@ -942,10 +1139,20 @@ class SharingGroup:
         budget, starts afresh here)."""
         if seq.kv_saved <= 0 or not self.can_hold(seq, seq.kv_saved):
             return False
+        b = self._bound.get(seq.model)
+        if b is not None and b.n:
+            raise RuntimeError(
+                f"group {self.id}: a request cannot join {seq.model}'s bound batch "
+                "while its decode segment runs"
+            )
         self.layout.grow(seq.id, seq.model, seq.kv_saved)
-        self.running[seq.model][seq.id] = seq
         seq.inst = self
-        seq.state = RUNNING
+        if b is not None:
+            self.layout.bind(seq.id)
+            b.run(seq, seq.kv_saved)
+        else:
+            self.running[seq.model][seq.id] = seq
+            seq.state = RUNNING
         self.scheduler.on_arrival(seq, now)
         return True
 
@@ -961,11 +1168,25 @@ class SharingGroup:
                 assert s.state == WAITING and s.inst is self, s.id
                 assert not lay.holds(s.id), s.id
                 seen.add(s.id)
+            b = self._bound.get(m)
             for rid, s in self.running[m].items():
                 assert rid == s.id and s.id not in seen and s.state == RUNNING, s.id
-                # a macro job allocates its segment's KV ahead: held >= cached
-                assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_saved, s.id
+                if b is not None:  # in the batch's totals
+                    assert s.bound and s.batch is b and s.inst is self, s.id
+                    assert not lay.holds(s.id), s.id
+                else:  # a macro job allocates its segment's KV ahead: held >= cached
+                    assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_saved, s.id
                 seen.add(s.id)
+            if b is not None:
+                b.check()
+                bs = lay.block_size
+                n = b.n if (m, DECODE) in self._busy else 0
+                assert n == b.n, (m, b.n)
+                want_blocks = sum(-(-(s.base + b.steps) // bs) for s in b.running.values())
+                if n:
+                    want_blocks += b.grown(n - 1)
+                got = lay.bulk(m)
+                assert got == (len(b), b.tokens + len(b) * n, want_blocks), (m, got)
             for s in self.partial[m]:  # admitted, partly prefilled: KV held in full
                 assert s.id not in seen and s.state == PREFILLING and s.inst is self, s.id
                 assert lay.tokens_of(s.id) == s.kv_saved == s.prompt_tokens + s.gen_saved, s.id

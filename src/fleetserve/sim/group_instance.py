@@ -29,11 +29,14 @@ scheduler of the same name as the batching policy: FCFS or RR):
 - **Activation.** An instance activated during a run waits for its weights
   (``ready_s``): the group is ``loading`` and starts no job until then.
 
-Requests keep the group's *explicit* token counts (``kv_saved``, ``gen_saved``,
-updated at job ends), where an instance keeps its running requests *bound* to
-its step counter; a policy that reads a running request's tokens in the middle
-of a macro segment would see the counts at the segment's start. The stacks the
-switch accepts read none (their dispatch reads the instance views above).
+Under FCFS and RR without chunked prefill, the group keeps the running
+requests *bound* to a step counter (``SharingGroup(bound=True)``: the
+instance's :class:`~fleetserve.sim.batch.BoundBatch`, and the layout keeps the
+batch's totals), so a decode job costs what an instance's segment costs:
+O(block size + finishes), not O(requests), and a policy reading a running
+request's tokens mid-segment sees them as of now, as on an instance. MLFQ and
+DB, and chunked prefill, keep the group's *explicit* counts (``kv_saved``,
+``gen_saved``, updated at job ends).
 
 Behind a switch (``Simulator(..., one_model_groups=True)``), for the stacks
 without migration (``vllm``, ``bf``, ``wf``, ``ll``) and without prefix
@@ -42,8 +45,9 @@ series and GPU intervals equal the instance's. The event counts differ a
 little (65,646 against 65,555 on the Azure trace of ``make bench``): a
 decode iteration that preempts runs as a job of its own in the group, where
 the instance's segment goes on past it when no queued prompt could be
-admitted. About 4x slower than the
-instance for now (``make bench``): the group works per request in every job.
+admitted. About 2x slower than the instance for now (``make bench``; 4-5x
+before the bound batches): the rest is the layers a job passes through
+(group, scheduler, budget, views), each a few Python calls.
 """
 
 from __future__ import annotations
@@ -121,6 +125,10 @@ class GroupInstance(ChangeReports):
             macro_steps=macro_steps,
             watermark=watermark,
             chunked_prefill=chunked_prefill,
+            # the running requests bound to a step counter, as the instance's
+            # (FCFS and RR without chunked prefill; else explicit counts)
+            bound=sched.one_model and not chunked_prefill,
+            clock=clock,
         )
         self.id = iid
         self.model = model

@@ -181,6 +181,10 @@ class KVLayout(ABC):
     """
 
     name: ClassVar[str]
+    counts_only: ClassVar[bool] = True
+    """Whether the layout keeps counts only (partitioned, head-wise), so a
+    service's bound batch can be one set of totals (:meth:`bind`); the merged
+    layout names every slot."""
 
     def __init__(
         self, capacity_bytes: int, models: Mapping[str, ModelSpec], block_size: int = 16
@@ -219,6 +223,8 @@ class KVLayout(ABC):
         self._mtokens: dict[str, int] = dict.fromkeys(self._models, 0)
         self._mblocks: dict[str, int] = dict.fromkeys(self._models, 0)
         self._mreqs: dict[str, int] = dict.fromkeys(self._models, 0)  # requests held
+        # per model, a bound batch's totals (:meth:`bind`): requests, tokens, blocks
+        self._bulk: dict[str, list[int]] = {m: [0, 0, 0] for m in self._models}
 
     # --- construction helpers -------------------------------------------------
     def _validate_fit(self) -> None:
@@ -449,6 +455,82 @@ class KVLayout(ABC):
         self._mblocks[model] += total
         self._mtokens[model] += grown
 
+    # --- bound batches (count-only layouts) ------------------------------------
+    def bind(self, rid: int) -> None:
+        """Request ``rid``'s KV joins its service's *bound batch*: from now on
+        the layout keeps only the batch's totals (requests, tokens,
+        token-blocks), and the batch's holder reports their changes
+        (:meth:`bulk_change`). A sharing group does this for the running
+        requests of a service whose decodes all step together
+        (:class:`~fleetserve.sim.batch.BoundBatch`): a decode iteration then
+        changes three counts, not one entry per request. Count-only layouts
+        only (:attr:`counts_only`).
+
+        Raises:
+            KeyError: ``rid`` is not held.
+            NotImplementedError: the merged layout, which names every slot.
+        """
+        if not self.counts_only:
+            raise NotImplementedError(f"the {self.name} layout names every slot: no bound batch")
+        model = self._rmodel.pop(rid, None)
+        if model is None:
+            raise KeyError(f"request {rid} holds no KV in this {self.name} layout")
+        b = self._bulk[model]
+        b[0] += 1
+        b[1] += self._rtokens.pop(rid)
+        b[2] += self._rblocks.pop(rid)
+
+    def bulk_change(self, model: str, requests: int, tokens: int, blocks: int) -> None:
+        """``model``'s bound batch changes by ``requests`` requests, ``tokens``
+        tokens and ``blocks`` token-blocks (each signed: a decode segment
+        grows it, a request that finishes or is preempted leaves it with its
+        tokens and blocks, an interrupted segment gives back what it did not
+        use).
+
+        Raises:
+            PoolFull: the new token-blocks do not fit; nothing changed.
+            ValueError: the batch would hold a negative count.
+        """
+        self._check_model(model)
+        b = self._bulk[model]
+        if b[0] + requests < 0 or b[1] + tokens < 0 or b[2] + blocks < 0:
+            raise ValueError(
+                f"{self.name} KV layout: the bound batch of {model!r} ({b[0]} requests, "
+                f"{b[1]} tokens, {b[2]} token-blocks) cannot change by "
+                f"({requests}, {tokens}, {blocks})"
+            )
+        if blocks > 0:
+            if not self._fits(model, blocks):
+                raise PoolFull(
+                    f"{self.name} KV layout: the bound batch of {model!r} needs {blocks} more "
+                    f"token-block(s); {self.free_bytes_for(model)} bytes free"
+                )
+            self._alloc(-1, model, blocks)
+        elif blocks < 0:
+            self._release(-1, model, -blocks)
+        b[0] += requests
+        b[1] += tokens
+        b[2] += blocks
+        self._mreqs[model] += requests
+        self._mtokens[model] += tokens
+        self._mblocks[model] += blocks
+
+    def bulk(self, model: str) -> tuple[int, int, int]:
+        """``model``'s bound batch: (requests, tokens, token-blocks)."""
+        n, t, b = self._bulk[model]
+        return n, t, b
+
+    def free_token_blocks(self, model: str) -> int:
+        """The most token-blocks of ``model`` that fit now (a count-only
+        layout's fit is linear in them)."""
+        if not self.counts_only:
+            raise NotImplementedError(f"the {self.name} layout has no linear fit")
+        self._check_model(model)
+        return self._free_token_blocks(model)
+
+    def _free_token_blocks(self, model: str) -> int:
+        raise NotImplementedError
+
     # --- per request ----------------------------------------------------------
     def holds(self, rid: int) -> bool:
         """Whether request ``rid`` is registered (it may hold 0 tokens)."""
@@ -497,15 +579,18 @@ class KVLayout(ABC):
             valid_bytes=valid,
             free_bytes=self.free_bytes(),
             unusable_bytes=self.unusable_bytes(),
-            requests=len(self._rmodel),
+            requests=len(self._rmodel) + sum(b[0] for b in self._bulk.values()),
             table_entries=self.table_entries_total(),
             internal_frag=frag,
             stranded_bytes=self._reclaimable_bytes() - worst,
         )
 
-    def stats_as_of(self, tokens: Mapping[int, int]) -> LayoutStats:
+    def stats_as_of(
+        self, tokens: Mapping[int, int], bulk: Mapping[str, tuple[int, int]] | None = None
+    ) -> LayoutStats:
         """:meth:`stats` as if each held request ``rid`` of ``tokens`` held
-        only ``tokens[rid]`` tokens (no more than it holds), changing nothing:
+        only ``tokens[rid]`` tokens (no more than it holds), and each bound
+        batch of ``bulk`` held ``(tokens, blocks)`` fewer, changing nothing:
         a sample as of an earlier point of a decode segment whose KV was
         allocated ahead (:meth:`~fleetserve.sim.group.SharingGroup.layout_stats`).
 
@@ -516,7 +601,11 @@ class KVLayout(ABC):
         back = [(rid, self._rtokens[rid]) for rid in tokens]
         for rid, t in tokens.items():
             self.shrink(rid, t)
+        for m, (t, b) in (bulk or {}).items():
+            self.bulk_change(m, 0, -t, -b)
         st = self.stats()
+        for m, (t, b) in (bulk or {}).items():
+            self.bulk_change(m, 0, t, b)
         for rid, t in back:
             self.grow(rid, self._rmodel[rid], t)
         return st
@@ -542,10 +631,22 @@ class KVLayout(ABC):
             )
             tokens[m] += t
             blocks[m] += b
+        held = Counter(self._rmodel.values())
+        for m, (n, t, b) in self._bulk.items():  # a bound batch: n requests' totals
+            _require(n >= 0 and t >= 0 and b >= 0, f"service {m!r}: negative bound batch")
+            _require(
+                _ceil_div(t, self._block_size)
+                <= b
+                <= (t + n * (self._block_size - 1)) // self._block_size,
+                f"service {m!r}: {b} token-blocks for a bound batch of {n} requests, {t} tokens",
+            )
+            _require(self.counts_only or n == 0, f"{self.name} layout holds a bound batch")
+            tokens[m] += t
+            blocks[m] += b
+            held[m] += n
         for m in self._models:
             _require(tokens[m] == self._mtokens[m], f"service {m!r}: token sum mismatch")
             _require(blocks[m] == self._mblocks[m], f"service {m!r}: token-block sum mismatch")
-        held = Counter(self._rmodel.values())
         _require(all(held[m] == self._mreqs[m] for m in self._models), "request count mismatch")
         used, free, unusable = self.used_bytes(), self.free_bytes(), self.unusable_bytes()
         _require(0 <= used <= self._capacity, f"used {used} outside [0, {self._capacity}]")
@@ -717,6 +818,9 @@ class HeadwiseLayout(KVLayout):
     def _fits(self, model: str, add: int) -> bool:
         return add * self._upt[model] <= self._num_units - self._used_units
 
+    def _free_token_blocks(self, model: str) -> int:
+        return (self._num_units - self._used_units) // self._upt[model]
+
     def _alloc(self, rid: int, model: str, add: int) -> None:
         self._used_units += add * self._upt[model]
 
@@ -743,6 +847,7 @@ class MergedLayout(KVLayout):
     """
 
     name: ClassVar[str] = "merged"
+    counts_only: ClassVar[bool] = False
 
     def __init__(
         self, capacity_bytes: int, models: Mapping[str, ModelSpec], block_size: int = 16
@@ -867,12 +972,16 @@ class MergedLayout(KVLayout):
             stranded_bytes=(free + sum(slots)) - (free + min(slots)),
         )
 
-    def stats_as_of(self, tokens: Mapping[int, int]) -> LayoutStats:
+    def stats_as_of(
+        self, tokens: Mapping[int, int], bulk: Mapping[str, tuple[int, int]] | None = None
+    ) -> LayoutStats:
         """:meth:`KVLayout.stats_as_of` without shrinking (a shrink and a grow
         back could land in other slots: a grow takes the oldest partly used
         block first): the slots each request would give back are its table's
         tail, and a physical block returns to the pool when they are all its
         used slots."""
+        if bulk:
+            raise NotImplementedError("the merged layout holds no bound batch")
         st = self.stats()
         bs = self._block_size
         rel: Counter[int] = Counter()  # slots given back, per physical block
@@ -1179,6 +1288,9 @@ class PartitionedLayout(KVLayout):
 
     def _fits(self, model: str, add: int) -> bool:
         return self._mblocks[model] + add <= self._part_blocks[model]
+
+    def _free_token_blocks(self, model: str) -> int:
+        return self._part_blocks[model] - self._mblocks[model]
 
     def _alloc(self, rid: int, model: str, add: int) -> None:
         return None  # blocks of a partition are interchangeable: the count is the state
