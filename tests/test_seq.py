@@ -51,7 +51,7 @@ def test_bound_and_explicit_counts_agree(
     s = _seq(prompt, gen + 1000)
     h = _Holder(steps, in_flight)
     kv = prompt + gen - 1  # a running request caches all but its newest token
-    s.inst, s.state, s.bound, s.base = h, RUNNING, True, kv - steps
+    s.batch, s.state, s.bound, s.base = h, RUNNING, True, kv - steps
     assert s.generated == gen
     assert s.kv_tokens == kv + in_flight
     assert s.demand_tokens == max(s.kv_tokens, prompt + s.generated)

@@ -271,9 +271,11 @@ class SharingGroup:
         # it joins a pipelined group, then it is "merged" (empty)
         self.state = "live"
         self.incoming = 0  # migrated requests on their way here
-        # bound running batches (``bound``): service -> its batch, whose dict
-        # of running requests is ``running[service]``
+        # bound running batches (``bound``): service -> its batch; ``running``
+        # holds the batch's requests and those joining it at its next boundary
+        # (adopted while its segment ran: explicit counts until then)
         self._bound: dict[str, BoundBatch] = {}
+        self._joining: dict[str, list[Seq]] = {}
         if bound:
             why = [
                 w
@@ -292,9 +294,8 @@ class SharingGroup:
             if why:
                 raise ConfigError(f"group {gid}: bound running batches need " + "; ".join(why))
             for m in self._models:
-                b = BoundBatch(bs, clock)
-                self._bound[m] = b
-                self.running[m] = b.running
+                self._bound[m] = BoundBatch(bs, clock)
+                self._joining[m] = []
 
     # ------------------------------------------------------------ GroupState
     @property
@@ -316,7 +317,7 @@ class SharingGroup:
         if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
             out = list(run.values())
         elif model in self._bound:  # a bound batch decodes as a whole
-            out = []
+            out = list(self._joining[model])
         else:
             out = [s for s in run.values() if not s.in_job]
         part = self.partial[model]
@@ -730,6 +731,10 @@ class SharingGroup:
         token-blocks; the layout takes the segment's tokens and blocks as one
         change of the batch's totals."""
         m = job.model
+        for s in self._joining[m]:  # adopted during the last segment: they join now
+            self.layout.bind(s.id)
+            b.run(s, s.kv_saved)
+        self._joining[m].clear()
         if len(job.seqs) != len(b):
             raise RuntimeError(
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
@@ -782,6 +787,7 @@ class SharingGroup:
         """Take running ``s`` out of its bound batch, its KV freed; its tokens."""
         b = self._bound[s.model]
         kv = b.unrun(s)
+        del self.running[s.model][s.id]
         self.layout.bulk_change(s.model, -1, -kv, (-kv) // self.layout.block_size)
         return kv
 
@@ -1011,8 +1017,10 @@ class SharingGroup:
             b.end()
             lay = self.layout
             bs = lay.block_size
+            run = self.running[job.model]
             for s, kv in b.due():
                 lay.bulk_change(s.model, -1, -kv, (-kv) // bs)
+                del run[s.id]
                 s.kv_saved = 0
                 self._finished(s, now)
                 done.append(s)
@@ -1032,6 +1040,7 @@ class SharingGroup:
                 continue
             self.layout.bind(s.id)
             b.run(s, s.kv_saved)
+            self.running[s.model][s.id] = s
             live.append(s)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
@@ -1125,11 +1134,13 @@ class SharingGroup:
         for s in out:
             if s.bound:
                 s.kv_saved = self._unbind(s)
-            else:
+            else:  # explicit, or joining a bound batch
                 self.layout.free(s.id)
                 del self.running[s.model][s.id]
             s.inst = None
             s.state = TRANSIT
+        for j in self._joining.values():
+            j.clear()
         return out
 
     def adopt(self, seq: Seq, now: float) -> bool:
@@ -1139,20 +1150,17 @@ class SharingGroup:
         budget, starts afresh here)."""
         if seq.kv_saved <= 0 or not self.can_hold(seq, seq.kv_saved):
             return False
-        b = self._bound.get(seq.model)
-        if b is not None and b.n:
-            raise RuntimeError(
-                f"group {self.id}: a request cannot join {seq.model}'s bound batch "
-                "while its decode segment runs"
-            )
         self.layout.grow(seq.id, seq.model, seq.kv_saved)
         seq.inst = self
-        if b is not None:
+        self.running[seq.model][seq.id] = seq
+        b = self._bound.get(seq.model)
+        if b is not None and not b.n:
             self.layout.bind(seq.id)
             b.run(seq, seq.kv_saved)
-        else:
-            self.running[seq.model][seq.id] = seq
+        else:  # explicit; a bound batch's segment runs: it joins at the next boundary
             seq.state = RUNNING
+            if b is not None:
+                self._joining[seq.model].append(seq)
         self.scheduler.on_arrival(seq, now)
         return True
 
@@ -1171,14 +1179,18 @@ class SharingGroup:
             b = self._bound.get(m)
             for rid, s in self.running[m].items():
                 assert rid == s.id and s.id not in seen and s.state == RUNNING, s.id
-                if b is not None:  # in the batch's totals
-                    assert s.bound and s.batch is b and s.inst is self, s.id
+                if b is not None and s.bound:  # in the batch's totals
+                    assert b.running.get(rid) is s and s.batch is b and s.inst is self, s.id
                     assert not lay.holds(s.id), s.id
+                elif b is not None:  # adopted while the segment ran: joins at its end
+                    assert s in self._joining[m] and lay.tokens_of(s.id) == s.kv_saved, s.id
                 else:  # a macro job allocates its segment's KV ahead: held >= cached
                     assert lay.holds(s.id) and lay.tokens_of(s.id) >= s.kv_saved, s.id
                 seen.add(s.id)
             if b is not None:
                 b.check()
+                assert all(self.running[m].get(r) is x for r, x in b.running.items()), m
+                assert len(self.running[m]) == len(b) + len(self._joining[m]), m
                 bs = lay.block_size
                 n = b.n if (m, DECODE) in self._busy else 0
                 assert n == b.n, (m, b.n)

@@ -75,6 +75,7 @@ from fleetserve.policy.pressure import KunSettings
 from fleetserve.policy.replacement import AdaptiveInterval, plan_diff
 from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
+from fleetserve.sim.batch import SimClock
 from fleetserve.sim.events import (
     EPOCH,
     GROUP_READY,
@@ -318,6 +319,7 @@ class MultiSimulator:
         initial_estimate: float | None = None,
     ) -> None:
         self.cfg = config
+        self.clock = SimClock()  # the kernel's time, for the groups' bound batches
         self.services = dict(services)
         self.requests = list(requests)
         for i, r in enumerate(self.requests):
@@ -408,6 +410,7 @@ class MultiSimulator:
             max_time_s=config.max_time_s,
             check=config.check_integrity,
             progress=progress,
+            clock=self.clock,
         )
         self._frag: list[float] = []
         self._stranded: list[float] = []
@@ -478,6 +481,16 @@ class MultiSimulator:
             contention=cfg.contention,
             watermark=cfg.watermark,
             chunked_prefill=cfg.chunked_prefill,
+            # the running requests bound to a step counter where the group's
+            # scheduler, layout and shape allow it (SharingGroup's ``bound``)
+            bound=(
+                sched.one_model
+                and not sched.spatial
+                and not cfg.chunked_prefill
+                and layout.counts_only
+                and all(getattr(c, "stages", 1) == 1 for c in costs.values())
+            ),
+            clock=self.clock,
         )
         self.groups.append(g)
         self._group_by_id[g.id] = g

@@ -1,0 +1,178 @@
+"""Bound running batches in sharing groups (``SharingGroup(bound=True)``).
+
+A group whose scheduler decodes every running request of a service at once
+(FCFS, RR) may keep them bound to a step counter, the single-model instance's
+:class:`~fleetserve.sim.batch.BoundBatch`, with the layout keeping the batch's
+totals. These tests drive the same requests through a bound and an explicit
+group, under memory pressure, with requests adopted (migrated in) at any time,
+also while a decode segment runs: every request's finish time and preemptions
+must be equal, and the integrity checks (which compare the layout's batch
+totals with the batch) must hold after every event.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fleetserve.costmodel import CostModel
+from fleetserve.errors import ConfigError
+from fleetserve.metrics.records import RequestRecord
+from fleetserve.policy.sharing import BATCHING, ServiceStats
+from fleetserve.sim.batch import SimClock
+from fleetserve.sim.group import SharingGroup
+from fleetserve.sim.kvlayout import make_layout
+from fleetserve.sim.seq import Seq
+from fleetserve.spec import get_gpu, get_model
+from fleetserve.workload.request import Request
+
+SPECS = {"a": get_model("llama-2-7b"), "b": get_model("llama-2-13b")}
+GIB = 2**30
+
+
+def _group(bound: bool, scheduler: str, layout: str, kv_gib: float, clock: SimClock) -> Any:
+    gpu = get_gpu("a100-80gb")
+    cap = int(kv_gib * GIB)
+    sched = BATCHING.get(scheduler)()
+    sched.setup(
+        {m: ServiceStats(1.0, 1.0, 0.1, s.kv_bytes_per_token, 1e-4) for m, s in SPECS.items()},
+        cap,
+    )
+    costs = {m: CostModel().bind(s, gpu, 1) for m, s in SPECS.items()}
+    return SharingGroup(
+        0,
+        (0,),
+        1,
+        costs,
+        make_layout(layout, cap, SPECS),
+        sched,
+        watermark=0.01,
+        bound=bound,
+        clock=clock,
+    )
+
+
+def _seq(r: Request) -> Seq:
+    return Seq(r, RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens))
+
+
+def _drive(
+    bound: bool,
+    scheduler: str,
+    layout: str,
+    kv_gib: float,
+    reqs: list[Request],
+    moves: list[tuple[Request, int]],
+) -> dict[int, tuple[float | None, int]]:
+    """Run ``reqs`` (queued at arrival) and ``moves`` (adopted at arrival
+    holding ``(prompt + generated)`` tokens of KV, generated given) through
+    one group, its integrity checked after every event; each request's
+    (finish time, preemptions)."""
+    clock = SimClock()
+    g = _group(bound, scheduler, layout, kv_gib, clock)
+    heap: list[tuple[float, int, int, Any]] = []
+    n = 0
+    for r in reqs:
+        heap.append((r.arrival_s, n, 0, _seq(r)))
+        n += 1
+    for r, gen in moves:
+        s = _seq(r)
+        s.gen_saved = gen
+        s.kv_saved = r.prompt_tokens + gen - 1  # a running request's KV
+        heap.append((r.arrival_s, n, 2, s))
+        n += 1
+    heapq.heapify(heap)
+    seqs: dict[int, Seq] = {}
+    while heap:
+        now, _, kind, x = heapq.heappop(heap)
+        clock.now = now
+        if kind == 0:
+            seqs[x.id] = x
+            started = g.enqueue(x, now)
+        elif kind == 2:
+            seqs[x.id] = x
+            if g.adopt(x, now):
+                started = g.truncate(now) + g.schedule(now)
+            else:  # no room for its KV: it re-prefills (a recompute)
+                x.kv_saved = 0
+                started = g.enqueue(x, now, head=True)
+        else:
+            if g.stale(x):
+                continue
+            g.complete(x, now)
+            started = g.schedule(now)
+        for end, tok in started:
+            heapq.heappush(heap, (end, n, 1, tok))
+            n += 1
+        g.check_integrity()
+    assert g.idle
+    out = {}
+    for rid, s in seqs.items():
+        assert s.record.status == "finished" and s.generated == s.record.output_tokens, rid
+        out[rid] = (s.record.finish_s, s.record.preemptions)
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scheduler=st.sampled_from(["fcfs", "rr"]),
+    layout=st.sampled_from(["partitioned", "headwise"]),
+    kv_gib=st.sampled_from([0.5, 1.0, 4.0]),
+    reqs=st.lists(
+        st.tuples(
+            st.floats(0, 4, allow_nan=False),
+            st.sampled_from(["a", "b"]),
+            st.integers(1, 400),
+            st.integers(1, 120),
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    moves=st.lists(
+        st.tuples(
+            st.floats(0, 4, allow_nan=False),
+            st.sampled_from(["a", "b"]),
+            st.integers(1, 300),
+            st.integers(1, 20),
+            st.integers(2, 80),
+        ),
+        max_size=6,
+    ),
+)
+def test_a_bound_group_runs_the_explicit_groups_run(
+    scheduler: str,
+    layout: str,
+    kv_gib: float,
+    reqs: list[tuple[float, str, int, int]],
+    moves: list[tuple[float, str, int, int, int]],
+) -> None:
+    rs = [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(sorted(reqs))]
+    mv = [
+        (Request(len(rs) + i, m, t, p, gen + more), gen)
+        for i, (t, m, p, gen, more) in enumerate(sorted(moves))
+    ]
+    a = _drive(False, scheduler, layout, kv_gib, rs, mv)
+    b = _drive(True, scheduler, layout, kv_gib, rs, mv)
+    assert a == b
+
+
+def test_bound_batches_say_what_they_need() -> None:
+    clock = SimClock()
+    with pytest.raises(ConfigError, match=r"decode job takes every running request"):
+        _group(True, "mlfq", "partitioned", 1.0, clock)
+    with pytest.raises(ConfigError, match=r"count-only KV layout"):
+        _group(True, "fcfs", "merged", 1.0, clock)
+    with pytest.raises(ConfigError, match=r"simulation clock"):
+        SharingGroup(
+            0,
+            (0,),
+            1,
+            {"a": CostModel().bind(SPECS["a"], get_gpu("a100-80gb"), 1)},
+            make_layout("partitioned", GIB, {"a": SPECS["a"]}),
+            BATCHING.get("fcfs")(),
+            bound=True,
+        )
