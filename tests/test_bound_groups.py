@@ -5,9 +5,10 @@ A group whose scheduler decodes every running request of a service at once
 :class:`~fleetserve.sim.batch.BoundBatch`, with the layout keeping the batch's
 totals. These tests drive the same requests through a bound and an explicit
 group, under memory pressure, with requests adopted (migrated in) at any time,
-also while a decode segment runs: every request's finish time and preemptions
-must be equal, and the integrity checks (which compare the layout's batch
-totals with the batch) must hold after every event.
+also while a decode segment runs, with and without chunked prefill: every
+request's finish time and preemptions must be equal, and the integrity checks
+(which compare the layout's batch totals with the batch) must hold after every
+event.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ SPECS = {"a": get_model("llama-2-7b"), "b": get_model("llama-2-13b")}
 GIB = 2**30
 
 
-def _group(bound: bool, scheduler: str, layout: str, kv_gib: float, clock: SimClock) -> Any:
+def _group(
+    bound: bool,
+    scheduler: str,
+    layout: str,
+    kv_gib: float,
+    clock: SimClock,
+    chunked: bool = False,
+) -> Any:
     gpu = get_gpu("a100-80gb")
     cap = int(kv_gib * GIB)
     sched = BATCHING.get(scheduler)()
@@ -51,6 +59,8 @@ def _group(bound: bool, scheduler: str, layout: str, kv_gib: float, clock: SimCl
         make_layout(layout, cap, SPECS),
         sched,
         watermark=0.01,
+        chunked_prefill=chunked,
+        max_batched_tokens=256,
         bound=bound,
         clock=clock,
     )
@@ -65,6 +75,7 @@ def _drive(
     scheduler: str,
     layout: str,
     kv_gib: float,
+    chunked: bool,
     reqs: list[Request],
     moves: list[tuple[Request, int]],
 ) -> dict[int, tuple[float | None, int]]:
@@ -73,7 +84,7 @@ def _drive(
     one group, its integrity checked after every event; each request's
     (finish time, preemptions)."""
     clock = SimClock()
-    g = _group(bound, scheduler, layout, kv_gib, clock)
+    g = _group(bound, scheduler, layout, kv_gib, clock, chunked)
     heap: list[tuple[float, int, int, Any]] = []
     n = 0
     for r in reqs:
@@ -117,11 +128,12 @@ def _drive(
     return out
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     scheduler=st.sampled_from(["fcfs", "rr"]),
     layout=st.sampled_from(["partitioned", "headwise"]),
     kv_gib=st.sampled_from([0.5, 1.0, 4.0]),
+    chunked=st.booleans(),
     reqs=st.lists(
         st.tuples(
             st.floats(0, 4, allow_nan=False),
@@ -147,16 +159,21 @@ def test_a_bound_group_runs_the_explicit_groups_run(
     scheduler: str,
     layout: str,
     kv_gib: float,
+    chunked: bool,
     reqs: list[tuple[float, str, int, int]],
     moves: list[tuple[float, str, int, int, int]],
 ) -> None:
-    rs = [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(sorted(reqs))]
+    # requests that fit the pool (the simulators reject the others at dispatch)
+    probe = _group(False, scheduler, layout, kv_gib, SimClock(), chunked)
+    fit = [(t, m, p, o) for t, m, p, o in sorted(reqs) if p + o <= probe.max_request_tokens(m)]
+    rs = [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(fit)]
     mv = [
         (Request(len(rs) + i, m, t, p, gen + more), gen)
         for i, (t, m, p, gen, more) in enumerate(sorted(moves))
+        if p + gen + more <= probe.max_request_tokens(m)
     ]
-    a = _drive(False, scheduler, layout, kv_gib, rs, mv)
-    b = _drive(True, scheduler, layout, kv_gib, rs, mv)
+    a = _drive(False, scheduler, layout, kv_gib, chunked, rs, mv)
+    b = _drive(True, scheduler, layout, kv_gib, chunked, rs, mv)
     assert a == b
 
 

@@ -26,6 +26,7 @@ the "as of now" counts a bound request reads (:attr:`BoundBatch.decode_steps`,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -196,6 +197,8 @@ class BoundBatch:
         hist = self._hist
         bs = len(hist)
         B = len(self.running)
+        if not B:  # nothing decodes: nothing grows
+            return [0] * bs, sys.maxsize
         D = self.steps
         C = []
         acc = 0
@@ -209,6 +212,12 @@ class BoundBatch:
             if n_exh < 0 or j < n_exh:
                 n_exh = j
         return C, n_exh
+
+    def opening(self) -> int:
+        """Running requests whose next token opens a new block (the first
+        iteration's growth)."""
+        hist = self._hist
+        return hist[-self.steps % len(hist)] if self.running else 0
 
     def check(self) -> None:
         """The sums and the histogram agree with the running requests."""

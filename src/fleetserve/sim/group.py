@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -193,7 +193,7 @@ class SharingGroup:
             finishes), not O(requests). Needs a scheduler whose decode job
             takes every running request of its service (the one-model
             schedulers, FCFS and RR), one job at a time (temporal, not
-            pipelined), no chunked prefill, a count-only KV layout and
+            pipelined), a count-only KV layout and
             ``clock`` (the counts as of now). The records are the explicit
             path's (``tests/test_group_instance.py``).
         clock: the simulation clock (for ``bound``).
@@ -285,7 +285,6 @@ class SharingGroup:
                         not scheduler.one_model or scheduler.spatial,
                     ),
                     ("no pipelined group", self.lanes),
-                    ("no chunked prefill", chunked_prefill),
                     ("a count-only KV layout (partitioned, headwise)", not layout.counts_only),
                     ("the simulation clock", clock is None),
                 )
@@ -314,10 +313,11 @@ class SharingGroup:
         """Running requests in no job; with chunked prefill, then the partly
         prefilled prompts (their next chunk runs in the model's next job)."""
         run = self.running[model]
-        if (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
+        b = self._bound.get(model)
+        if b is not None:  # a bound batch decodes as a whole: in a job while its segment runs
+            out = list(self._joining[model]) if b.n else list(run.values())
+        elif (model, DECODE) not in self._busy:  # prefilling requests are not in ``running``
             out = list(run.values())
-        elif model in self._bound:  # a bound batch decodes as a whole
-            out = list(self._joining[model])
         else:
             out = [s for s in run.values() if not s.in_job]
         part = self.partial[model]
@@ -457,7 +457,13 @@ class SharingGroup:
         reserve = self.watermark_tokens[model]
         if self.chunked:
             bs = self.layout.block_size
-            reserve += bs * sum(1 for x in self.running[model].values() if x.kv_saved % bs == 0)
+            b = self._bound.get(model)
+            if b is None:
+                run: Iterable[Seq] = self.running[model].values()
+            else:  # the batch's next-block openers, and those joining it
+                reserve += bs * b.opening()
+                run = self._joining[model]
+            reserve += bs * sum(1 for x in run if x.kv_saved % bs == 0)
         return reserve
 
     def can_admit(self, seq: Seq, tokens: int, reserve: int) -> bool:
@@ -631,23 +637,11 @@ class SharingGroup:
         KV was taken in full at admission)."""
         m = job.model
         admitted = self._take_prefill(job) if job.phase == PREFILL else []
+        b = self._bound.get(m)
+        if b is not None:
+            return self._start_mixed_bound(job, b, admitted, now)
         decodes = self._grow_decode(m, [s for s in self.running[m].values() if not s.in_job])
-        left = self.max_batched_tokens - len(decodes)
-        chunks: list[tuple[Seq, int]] = []
-        for s in self.partial[m]:
-            if left <= 0:
-                break
-            n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
-            chunks.append((s, n))
-            left -= n
-        for s in admitted:
-            s.prefilled = 0
-            self.partial[m].append(s)
-            n = min(s.prompt_tokens + s.gen_saved, left)
-            if n <= 0:
-                raise RuntimeError(f"group {self.id}: request {s.id} admitted past the budget")
-            chunks.append((s, n))
-            left -= n
+        chunks = self._mixed_chunks(m, admitted, self.max_batched_tokens - len(decodes))
         if not chunks:
             if not decodes:
                 return None
@@ -664,6 +658,80 @@ class SharingGroup:
         token = self._register(Job(m, PREFILL, tuple(x.id for x in seqs), 1.0), seqs, now, 1.0)
         self._chunks[token] = chunks
         return (now + cost, token)
+
+    def _mixed_chunks(self, m: str, admitted: list[Seq], left: int) -> list[tuple[Seq, int]]:
+        """A mixed iteration's prompt chunks within ``left`` tokens: the partly
+        prefilled prompts' next chunks, then the admitted prompts' first."""
+        chunks: list[tuple[Seq, int]] = []
+        for s in self.partial[m]:
+            if left <= 0:
+                break
+            n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
+            chunks.append((s, n))
+            left -= n
+        for s in admitted:
+            s.prefilled = 0
+            self.partial[m].append(s)
+            n = min(s.prompt_tokens + s.gen_saved, left)
+            if n <= 0:
+                raise RuntimeError(f"group {self.id}: request {s.id} admitted past the budget")
+            chunks.append((s, n))
+            left -= n
+        return chunks
+
+    def _start_mixed_bound(
+        self, job: Job, b: BoundBatch, admitted: list[Seq], now: float
+    ) -> tuple[float, int] | None:
+        """:meth:`_start_mixed` for a bound batch: the batch decodes one step
+        (victims preempted first while it does not fit, as
+        :meth:`_start_bound`), then the chunks."""
+        m = job.model
+        C, n_fit = self._bound_boundary(m, b)
+        while n_fit == 0:
+            self._preempt_victim(m, b)
+            C, n_fit = b.growth(self.layout.free_token_blocks(m))
+        B = len(b)
+        chunks = self._mixed_chunks(m, admitted, self.max_batched_tokens - B)
+        if not chunks and not B:
+            return None
+        ctx = b.tokens + B
+        end = now + (
+            cast("InstanceCost", self.costs[m]).mixed_time(
+                [(n, s.prefilled) for s, n in chunks], B, ctx
+            )
+            if chunks
+            else self.costs[m].decode_time_scalar(B, float(ctx))
+        )
+        if B:
+            b.begin(np.array([end]), 1, C)
+            self.layout.bulk_change(m, 0, B, b.grown(0))
+        if not chunks:
+            token = self._register(Job(m, DECODE, tuple(b.running), 1.0), [], now, 1.0)
+            return (end, token)
+        seqs = [s for s, _ in chunks]
+        ids = (*b.running, *(x.id for x in seqs))
+        token = self._register(Job(m, PREFILL, ids, 1.0), seqs, now, 1.0)
+        self._chunks[token] = chunks
+        return (end, token)
+
+    def _bound_boundary(self, m: str, b: BoundBatch) -> tuple[list[int], int]:
+        """At a boundary of ``m``'s bound batch: the requests adopted during
+        its last segment join it; its growth against the free token-blocks."""
+        joining = self._joining[m]
+        if joining:
+            for s in joining:
+                self.layout.bind(s.id)
+                b.run(s, s.kv_saved)
+            joining.clear()
+        return b.growth(self.layout.free_token_blocks(m))
+
+    def _preempt_victim(self, m: str, b: BoundBatch) -> None:
+        """Preempt the scheduler's victim among ``m``'s bound batch."""
+        cands = list(b.running.values())
+        victim = self.scheduler.victim(self._state, m, cands)
+        if victim not in cands:
+            raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
+        self._preempt(cast("Seq", victim))
 
     def _start_lane(self, job: Job, now: float) -> tuple[float, int] | None:
         """A pipelined group's job (module docstring): a prefill lane, or the
@@ -731,10 +799,7 @@ class SharingGroup:
         token-blocks; the layout takes the segment's tokens and blocks as one
         change of the batch's totals."""
         m = job.model
-        for s in self._joining[m]:  # adopted during the last segment: they join now
-            self.layout.bind(s.id)
-            b.run(s, s.kv_saved)
-        self._joining[m].clear()
+        C, n_fit = self._bound_boundary(m, b)
         if len(job.seqs) != len(b):
             raise RuntimeError(
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
@@ -743,8 +808,8 @@ class SharingGroup:
         lay = self.layout
         cost = self.costs[m]
         B = len(b)
-        C, n_fit = b.growth(lay.free_token_blocks(m))
-        if self.macro and n_fit > 1:
+        macro = self.macro and not (self.chunked and any(self.partial.values()))
+        if macro and n_fit > 1:
             k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
             if k > 1:
                 ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
@@ -757,11 +822,7 @@ class SharingGroup:
                 if k > 1:
                     return self._begin_bound(job, b, ends[:k], C, now)
         while n_fit == 0:
-            cands = list(b.running.values())
-            victim = self.scheduler.victim(self._state, m, cands)
-            if victim not in cands:
-                raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
-            self._preempt(cast("Seq", victim))
+            self._preempt_victim(m, b)
             if not b.running:
                 return None
             C, n_fit = b.growth(lay.free_token_blocks(m))
@@ -1014,36 +1075,48 @@ class SharingGroup:
                     job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
                 )
                 start = float(ends[-2])
-            b.end()
-            lay = self.layout
-            bs = lay.block_size
-            run = self.running[job.model]
-            for s, kv in b.due():
-                lay.bulk_change(s.model, -1, -kv, (-kv) // bs)
-                del run[s.id]
-                s.kv_saved = 0
-                self._finished(s, now)
-                done.append(s)
+            self._bound_step_done(b, job.model, now, done)
             self.scheduler.on_job_end(job, list(b.running.values()), now - start, now)
             return done
         live: list[Seq] = []
         for s in seqs:
             s.in_job = False
-            if s.record.first_token_s is None:
-                s.record.first_token_s = now
-            if s.gen_saved + 1 >= s.output_tokens:  # done at its first token
-                s.gen_saved += 1
-                self.layout.free(s.id)
-                s.kv_saved = 0
-                self._finished(s, now)
-                done.append(s)
-                continue
-            self.layout.bind(s.id)
-            b.run(s, s.kv_saved)
-            self.running[s.model][s.id] = s
-            live.append(s)
+            self._prefilled_bound(s, b, now, done, live)
         self.scheduler.on_job_end(job, live, now - start, now)
         return done
+
+    def _bound_step_done(self, b: BoundBatch, m: str, now: float, done: list[Seq]) -> None:
+        """``m``'s bound batch ended its segment at ``now``: its step counter
+        moves, and the requests that generated their last token leave."""
+        b.end()
+        lay = self.layout
+        bs = lay.block_size
+        run = self.running[m]
+        for s, kv in b.due():
+            lay.bulk_change(m, -1, -kv, (-kv) // bs)
+            del run[s.id]
+            s.kv_saved = 0
+            self._finished(s, now)
+            done.append(s)
+
+    def _prefilled_bound(
+        self, s: Seq, b: BoundBatch, now: float, done: list[Seq], live: list[Seq]
+    ) -> None:
+        """``s``'s (re)prefill ended at ``now`` with its first token: it joins
+        the bound batch, or finishes when that token was its last."""
+        if s.record.first_token_s is None:
+            s.record.first_token_s = now
+        if s.gen_saved + 1 >= s.output_tokens:
+            s.gen_saved += 1
+            self.layout.free(s.id)
+            s.kv_saved = 0
+            self._finished(s, now)
+            done.append(s)
+            return
+        self.layout.bind(s.id)
+        b.run(s, s.kv_saved)
+        self.running[s.model][s.id] = s
+        live.append(s)
 
     def _mixed_done(
         self, job: Job, seqs: list[Seq], chunks: list[tuple[Seq, int]], start: float, now: float
@@ -1056,6 +1129,20 @@ class SharingGroup:
         part = self.partial[m]
         done: list[Seq] = []
         live: list[Seq] = []
+        b = self._bound.get(m)
+        if b is not None:  # the batch's step (if it decoded), then the chunks
+            if b.n:
+                self._bound_step_done(b, m, now, done)
+            for s, k in chunks:
+                s.in_job = False
+                s.prefilled += k
+                if s.prefilled < s.prompt_tokens + s.gen_saved:
+                    live.append(s)
+                    continue
+                part.remove(s)
+                self._prefilled_bound(s, b, now, done, live)
+            self.scheduler.on_job_end(job, [*live, *b.running.values()], now - start, now)
+            return done
         for s in seqs:
             s.in_job = False
             n = chunked.get(id(s))
@@ -1192,8 +1279,8 @@ class SharingGroup:
                 assert all(self.running[m].get(r) is x for r, x in b.running.items()), m
                 assert len(self.running[m]) == len(b) + len(self._joining[m]), m
                 bs = lay.block_size
-                n = b.n if (m, DECODE) in self._busy else 0
-                assert n == b.n, (m, b.n)
+                n = b.n
+                assert not n or any(j.model == m for j, _, _, _ in self.jobs.values()), m
                 want_blocks = sum(-(-(s.base + b.steps) // bs) for s in b.running.values())
                 if n:
                     want_blocks += b.grown(n - 1)

@@ -29,13 +29,13 @@ scheduler of the same name as the batching policy: FCFS or RR):
 - **Activation.** An instance activated during a run waits for its weights
   (``ready_s``): the group is ``loading`` and starts no job until then.
 
-Under FCFS and RR without chunked prefill, the group keeps the running
+Under FCFS and RR (with or without chunked prefill), the group keeps the running
 requests *bound* to a step counter (``SharingGroup(bound=True)``: the
 instance's :class:`~fleetserve.sim.batch.BoundBatch`, and the layout keeps the
 batch's totals), so a decode job costs what an instance's segment costs:
 O(block size + finishes), not O(requests), and a policy reading a running
 request's tokens mid-segment sees them as of now, as on an instance. MLFQ and
-DB, and chunked prefill, keep the group's *explicit* counts (``kv_saved``,
+DB keep the group's *explicit* counts (``kv_saved``,
 ``gen_saved``, updated at job ends).
 
 Behind a switch (``Simulator(..., one_model_groups=True)``), for the stacks
@@ -126,8 +126,8 @@ class GroupInstance(ChangeReports):
             watermark=watermark,
             chunked_prefill=chunked_prefill,
             # the running requests bound to a step counter, as the instance's
-            # (FCFS and RR without chunked prefill; else explicit counts)
-            bound=sched.one_model and not chunked_prefill,
+            # (FCFS and RR; MLFQ and DB keep explicit counts)
+            bound=sched.one_model,
             clock=clock,
         )
         self.id = iid

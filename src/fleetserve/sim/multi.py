@@ -486,7 +486,6 @@ class MultiSimulator:
             bound=(
                 sched.one_model
                 and not sched.spatial
-                and not cfg.chunked_prefill
                 and layout.counts_only
                 and all(getattr(c, "stages", 1) == 1 for c in costs.values())
             ),
