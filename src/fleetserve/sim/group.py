@@ -353,18 +353,16 @@ class SharingGroup:
         instance counts, as of now, the blocks of the iterations done and the
         one in flight (``Instance.used_blocks``). Dispatch views count them
         as free (:class:`HostView`)."""
+        b = self._bound.get(model)
+        if b is not None:  # a bound batch's segment of k > 1 iterations: its growth ahead
+            k = b.n
+            if k <= 1:
+                return 0
+            steps = min(int(b.ends.searchsorted(now, side="right")) + 1, k)
+            return b.grown(k - 1) - b.grown(steps - 1)
         if not self._ends:
             return 0
-        b = self._bound.get(model)
-        if b is None:
-            return int(self.ahead_blocks_at(model, np.array([now]))[0])
-        out = 0
-        for token, ends in self._ends.items():  # a bound batch's segment: its growth
-            if self.jobs[token][0].model == model:
-                k = len(ends)
-                steps = min(int(ends.searchsorted(now, side="right")) + 1, k)
-                out += b.grown(k - 1) - b.grown(steps - 1)
-        return out
+        return int(self.ahead_blocks_at(model, np.array([now]))[0])
 
     def ahead_blocks_at(self, model: str, times: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
         """:meth:`ahead_blocks` at each of ``times``: as of a time, a macro
@@ -838,8 +836,10 @@ class SharingGroup:
         k = len(ends)
         m = job.model
         b.begin(ends, k, C)
-        self.layout.bulk_change(m, 0, len(b) * k, b.grown(k - 1))
-        token = self._register(Job(m, DECODE, job.seqs, 1.0), [], now, 1.0)
+        self.layout.bulk_change(m, 0, len(b.running) * k, b.grown(k - 1))
+        if job.share != 1.0:  # a temporal job holds the whole group
+            job = Job(m, DECODE, job.seqs, 1.0)
+        token = self._register(job, [], now, 1.0)
         if k > 1:
             self._ends[token] = ends
         return (float(ends[-1]), token)

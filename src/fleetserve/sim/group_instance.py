@@ -168,7 +168,11 @@ class GroupInstance(ChangeReports):
 
     @property
     def used_blocks(self) -> int:
-        return self._view().used_blocks
+        """As of now (:attr:`HostView.used_blocks`; the one-model partition's
+        blocks less those the segment in flight holds ahead)."""
+        g = self.group
+        m = self.model
+        return self.total_blocks - g.layout.free_token_blocks(m) - g.ahead_blocks(m, self.clock.now)
 
     @property
     def free_blocks(self) -> int:
@@ -180,7 +184,12 @@ class GroupInstance(ChangeReports):
 
     @property
     def available_blocks(self) -> int:
-        return self._view().available_blocks
+        """:attr:`HostView.available_blocks` of the one-model partition: free
+        blocks as of now, less the queued prompts' and the watermark's."""
+        g = self.group
+        m = self.model
+        free = g.layout.free_token_blocks(m) + g.ahead_blocks(m, self.clock.now)
+        return free - g.queued_blocks[m] - g.watermark_tokens[m] // self.block_size
 
     @property
     def num_running(self) -> int:

@@ -491,8 +491,10 @@ class KVLayout(ABC):
             PoolFull: the new token-blocks do not fit; nothing changed.
             ValueError: the batch would hold a negative count.
         """
-        self._check_model(model)
-        b = self._bulk[model]
+        b = self._bulk.get(model)
+        if b is None:
+            self._check_model(model)  # raises, with the known services
+            return
         if b[0] + requests < 0 or b[1] + tokens < 0 or b[2] + blocks < 0:
             raise ValueError(
                 f"{self.name} KV layout: the bound batch of {model!r} ({b[0]} requests, "
@@ -525,7 +527,8 @@ class KVLayout(ABC):
         layout's fit is linear in them)."""
         if not self.counts_only:
             raise NotImplementedError(f"the {self.name} layout has no linear fit")
-        self._check_model(model)
+        if model not in self._bulk:
+            self._check_model(model)  # raises, with the known services
         return self._free_token_blocks(model)
 
     def _free_token_blocks(self, model: str) -> int:
