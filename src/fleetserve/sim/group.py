@@ -1070,13 +1070,17 @@ class SharingGroup:
         requests join the batch (or finish at their first token)."""
         done: list[Seq] = []
         if job.phase == DECODE:
-            if ends is not None and len(ends) > 1:  # all but its last iteration
+            cls = type(self.scheduler)
+            hook = cls.on_job_end is not GroupScheduler.on_job_end  # (FCFS, RR: no-ops)
+            hooks = hook or cls.on_job_ends is not GroupScheduler.on_job_ends
+            if ends is not None and len(ends) > 1 and hooks:  # all but its last iteration
                 self.scheduler.on_job_ends(
                     job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
                 )
                 start = float(ends[-2])
             self._bound_step_done(b, job.model, now, done)
-            self.scheduler.on_job_end(job, list(b.running.values()), now - start, now)
+            if hook:
+                self.scheduler.on_job_end(job, list(b.running.values()), now - start, now)
             return done
         live: list[Seq] = []
         for s in seqs:
@@ -1089,15 +1093,19 @@ class SharingGroup:
         """``m``'s bound batch ended its segment at ``now``: its step counter
         moves, and the requests that generated their last token leave."""
         b.end()
-        lay = self.layout
-        bs = lay.block_size
+        bs = self.layout.block_size
         run = self.running[m]
+        n = tokens = blocks = 0
         for s, kv in b.due():
-            lay.bulk_change(m, -1, -kv, (-kv) // bs)
+            n += 1
+            tokens += kv
+            blocks += -(-kv // bs)
             del run[s.id]
             s.kv_saved = 0
             self._finished(s, now)
             done.append(s)
+        if n:  # their KV leaves the batch's totals at once
+            self.layout.bulk_change(m, -n, -tokens, -blocks)
 
     def _prefilled_bound(
         self, s: Seq, b: BoundBatch, now: float, done: list[Seq], live: list[Seq]
