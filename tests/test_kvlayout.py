@@ -196,6 +196,21 @@ def test_fill_until_full_never_overcommits(layout_name: str, tokens: list[int]) 
         assert layout.used_bytes() <= layout.capacity_bytes
 
 
+_MIXED = {"l7": L7, "l13": L13, "qwen": QWEN}
+
+
+def _held(layout_name: str, held: list[tuple[int, int]]) -> KVLayout:
+    """A pool of 5 llama-2-13b token-blocks (+77 bytes) of ``_MIXED``'s
+    services, holding request ``rid`` of service ``held[rid][0]`` with
+    ``held[rid][1]`` tokens where it fits."""
+    names = list(_MIXED)
+    lay = make_layout(layout_name, 5 * TB13 + 77, _MIXED)
+    for rid, (m, t) in enumerate(held):
+        if lay.can_grow(rid, names[m], t):
+            lay.grow(rid, names[m], t)
+    return lay
+
+
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 @settings(max_examples=30, deadline=None)
 @given(
@@ -210,18 +225,8 @@ def test_grow_all_is_the_grows_one_after_another(
     job) equals the grows in order: the same books when they fit, nothing
     changed (PoolFull) when they do not, and ``can_add_blocks(grow_needs)``
     says which beforehand (a layout's fit is additive in one model's blocks)."""
-    models = {"l7": L7, "l13": L13, "qwen": QWEN}
-    names = list(models)
-    model = names[model_ix]
-
-    def fresh() -> KVLayout:
-        lay = make_layout(layout_name, 5 * TB13 + 77, models)
-        for rid, (m, t) in enumerate(held):
-            if lay.can_grow(rid, names[m], t):
-                lay.grow(rid, names[m], t)
-        return lay
-
-    one, bulk = fresh(), fresh()
+    model = list(_MIXED)[model_ix]
+    one, bulk = _held(layout_name, held), _held(layout_name, held)
     rids = [r for r in range(len(held)) if one.holds(r) and one.model_of(r) == model]
     want = [one.tokens_of(r) + more + r % 3 for r in rids]
     fits_one = True
@@ -276,19 +281,9 @@ def test_a_bound_batch_keeps_the_books_of_its_requests(
     ``n`` tokens per request (its new blocks and tokens as one change, as
     ``BoundBatch.growth`` counts them), and after requests leave. A segment
     that does not fit raises PoolFull and changes nothing."""
-    models = {"l7": L7, "l13": L13, "qwen": QWEN}
-    names = list(models)
     bs = 16
-
-    def fresh() -> KVLayout:
-        lay = make_layout(layout_name, 5 * TB13 + 77, models)
-        for rid, (m, t) in enumerate(held):
-            if lay.can_grow(rid, names[m], t):
-                lay.grow(rid, names[m], t)
-        return lay
-
-    one, bound = fresh(), fresh()
-    model = names[held[0][0]]
+    one, bound = _held(layout_name, held), _held(layout_name, held)
+    model = list(_MIXED)[held[0][0]]
     rids = [r for r in range(len(held)) if one.holds(r) and one.model_of(r) == model]
     tokens = {r: one.tokens_of(r) for r in rids}
     for r in rids:

@@ -256,6 +256,16 @@ class GroupScheduler(Policy):
             return 1
         return len(ends)
 
+    @property
+    def observes_jobs(self) -> bool:
+        """Whether :meth:`on_job_end` or :meth:`on_job_ends` does anything
+        (FCFS and RR keep no per-job state: a group may skip both calls)."""
+        cls = type(self)
+        return (
+            cls.on_job_end is not GroupScheduler.on_job_end
+            or cls.on_job_ends is not GroupScheduler.on_job_ends
+        )
+
     def on_arrival(self, seq: GroupSeq, now: float) -> None:
         """A request joined the group's queue."""
 

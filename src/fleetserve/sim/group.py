@@ -685,9 +685,7 @@ class SharingGroup:
         :meth:`_start_bound`), then the chunks."""
         m = job.model
         C, n_fit = self._bound_boundary(m, b)
-        while n_fit == 0:
-            self._preempt_victim(m, b)
-            C, n_fit = b.growth(self.layout.free_token_blocks(m))
+        C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
         B = len(b)
         chunks = self._mixed_chunks(m, admitted, self.max_batched_tokens - B)
         if not chunks and not B:
@@ -723,13 +721,20 @@ class SharingGroup:
             joining.clear()
         return b.growth(self.layout.free_token_blocks(m))
 
-    def _preempt_victim(self, m: str, b: BoundBatch) -> None:
-        """Preempt the scheduler's victim among ``m``'s bound batch."""
-        cands = list(b.running.values())
-        victim = self.scheduler.victim(self._state, m, cands)
-        if victim not in cands:
-            raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
-        self._preempt(cast("Seq", victim))
+    def _preempt_to_fit(
+        self, m: str, b: BoundBatch, C: list[int], n_fit: int
+    ) -> tuple[list[int], int]:
+        """While the next iteration of ``m``'s bound batch does not fit
+        (``n_fit`` 0), preempt the scheduler's victim among it (as
+        :meth:`_grow_decode`); the growth then (an empty batch fits)."""
+        while n_fit == 0:
+            cands = list(b.running.values())
+            victim = self.scheduler.victim(self._state, m, cands)
+            if victim not in cands:
+                raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
+            self._preempt(cast("Seq", victim))
+            C, n_fit = b.growth(self.layout.free_token_blocks(m))
+        return C, n_fit
 
     def _start_lane(self, job: Job, now: float) -> tuple[float, int] | None:
         """A pipelined group's job (module docstring): a prefill lane, or the
@@ -803,7 +808,6 @@ class SharingGroup:
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
                 f"{len(b)} running requests; a bound batch decodes as a whole"
             )
-        lay = self.layout
         cost = self.costs[m]
         B = len(b)
         macro = self.macro and not (self.chunked and any(self.partial.values()))
@@ -819,11 +823,9 @@ class SharingGroup:
                 )
                 if k > 1:
                     return self._begin_bound(job, b, ends[:k], C, now)
-        while n_fit == 0:
-            self._preempt_victim(m, b)
-            if not b.running:
-                return None
-            C, n_fit = b.growth(lay.free_token_blocks(m))
+        C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
+        if not b.running:
+            return None
         B = len(b)
         end = now + cost.decode_time_scalar(B, float(b.tokens + B), job.share)
         return self._begin_bound(job, b, np.array([end]), C, now)
@@ -1070,16 +1072,14 @@ class SharingGroup:
         requests join the batch (or finish at their first token)."""
         done: list[Seq] = []
         if job.phase == DECODE:
-            cls = type(self.scheduler)
-            hook = cls.on_job_end is not GroupScheduler.on_job_end  # (FCFS, RR: no-ops)
-            hooks = hook or cls.on_job_ends is not GroupScheduler.on_job_ends
+            hooks = self.scheduler.observes_jobs  # (FCFS, RR: no per-job lists to build)
             if ends is not None and len(ends) > 1 and hooks:  # all but its last iteration
                 self.scheduler.on_job_ends(
                     job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
                 )
                 start = float(ends[-2])
             self._bound_step_done(b, job.model, now, done)
-            if hook:
+            if hooks:
                 self.scheduler.on_job_end(job, list(b.running.values()), now - start, now)
             return done
         live: list[Seq] = []
@@ -1338,7 +1338,8 @@ class HostView:
         | a's KV | b's KV | free |    available_blocks: free bytes a could
         +------------------------+    use (its quota under ADBS) / a's block
 
-    A view is made when a request is dispatched and read at once.
+    A view is made when a request is dispatched and read at once, or kept
+    and moved to each read's time (:meth:`at`).
     """
 
     __slots__ = ("_g", "_now", "model")
@@ -1347,6 +1348,11 @@ class HostView:
         self._g = group
         self.model = model
         self._now = now
+
+    def at(self, now: float) -> HostView:
+        """This view as of ``now``."""
+        self._now = now
+        return self
 
     @property
     def id(self) -> int:
@@ -1382,6 +1388,8 @@ class HostView:
         whose units any service can use)."""
         g = self._g
         lay = g.layout
+        if lay.counts_only and not isinstance(lay, HeadwiseLayout):  # its own partition
+            return lay.free_token_blocks(self.model) + g.ahead_blocks(self.model, self._now)
         per = lay.bytes_per_token_block(self.model)
         if isinstance(lay, HeadwiseLayout):
             ahead = sum(

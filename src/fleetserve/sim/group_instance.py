@@ -130,6 +130,7 @@ class GroupInstance(ChangeReports):
             bound=sched.one_model,
             clock=clock,
         )
+        self._host = HostView(self.group, model)  # the views, moved to each read's time
         self.id = iid
         self.model = model
         self.gpus = gpus
@@ -160,7 +161,7 @@ class GroupInstance(ChangeReports):
 
     # ------------------------------------------------------------------ view
     def _view(self) -> HostView:
-        return HostView(self.group, self.model, self.clock.now)
+        return self._host.at(self.clock.now)
 
     @property
     def phase(self) -> int:
@@ -168,11 +169,7 @@ class GroupInstance(ChangeReports):
 
     @property
     def used_blocks(self) -> int:
-        """As of now (:attr:`HostView.used_blocks`; the one-model partition's
-        blocks less those the segment in flight holds ahead)."""
-        g = self.group
-        m = self.model
-        return self.total_blocks - g.layout.free_token_blocks(m) - g.ahead_blocks(m, self.clock.now)
+        return self._view().used_blocks
 
     @property
     def free_blocks(self) -> int:
@@ -184,12 +181,7 @@ class GroupInstance(ChangeReports):
 
     @property
     def available_blocks(self) -> int:
-        """:attr:`HostView.available_blocks` of the one-model partition: free
-        blocks as of now, less the queued prompts' and the watermark's."""
-        g = self.group
-        m = self.model
-        free = g.layout.free_token_blocks(m) + g.ahead_blocks(m, self.clock.now)
-        return free - g.queued_blocks[m] - g.watermark_tokens[m] // self.block_size
+        return self._view().available_blocks
 
     @property
     def num_running(self) -> int:
