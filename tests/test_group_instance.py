@@ -1,9 +1,10 @@
 """The single-model world with its instances as one-model sharing groups
 (``Simulator(..., one_model_groups=True)``, sim/group_instance.py) gives the
 same run as with its own instances: every request record, the whole time
-series (the usage totals of 16 instances and more included) and the GPU
-intervals, for the stacks without migration, elastic or fixed, FCFS or RR,
-chunked prefill or not, under memory pressure (preemptions, activations).
+series (the usage totals of 16 instances and more included), the GPU
+intervals and the migrations, for every single-model stack (Llumnix's and
+Mell's moves included), elastic or fixed, FCFS or RR, chunked prefill or
+not, under memory pressure (preemptions, activations).
 
 This is issue 21's step 2 (docs/architecture.md, "Still to do"): the
 instance becomes the one-model case of the group."""
@@ -48,23 +49,26 @@ def _same(cfg: dict[str, Any], reqs: list[Request]) -> RunResult:
         return (r.id, r.status, r.reason, r.instance, r.first_token_s, r.finish_s)
 
     def more(r: Any) -> tuple[Any, ...]:
-        return (r.generated, r.preemptions)
+        return (r.generated, r.preemptions, r.migrations, r.migration_stall_s, r.aborted_migrations)
 
     assert [key(r) + more(r) for r in a.records] == [key(r) + more(r) for r in b.records]
     for f in _TS:
         assert getattr(a.timeseries, f) == getattr(b.timeseries, f), f
     assert a.gpu_intervals == b.gpu_intervals
+    assert a.migrations == b.migrations
     assert a.end_s == b.end_s
     return a
 
 
 def _cfg(stack: str, cluster: dict[str, Any], **engine: Any) -> dict[str, Any]:
     batching = engine.pop("batching", "fcfs")
+    migration = engine.pop("migration", {})
     return {
         "model": MODEL,
         "cluster": {"gpu": "a100-80gb", **cluster},
         "policy": {"stack": stack, "batching": batching},
         "engine": engine,
+        "migration": migration,
         "check_integrity": True,
     }
 
@@ -125,12 +129,57 @@ def test_the_usage_totals_of_many_groups_equal_the_instances() -> None:
     assert sum(r.preemptions for r in res.records) > 0
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    stack=st.sampled_from(["llumnix", "mell"]),
+    mechanism=st.sampled_from([None, "kv", "token", "adaptive"]),
+    mem_util=st.sampled_from([0.25, 0.9]),
+    rate=st.sampled_from([10.0, 30.0]),
+    batching=st.sampled_from(["fcfs", "rr"]),
+    chunked=st.booleans(),
+    copy_contention=st.booleans(),
+)
+@example(
+    seed=0,
+    stack="mell",
+    mechanism=None,
+    mem_util=0.25,
+    rate=20.0,
+    batching="fcfs",
+    chunked=False,
+    copy_contention=True,
+)
+def test_one_model_groups_move_requests_as_the_instances_do(
+    seed: int,
+    stack: str,
+    mechanism: str | None,
+    mem_util: float,
+    rate: float,
+    batching: str,
+    chunked: bool,
+    copy_contention: bool,
+) -> None:
+    """Llumnix's and Mell's moves (live KV copies in stages, token re-prefills,
+    the adaptive choice) run on one-model groups through the group's own
+    actions (reserve, detach, attach, held blocks, copies beside iterations):
+    the same records, migrations and time series as on instances. The
+    example is the run that found a token move's stall unrecorded."""
+    cluster = {"elastic": True, "mem_util": mem_util, "max_gpus": 40, "activation_s": 2.0}
+    mig: dict[str, Any] = {"copy_contention": copy_contention}
+    if mechanism is not None:
+        mig["mechanism"] = mechanism
+    cfg = _cfg(stack, cluster, batching=batching, chunked_prefill=chunked, migration=mig)
+    res = _same(cfg, _load(seed, 300, rate))
+    if stack == "mell":  # Mell moves requests on this load (llumnix, on some draws)
+        assert res.migrations
+
+
 @pytest.mark.parametrize(
     ("stack", "engine", "why"),
     [
-        ("mell", {}, "migration policy 'mell'"),
-        ("llumnix", {}, "migration policy 'llumnix'"),
         ("vllm", {"prefix_caching": True}, "engine.prefix_caching"),
+        ("llumnix", {"batching": "mlfq"}, "migration policy 'llumnix'"),
     ],
 )
 def test_what_the_groups_do_not_model_yet_is_refused(
@@ -201,3 +250,25 @@ def test_mlfq_and_db_run_on_an_elastic_pool_and_adbs_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"engine\.chunked_prefill"):
         cfg = _cfg("vllm", {"elastic": False, "gpus": 1}, batching="mlfq", chunked_prefill=True)
         Simulator(config_from_dict(cfg), _load(0, 5, 1.0))
+
+
+@pytest.mark.parametrize("stack", ["vllm", "llumnix"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_iteration_observer_sees_the_same_iterations(stack: str, chunked: bool) -> None:
+    """``on_iteration_end`` (the fidelity experiments' timelines, macro steps
+    off) sees the same instances at the same times, busy or idle after each."""
+    cfg = _cfg(stack, {"elastic": False, "gpus": 3, "mem_util": 0.25}, chunked_prefill=chunked)
+    cfg["macro_steps"] = False
+    reqs = _load(3, 200, 20.0)
+    logs: dict[bool, list[tuple[int, float, bool]]] = {}
+    for groups in (False, True):
+        log: list[tuple[int, float, bool]] = []
+        logs[groups] = log
+        Simulator(
+            config_from_dict(cfg),
+            reqs,
+            on_iteration_end=lambda inst, now, log=log: log.append((inst.id, now, inst.phase != 0)),
+            one_model_groups=groups,
+        ).run()
+    assert len(logs[False]) > len(reqs)
+    assert logs[False] == logs[True]

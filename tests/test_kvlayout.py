@@ -322,6 +322,34 @@ def test_a_bound_batch_keeps_the_books_of_its_requests(
         bound.bulk_change(model, -(len(rids) + 1), 0, 0)
 
 
+@pytest.mark.parametrize("layout_name", ["partitioned", "headwise"])
+def test_held_blocks_count_as_used_and_never_overcommit(layout_name: str) -> None:
+    """Blocks held by no request (a KV move's reservation, or a detached
+    request's blocks a copy still reads) are used memory of their service:
+    they leave exactly that much room, are checked by the books, and go back
+    whole."""
+    lay = make_layout(layout_name, 12 * TB13, {"l7": L7, "l13": L13})
+    free = lay.free_token_blocks("l7")
+    lay.grow(0, "l7", 40)  # 3 blocks
+    lay.hold("l7", free - 5)
+    assert lay.held("l7") == free - 5 and lay.token_blocks("l7") == free - 2
+    assert lay.free_token_blocks("l7") == 2
+    lay.check_integrity()
+    with pytest.raises(PoolFull):
+        lay.hold("l7", 3)
+    assert not lay.can_grow(1, "l7", 3 * 16)
+    with pytest.raises(ValueError, match="give back"):
+        lay.unhold("l7", free)
+    with pytest.raises(ValueError, match="cannot hold"):
+        lay.hold("l7", -1)
+    lay.unhold("l7", free - 5)
+    assert lay.held("l7") == 0 and lay.free_token_blocks("l7") == free - 3
+    lay.check_integrity()
+    merged = make_layout("merged", 5 * TB13, {"l7": L7, "l13": L13})
+    with pytest.raises(NotImplementedError, match="names every slot"):
+        merged.hold("l7", 1)
+
+
 def test_the_merged_layout_has_no_bound_batch() -> None:
     lay = make_layout("merged", 5 * TB13, {"l7": L7, "l13": L13})
     lay.grow(0, "l7", 20)

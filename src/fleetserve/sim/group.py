@@ -57,6 +57,21 @@ weighted: each lane one, the decode round the stages not prefilling,
 :func:`~fleetserve.sim.contention.decode_weight`), re-timed at every start
 and end. Before session 23 such a group prefilled as a round of its own (a
 decode waited for it), as a replica does.
+
+Moving a request (the single-model world's live KV migration: Llumnix, Mell;
+:mod:`fleetserve.sim.migration` drives it, as it drives an instance). The
+group offers the instance's actions: :meth:`SharingGroup.reserve` token-blocks
+for a copy coming in, :meth:`SharingGroup.detach` a running request at its
+batch's boundary (its blocks kept while the final copy reads them,
+:meth:`SharingGroup.release_held` after), :meth:`SharingGroup.attach` a copied
+request into the running batch, :meth:`SharingGroup.remove_waiting` for a
+queued one that moves as token ids. Reserved and kept blocks are the layout's
+held blocks (:meth:`~fleetserve.sim.kvlayout.KVLayout.hold`), so the pool
+never over-commits. A copy streaming through the group's GPUs slows its
+iterations (``copy_load``,
+:func:`~fleetserve.sim.contention.beside_copies`) from the next one that
+starts. Bound batches only (FCFS, RR: a request leaves or joins at a
+boundary of its batch), a count-only layout, and a replica (not a pipeline).
 """
 
 from __future__ import annotations
@@ -72,7 +87,7 @@ import numpy.typing as npt
 from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
 from fleetserve.sim.batch import BoundBatch
-from fleetserve.sim.contention import BandwidthSharing, decode_weight
+from fleetserve.sim.contention import BandwidthSharing, beside_copies, decode_weight
 from fleetserve.sim.kvlayout import HeadwiseLayout
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
@@ -271,6 +286,19 @@ class SharingGroup:
         # it joins a pipelined group, then it is "merged" (empty)
         self.state = "live"
         self.incoming = 0  # migrated requests on their way here
+        # what a hosted request's ``inst`` names: the group, or the instance
+        # it serves behind (sim/group_instance.py)
+        self.host: Any = self
+        # KV migrations of single requests (the single-model world's Llumnix
+        # and Mell moves; see "Moving a request"): token-blocks reserved for
+        # KV being copied in, and held by requests that left while a copy
+        # still reads them (both in the layout's held blocks), the HBM share
+        # the copies through these GPUs ask for, and the requests preempted
+        # while moving out (their moves abort)
+        self.mig_in: dict[str, int] = dict.fromkeys(self._models, 0)
+        self.mig_out: dict[str, int] = dict.fromkeys(self._models, 0)
+        self.copy_load = 0.0
+        self.preempted_migrating: list[Seq] = []
         # bound running batches (``bound``): service -> its batch; ``running``
         # holds the batch's requests and those joining it at its next boundary
         # (adopted while its segment ran: explicit counts until then)
@@ -488,7 +516,7 @@ class SharingGroup:
     # -------------------------------------------------------------- actions
     def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
         """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
-        seq.inst = self
+        seq.inst = self.host
         seq.state = WAITING
         self.queued_blocks[seq.model] += -(-seq.prefill_tokens // self.layout.block_size)
         if head:
@@ -594,6 +622,8 @@ class SharingGroup:
             seqs = self._take_prefill(job)
             lens = [s.prompt_tokens + s.gen_saved for s in seqs]
             cost = self.costs[m].prefill_time(lens, share)
+            if self.copy_load:
+                cost = float(self._copies_slow(cost, self.costs[m].prefill_memory_s(lens)))
             traffic = 0.0
             if self._bw is not None:
                 traffic = self.costs[m].prefill_memory_s(lens)
@@ -691,13 +721,13 @@ class SharingGroup:
         if not chunks and not B:
             return None
         ctx = b.tokens + B
-        end = now + (
-            cast("InstanceCost", self.costs[m]).mixed_time(
-                [(n, s.prefilled) for s, n in chunks], B, ctx
-            )
-            if chunks
-            else self.costs[m].decode_time_scalar(B, float(ctx))
-        )
+        cost = cast("InstanceCost", self.costs[m])
+        work = [(n, s.prefilled) for s, n in chunks]
+        t = cost.mixed_time(work, B, ctx) if chunks else cost.decode_time_scalar(B, float(ctx))
+        if self.copy_load:
+            mem = cost.mixed_memory_s(work, B, ctx) if chunks else cost.decode_memory_s(B, ctx)
+            t = float(self._copies_slow(t, mem))
+        end = now + t
         if B:
             b.begin(np.array([end]), 1, C)
             self.layout.bulk_change(m, 0, B, b.grown(0))
@@ -815,7 +845,10 @@ class SharingGroup:
             k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
             if k > 1:
                 ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
-                ends = np.cumsum(np.concatenate(([now], cost.decode_time(B, ctxs))))[1:]
+                t = cost.decode_time(B, ctxs)
+                if self.copy_load:
+                    t = self._copies_slow(t, cast("InstanceCost", cost).decode_memory(B, ctxs))
+                ends = np.cumsum(np.concatenate(([now], t)))[1:]
                 seqs = list(b.running.values())
                 # the ends as an array: the one-model schedulers read their number only
                 k = self.scheduler.stable_iterations(
@@ -827,8 +860,10 @@ class SharingGroup:
         if not b.running:
             return None
         B = len(b)
-        end = now + cost.decode_time_scalar(B, float(b.tokens + B), job.share)
-        return self._begin_bound(job, b, np.array([end]), C, now)
+        t1 = cost.decode_time_scalar(B, float(b.tokens + B), job.share)
+        if self.copy_load:
+            t1 = float(self._copies_slow(t1, cost.decode_memory_s(B, float(b.tokens + B))))
+        return self._begin_bound(job, b, np.array([now + t1]), C, now)
 
     def _begin_bound(
         self, job: Job, b: BoundBatch, ends: np.ndarray, C: list[int], now: float
@@ -1009,6 +1044,8 @@ class SharingGroup:
         s.state = WAITING
         s.record.preemptions += 1
         self.preemptions += 1
+        if s.mig is not None:  # its move aborts (sim/migration.py)
+            self.preempted_migrating.append(s)
         self.queued_blocks[s.model] += -(-s.prefill_tokens // self.layout.block_size)
         self.waiting[s.model].appendleft(s)
 
@@ -1112,8 +1149,7 @@ class SharingGroup:
     ) -> None:
         """``s``'s (re)prefill ended at ``now`` with its first token: it joins
         the bound batch, or finishes when that token was its last."""
-        if s.record.first_token_s is None:
-            s.record.first_token_s = now
+        self._first_token(s, now)
         if s.gen_saved + 1 >= s.output_tokens:
             s.gen_saved += 1
             self.layout.free(s.id)
@@ -1169,8 +1205,18 @@ class SharingGroup:
         """``s``'s (re)prefill ended at ``now``: it runs (first token recorded)."""
         self.running[s.model][s.id] = s
         s.state = RUNNING
-        if s.record.first_token_s is None:
-            s.record.first_token_s = now
+        self._first_token(s, now)
+
+    @staticmethod
+    def _first_token(s: Seq, now: float) -> None:
+        """``s``'s (re)prefill emitted a token at ``now``: its first, or the
+        end of the stall of a move that sent its token ids (sim/migration.py)."""
+        rec = s.record
+        if rec.first_token_s is None:
+            rec.first_token_s = now
+        if s.stall_from is not None:
+            rec.migration_stall_s += now - s.stall_from
+            s.stall_from = None
 
     def _emitted(self, s: Seq, now: float, done: list[Seq], live: list[Seq]) -> None:
         """``s`` emitted a token at ``now``: into ``done`` (finished) or ``live``."""
@@ -1246,7 +1292,7 @@ class SharingGroup:
         if seq.kv_saved <= 0 or not self.can_hold(seq, seq.kv_saved):
             return False
         self.layout.grow(seq.id, seq.model, seq.kv_saved)
-        seq.inst = self
+        seq.inst = self.host
         self.running[seq.model][seq.id] = seq
         b = self._bound.get(seq.model)
         if b is not None and not b.n:
@@ -1259,6 +1305,105 @@ class SharingGroup:
         self.scheduler.on_arrival(seq, now)
         return True
 
+    # ------------------------------------------------------- moving a request
+    def _moving(self, model: str) -> BoundBatch:
+        """``model``'s bound batch, which a request moves out of and into
+        (module docstring, "Moving a request")."""
+        b = self._bound.get(model)
+        if b is None:
+            raise RuntimeError(
+                f"group {self.id}: moving a request of {model!r} needs its bound batch "
+                "(SharingGroup(bound=True))"
+            )
+        return b
+
+    def add_copy_load(self, delta: float) -> None:
+        """A KV copy through these GPUs started (``delta`` > 0) or ended: the
+        iterations started from now on share the HBM with the copies in flight
+        (:func:`~fleetserve.sim.contention.beside_copies`). The caller cuts
+        the macro job in flight (:meth:`truncate`) so the next one re-plans."""
+        if not self._bound:
+            raise RuntimeError(
+                f"group {self.id}: KV copies run beside bound batches only (module docstring)"
+            )
+        self.copy_load += delta
+        if self.copy_load < 1e-12:
+            self.copy_load = 0.0
+
+    def reserve(self, model: str, blocks: int) -> None:
+        """Hold ``blocks`` token-blocks of ``model`` for KV being copied in
+        (after :meth:`truncate`: a macro job's blocks ahead are given back
+        first). Raises :class:`~fleetserve.sim.kvlayout.PoolFull` when they
+        do not fit."""
+        self._moving(model)
+        self.layout.hold(model, blocks)
+        self.mig_in[model] += blocks
+
+    def unreserve(self, model: str, blocks: int) -> None:
+        """Give back a reservation of a copy that was aborted."""
+        self.layout.unhold(model, blocks)
+        self.mig_in[model] -= blocks
+
+    def release_held(self, model: str, blocks: int) -> None:
+        """Free the ``blocks`` a detached request kept while its final copy
+        read them (:meth:`detach`)."""
+        self.layout.unhold(model, blocks)
+        self.mig_out[model] -= blocks
+
+    def remove_waiting(self, seq: Seq) -> None:
+        """Take queued ``seq`` out (it moves elsewhere as token ids)."""
+        self.waiting[seq.model].remove(seq)
+        self.queued_blocks[seq.model] -= -(-seq.prefill_tokens // self.layout.block_size)
+        seq.inst = None
+        seq.state = TRANSIT
+
+    def detach(self, seq: Seq, *, keep_blocks: bool) -> int:
+        """Take running ``seq`` out of its bound batch at the batch's boundary
+        (no segment in flight), its generated count saved as a preemption
+        saves it. With ``keep_blocks`` its blocks stay held (``mig_out``)
+        until :meth:`release_held`, else they are freed. Returns the KV
+        tokens it held."""
+        m = seq.model
+        b = self._moving(m)
+        if b.n or not seq.bound or b.running.get(seq.id) is not seq:
+            raise RuntimeError(
+                f"group {self.id}: request {seq.id} is not in {m!r}'s batch at a boundary"
+            )
+        kv = self._unbind(seq)
+        seq.state = TRANSIT
+        seq.kv_saved = kv if keep_blocks else 0
+        if keep_blocks:
+            blocks = -(-kv // self.layout.block_size)
+            self.layout.hold(m, blocks)  # the blocks just freed: they fit
+            self.mig_out[m] += blocks
+        return kv
+
+    def attach(self, seq: Seq, kv: int, blocks: int, now: float) -> None:
+        """Add ``seq``, holding ``kv`` tokens of KV copied into ``blocks``
+        reserved token-blocks, to its service's running batch at the batch's
+        boundary: it decodes from the next iteration on, as a request whose
+        prefill just ended. The scheduler sees it as an arrival (as
+        :meth:`adopt`)."""
+        m = seq.model
+        b = self._moving(m)
+        if b.n or blocks != -(-kv // self.layout.block_size) or blocks > self.mig_in[m]:
+            raise RuntimeError(
+                f"group {self.id}: cannot attach request {seq.id} ({kv} tokens in "
+                f"{blocks} blocks; {self.mig_in[m]} reserved; segment in flight: {bool(b.n)})"
+            )
+        self.unreserve(m, blocks)
+        self.layout.grow(seq.id, m, kv)  # into the blocks just given back
+        self.layout.bind(seq.id)
+        seq.inst = self.host
+        b.run(seq, kv)
+        self.running[m][seq.id] = seq
+        self.scheduler.on_arrival(seq, now)
+
+    def _copies_slow(self, t: Any, memory_s: Any) -> Any:
+        """Iteration times ``t`` (moving ``memory_s`` of HBM traffic) beside
+        the KV copies in flight (:attr:`copy_load`)."""
+        return beside_copies(t, memory_s, self.copy_load)
+
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
         """Every request in exactly one place; KV held exactly by running ones."""
@@ -1268,14 +1413,14 @@ class SharingGroup:
         for m in self._models:
             for s in self.waiting[m]:
                 assert s.id not in seen and not s.in_job and s.kv_saved == 0, s.id
-                assert s.state == WAITING and s.inst is self, s.id
+                assert s.state == WAITING and s.inst is self.host, s.id
                 assert not lay.holds(s.id), s.id
                 seen.add(s.id)
             b = self._bound.get(m)
             for rid, s in self.running[m].items():
                 assert rid == s.id and s.id not in seen and s.state == RUNNING, s.id
                 if b is not None and s.bound:  # in the batch's totals
-                    assert b.running.get(rid) is s and s.batch is b and s.inst is self, s.id
+                    assert b.running.get(rid) is s and s.batch is b and s.inst is self.host, s.id
                     assert not lay.holds(s.id), s.id
                 elif b is not None:  # adopted while the segment ran: joins at its end
                     assert s in self._joining[m] and lay.tokens_of(s.id) == s.kv_saved, s.id
@@ -1295,7 +1440,7 @@ class SharingGroup:
                 got = lay.bulk(m)
                 assert got == (len(b), b.tokens + len(b) * n, want_blocks), (m, got)
             for s in self.partial[m]:  # admitted, partly prefilled: KV held in full
-                assert s.id not in seen and s.state == PREFILLING and s.inst is self, s.id
+                assert s.id not in seen and s.state == PREFILLING and s.inst is self.host, s.id
                 assert lay.tokens_of(s.id) == s.kv_saved == s.prompt_tokens + s.gen_saved, s.id
                 assert 0 <= s.prefilled < s.kv_saved, s.id
                 seen.add(s.id)
@@ -1311,6 +1456,9 @@ class SharingGroup:
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
+        for m in self._models:  # the layout's held blocks are the moves' (sim/migration.py)
+            assert self.mig_in[m] >= 0 and self.mig_out[m] >= 0, m
+            assert lay.held(m) == self.mig_in[m] + self.mig_out[m], (m, lay.held(m))
         bs = lay.block_size
         for m in self._models:
             want = sum(-(-s.prefill_tokens // bs) for s in self.waiting[m])

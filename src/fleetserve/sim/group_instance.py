@@ -38,10 +38,17 @@ request's tokens mid-segment sees them as of now, as on an instance. MLFQ and
 DB keep the group's *explicit* counts (``kv_saved``,
 ``gen_saved``, updated at job ends).
 
-Behind a switch (``Simulator(..., one_model_groups=True)``), for the stacks
-without migration (``vllm``, ``bf``, ``wf``, ``ll``) and without prefix
+- **Moves.** Llumnix's and Mell's migrations (:mod:`fleetserve.sim.migration`)
+  use the group's actions ("Moving a request" in :mod:`fleetserve.sim.group`):
+  reservations and a detached request's kept blocks are the layout's held
+  blocks, a request leaves or joins the bound batch at its boundary, and the
+  copies in flight slow the iterations that start beside them. The group
+  names this instance as its requests' ``inst``, which the moves read.
+
+Behind a switch (``Simulator(..., one_model_groups=True)``), for every
+single-model stack (migration included, since session 28) without prefix
 caching; ``tests/test_group_instance.py`` checks that their records, time
-series and GPU intervals equal the instance's. The event counts differ a
+series, GPU intervals and migrations equal the instance's. The event counts differ a
 little (65,646 against 65,555 on the Azure trace of ``make bench``): a
 decode iteration that preempts runs as a job of its own in the group, where
 the instance's segment goes on past it when no queued prompt could be
@@ -131,6 +138,7 @@ class GroupInstance(ChangeReports):
             clock=clock,
         )
         self._host = HostView(self.group, model)  # the views, moved to each read's time
+        self.group.host = self  # its requests' ``inst`` (sim/migration.py reads it)
         self.id = iid
         self.model = model
         self.gpus = gpus
@@ -141,10 +149,7 @@ class GroupInstance(ChangeReports):
         self.clock = clock
         self._ready_s = 0.0
         self.version = -1  # the token of the job in flight (its ITER_END's version)
-        # the migration fields the simulator reads (no migration here)
-        self.mig_refs = self.mig_in = self.mig_out = 0
-        self.copy_load = 0.0
-        self.preempted_migrating: list[Seq] = []
+        self.mig_refs = 0  # migrations in flight that touch it (sim/migration.py counts)
         self._logs: list[dict[int, Any]] = []
 
     # ---------------------------------------------------------- activation
@@ -193,11 +198,36 @@ class GroupInstance(ChangeReports):
 
     @property
     def decode_steps(self) -> int:
-        return 0
+        """Decode iterations its batch completed as of now (bound batches;
+        0 for MLFQ and DB, whose requests keep explicit counts)."""
+        b = self.group._bound.get(self.model)
+        return b.decode_steps if b is not None else 0
 
     @property
     def idle(self) -> bool:
-        return self.group.idle
+        """Nothing queued, prefilling or running, and no move touches it."""
+        return self.group.idle and not self.mig_refs
+
+    # the moves' counts, kept by the group (sim/migration.py reads and checks them)
+    @property
+    def mig_in(self) -> int:
+        return self.group.mig_in[self.model]
+
+    @property
+    def mig_out(self) -> int:
+        return self.group.mig_out[self.model]
+
+    @property
+    def copy_load(self) -> float:
+        return self.group.copy_load
+
+    @property
+    def preempted_migrating(self) -> list[Seq]:
+        return self.group.preempted_migrating
+
+    @preempted_migrating.setter
+    def preempted_migrating(self, seqs: list[Seq]) -> None:
+        self.group.preempted_migrating = seqs
 
     @property
     def waiting(self) -> Any:
@@ -255,6 +285,54 @@ class GroupInstance(ChangeReports):
         if g.state == "loading" and now >= self._ready_s:
             g.state = "live"
         return self._started(g.schedule(now))
+
+    # ------------------------------------------------------------- migration
+    # The instance's actions for sim/migration.py, on the group ("Moving a
+    # request" in sim/group.py). A change of memory or of the iterations'
+    # speed cuts the macro job in flight at its iteration in flight, so the
+    # next boundary re-plans, as on an instance.
+    def add_copy_load(self, delta: float, now: float) -> float | None:
+        """A KV copy through these GPUs started (``delta`` > 0) or ended."""
+        self.group.add_copy_load(delta)
+        return self.truncate(now)
+
+    def can_reserve(self, blocks: int) -> bool:
+        """Whether ``blocks`` can be reserved now: free as of now (the
+        iteration in flight's growth counted) less the admission watermark."""
+        wm = self.group.watermark_tokens[self.model] // self.block_size
+        return self.total_blocks - self.used_blocks - wm >= blocks
+
+    def reserve(self, blocks: int, now: float) -> float | None:
+        """Reserve ``blocks`` for an incoming KV copy (after :meth:`can_reserve`)."""
+        end = self.truncate(now)  # the blocks held ahead of the iteration in flight go back
+        self.group.reserve(self.model, blocks)
+        return end
+
+    def unreserve(self, blocks: int, now: float) -> float | None:
+        """Free the reservation of an aborted incoming copy (memory grows: re-plan)."""
+        self.group.unreserve(self.model, blocks)
+        return self.truncate(now)
+
+    def release_held(self, blocks: int, now: float, seq: Seq | None = None) -> float | None:
+        """Free the blocks a detached request kept for its final copy."""
+        self.group.release_held(self.model, blocks)
+        return self.truncate(now)
+
+    def remove_waiting(self, seq: Seq, now: float) -> float | None:
+        """Take a queued request out (it moves elsewhere)."""
+        self.group.remove_waiting(seq)
+        return self.truncate(now)
+
+    def detach(self, seq: Seq, *, keep_blocks: bool) -> int:
+        """Take running ``seq`` out at a boundary; the KV tokens it held."""
+        kv = self.group.detach(seq, keep_blocks=keep_blocks)
+        self._changed()
+        return kv
+
+    def attach(self, seq: Seq, kv: int, blocks: int) -> None:
+        """Add ``seq`` with its copied KV to the running batch at a boundary."""
+        self.group.attach(seq, kv, blocks, self.clock.now)
+        self._changed()
 
     def complete(self, now: float) -> list[Seq]:
         """End the job in flight (its ``ITER_END`` for ``version``)."""

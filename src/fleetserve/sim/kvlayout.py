@@ -225,6 +225,8 @@ class KVLayout(ABC):
         self._mreqs: dict[str, int] = dict.fromkeys(self._models, 0)  # requests held
         # per model, a bound batch's totals (:meth:`bind`): requests, tokens, blocks
         self._bulk: dict[str, list[int]] = {m: [0, 0, 0] for m in self._models}
+        # per model, token-blocks held by no request (:meth:`hold`)
+        self._held: dict[str, int] = dict.fromkeys(self._models, 0)
 
     # --- construction helpers -------------------------------------------------
     def _validate_fit(self) -> None:
@@ -522,6 +524,54 @@ class KVLayout(ABC):
         n, t, b = self._bulk[model]
         return n, t, b
 
+    # --- blocks held by no request (count-only layouts) -----------------------
+    def hold(self, model: str, blocks: int) -> None:
+        """Take ``blocks`` token-blocks of ``model`` that no request holds: a
+        KV migration's reservation for a request being copied in, or the
+        blocks of a request that left while a copy still reads them. They
+        count as used (and as ``model``'s) until :meth:`unhold`. Count-only
+        layouts only (:attr:`counts_only`).
+
+        Raises:
+            PoolFull: they do not fit; nothing changed.
+            ValueError: ``blocks`` is negative.
+            NotImplementedError: the merged layout, which names every slot.
+        """
+        if not self.counts_only:
+            raise NotImplementedError(f"the {self.name} layout names every slot: no held blocks")
+        self._check_model(model)
+        if blocks < 0:
+            raise ValueError(f"{self.name} KV layout: cannot hold {blocks} token-blocks")
+        if blocks and not self._fits(model, blocks):
+            raise PoolFull(
+                f"{self.name} KV layout: {model!r} cannot hold {blocks} more token-block(s); "
+                f"{self.free_bytes_for(model)} bytes free"
+            )
+        self._alloc(-1, model, blocks)
+        self._held[model] += blocks
+        self._mblocks[model] += blocks
+
+    def unhold(self, model: str, blocks: int) -> None:
+        """Give back ``blocks`` of the token-blocks :meth:`hold` took for ``model``.
+
+        Raises:
+            ValueError: ``blocks`` is negative or more than are held.
+        """
+        self._check_model(model)
+        if not 0 <= blocks <= self._held[model]:
+            raise ValueError(
+                f"{self.name} KV layout: cannot give back {blocks} of the "
+                f"{self._held[model]} token-blocks held for {model!r}"
+            )
+        self._held[model] -= blocks
+        self._mblocks[model] -= blocks
+        self._release(-1, model, blocks)
+
+    def held(self, model: str) -> int:
+        """Token-blocks of ``model`` held by no request (:meth:`hold`)."""
+        self._check_model(model)
+        return self._held[model]
+
     def free_token_blocks(self, model: str) -> int:
         """The most token-blocks of ``model`` that fit now (a count-only
         layout's fit is linear in them)."""
@@ -647,6 +697,9 @@ class KVLayout(ABC):
             tokens[m] += t
             blocks[m] += b
             held[m] += n
+        for m, b in self._held.items():  # blocks of no request (a copy in flight)
+            _require(b >= 0 and (self.counts_only or b == 0), f"service {m!r}: held blocks {b}")
+            blocks[m] += b
         for m in self._models:
             _require(tokens[m] == self._mtokens[m], f"service {m!r}: token sum mismatch")
             _require(blocks[m] == self._mblocks[m], f"service {m!r}: token-block sum mismatch")

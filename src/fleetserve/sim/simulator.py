@@ -168,9 +168,12 @@ class Simulator:
             why = [
                 w
                 for w, bad in (
-                    (f"migration policy {pn['migration']!r}", pn["migration"] != "none"),
+                    (
+                        f"migration policy {pn['migration']!r} (a request moves at its "
+                        "batch's boundary: batching fcfs or rr)",
+                        needs_groups and pn["migration"] != "none",
+                    ),
                     ("engine.prefix_caching", config.engine.prefix_caching),
-                    ("an iteration observer", on_iteration_end is not None),
                     ("engine.chunked_prefill", needs_groups and config.engine.chunked_prefill),
                 )
                 if bad
