@@ -178,13 +178,15 @@ def test_one_model_groups_move_requests_as_the_instances_do(
 @pytest.mark.parametrize(
     ("stack", "engine", "why"),
     [
-        ("vllm", {"prefix_caching": True}, "engine.prefix_caching"),
+        ("vllm", {"prefix_caching": True, "batching": "db"}, "engine.prefix_caching"),
         ("llumnix", {"batching": "mlfq"}, "migration policy 'llumnix'"),
     ],
 )
-def test_what_the_groups_do_not_model_yet_is_refused(
+def test_what_explicit_counts_do_not_model_is_refused(
     stack: str, engine: dict[str, Any], why: str
 ) -> None:
+    """MLFQ and DB keep each request's counts (no bound batch): no moves, no
+    shared cache blocks, with the reason."""
     cfg = config_from_dict(_cfg(stack, {"elastic": True, "max_gpus": 4}, **engine))
     with pytest.raises(ConfigError, match=why):
         Simulator(cfg, _load(0, 5, 1.0), one_model_groups=True)

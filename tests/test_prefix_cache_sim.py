@@ -285,6 +285,53 @@ def test_macro_steps_exact_with_prefix_caching(
     assert summarize(fast)["prefix_cache"] == summarize(slow)["prefix_cache"]
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    items=items_st,
+    stack=st.sampled_from(["vllm", "bf", "moves"]),
+    chunked=st.booleans(),
+    macro=st.booleans(),
+    bs=st.sampled_from([16, 24]),
+    size=st.sampled_from([40, 64, 512]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_model_groups_cache_prefixes_as_the_instances_do(
+    items: list[tuple[float, int, int, int, int]],
+    stack: str,
+    chunked: bool,
+    macro: bool,
+    bs: int,
+    size: int,
+    seed: int,
+) -> None:
+    """Prefix caching on one-model sharing groups (``one_model_groups``: the
+    group's caches, references held once by the layout, evictions where the
+    instance evicts) gives the instances' run: every outcome, every hit, the
+    cache's counters, the time series and the moves (random moves of
+    requests holding references included), under preemptions and evictions,
+    with the integrity checks after every event."""
+    reqs = hashed(items, size)
+    over: dict[str, Any] = {
+        "cluster": {"mem_util": 0.33, "block_size": bs, "elastic": False, "gpus": 2},
+        "engine": {"chunked_prefill": chunked, "max_batched_tokens": 512},
+        "macro_steps": macro,
+        "seed": seed,
+        "policy": {"stack": stack},
+    }
+    if stack == "moves":
+        over["cluster"]["gpus"] = 3
+        over["policy"] = {"stack": "bf", "migration": "_test_pc_random"}
+        over["migration"] = {"epoch_s": 0.2, "max_stages": 3}
+    c = cfg(**over)
+    a = Simulator(c, reqs).run()
+    b = Simulator(c, reqs, one_model_groups=True).run()
+    assert outcome(a) == outcome(b)
+    assert [r.cached_tokens for r in a.records] == [r.cached_tokens for r in b.records]
+    assert summarize(a)["prefix_cache"] == summarize(b)["prefix_cache"]
+    assert a.timeseries == b.timeseries
+    assert a.migrations == b.migrations
+
+
 # ----------------------------------------------------------------- behaviour
 
 

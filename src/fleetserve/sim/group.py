@@ -72,6 +72,24 @@ iterations (``copy_load``,
 :func:`~fleetserve.sim.contention.beside_copies`) from the next one that
 starts. Bound batches only (FCFS, RR: a request leaves or joins at a
 boundary of its batch), a count-only layout, and a replica (not a pipeline).
+
+Prefix caching (``prefix_caching``; :mod:`fleetserve.sim.prefix_cache`, the
+single-model instance's model of vLLM's automatic prefix caching, one cache
+per service). A request's KV is then its private blocks (the layout holds
+``kv - shared * block_size`` tokens for it, exactly ``blocks(kv) - shared``
+blocks) plus the cache entries it references; each referenced entry is held
+once, as the layout's held blocks (:meth:`~fleetserve.sim.kvlayout.KVLayout.hold`),
+and entries nobody references are evictable: free for the layout, evicted
+(least recently released first) where the instance evicts them: after
+admissions, a reservation and a decode segment's growth, and with chunked
+prefill before the scheduler admits (the next mixed iteration's decodes'
+blocks kept). The admission budget looks each prompt up once per round; a
+prompt needs its blocks less the hits already referenced, and only its
+uncached tokens count against the token budget (``prefilled`` starts past the
+hits). A prefill publishes its full prompt blocks (after each chunk with
+chunked prefill): they move from the request's private blocks to the held
+ones. A request detached for a KV move keeps its references until its final
+copy is done. Bound batches only, as moves.
 """
 
 from __future__ import annotations
@@ -89,6 +107,7 @@ from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq,
 from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import BandwidthSharing, beside_copies, decode_weight
 from fleetserve.sim.kvlayout import HeadwiseLayout
+from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
@@ -96,6 +115,7 @@ if TYPE_CHECKING:
     from fleetserve.costmodel.pipeline import StagedCost
     from fleetserve.sim.batch import SimClock
     from fleetserve.sim.kvlayout import KVLayout, LayoutStats
+    from fleetserve.sim.prefix_cache import Entry
 
 _EPS = 1e-9
 _MACRO_MAX = 512  # iterations per macro job at most
@@ -126,7 +146,7 @@ class _GroupBudget:
     """Admission of prompts into one prefill job: memory (layout and quota),
     running-batch room, and the token budget (a lone prompt may exceed it)."""
 
-    __slots__ = ("group", "model", "reserve", "seqs_left", "taken", "tokens_left")
+    __slots__ = ("group", "hits", "model", "reserve", "seqs_left", "taken", "tokens_left")
 
     def __init__(self, group: SharingGroup) -> None:
         self.group = group
@@ -135,6 +155,20 @@ class _GroupBudget:
         self.tokens_left = 0
         self.taken = 0
         self.reserve = 0  # tokens kept free: the watermark (+ the decodes' growth, chunked)
+        # prefix caching: each prompt's cache hits, looked up once per round
+        self.hits: dict[int, tuple[list[Entry], int]] = {}
+
+    def _need(self, seq: Seq, cache: PrefixCache) -> tuple[int, int]:
+        """Prefix caching: ``(tokens hit, tokens of KV the pool must give)``:
+        the prompt less the hits some request references already (taken
+        earlier in this round included; an evictable hit comes out of the
+        free blocks)."""
+        got = self.hits.get(seq.id)
+        if got is None:
+            got = self.hits[seq.id] = cache.lookup(seq, seq.prompt_tokens + seq.gen_saved)
+        hits, hit = got
+        held = sum(e.blocks for e in hits if e.refs)
+        return hit, seq.prompt_tokens + seq.gen_saved - held * cache.bs
 
     def fits(self, s: GroupSeq) -> bool:
         seq = cast(Seq, s)  # the scheduler got it from this group's state
@@ -150,10 +184,14 @@ class _GroupBudget:
         n = seq.prompt_tokens + seq.gen_saved
         if seq.in_job or self.seqs_left <= 0:
             return False
+        hit = 0
+        cache = g.pcache.get(m)
+        if cache is not None:
+            hit, n = self._need(seq, cache)  # n: the KV tokens the pool gives
         if g.chunked:  # a prompt needs one token of the budget to start
             if self.tokens_left <= 0:
                 return False
-        elif self.taken and n > self.tokens_left:
+        elif self.taken and seq.prompt_tokens + seq.gen_saved - hit > self.tokens_left:
             return False
         return g.can_admit(seq, n, self.reserve)
 
@@ -165,13 +203,20 @@ class _GroupBudget:
             self.model = seq.model
             if not g.chunked:
                 self.tokens_left = g.max_batched_tokens
-        g.layout.grow(seq.id, seq.model, n)
+        cache = g.pcache.get(seq.model)
+        if cache is None:
+            g.layout.grow(seq.id, seq.model, n)
+            seq.prefilled = 0
+        else:
+            self._need(seq, cache)
+            hits, hit = self.hits[seq.id]
+            g._admit_cached(seq, n, hits, hit)
         seq.kv_saved = n
         seq.state = PREFILLING
         seq.in_job = True  # leaves the queue when its prefill job starts
         g._taken[seq.id] = seq
         self.seqs_left -= 1
-        self.tokens_left -= n
+        self.tokens_left -= n - seq.prefilled
         self.taken += 1
 
 
@@ -212,6 +257,11 @@ class SharingGroup:
             ``clock`` (the counts as of now). The records are the explicit
             path's (``tests/test_group_instance.py``).
         clock: the simulation clock (for ``bound``).
+        prefix_caching: share the KV of cached prompt prefixes within each
+            service (:mod:`fleetserve.sim.prefix_cache`, vLLM's automatic
+            prefix caching, as the single-model instance models it; see
+            "Prefix caching" in the module docstring). Needs ``bound``.
+        prefix_stats: the run's prefix-cache counters (None: the group's own).
     """
 
     def __init__(
@@ -231,6 +281,8 @@ class SharingGroup:
         chunked_prefill: bool = False,
         bound: bool = False,
         clock: SimClock | None = None,
+        prefix_caching: bool = False,
+        prefix_stats: PrefixStats | None = None,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -323,6 +375,18 @@ class SharingGroup:
             for m in self._models:
                 self._bound[m] = BoundBatch(bs, clock)
                 self._joining[m] = []
+        # prefix caching: each service's cache; the requests detached for a KV
+        # move's final copy that still reference entries (the copy reads them)
+        self.pcache: dict[str, PrefixCache] = {}
+        self._holding: dict[int, Seq] = {}
+        if prefix_caching:
+            if not bound:
+                raise ConfigError(
+                    f"group {gid}: prefix caching needs bound running batches "
+                    "(batching fcfs or rr, a count-only KV layout)"
+                )
+            stats = prefix_stats or PrefixStats()
+            self.pcache = {m: PrefixCache(bs, stats) for m in self._models}
 
     # ------------------------------------------------------------ GroupState
     @property
@@ -533,6 +597,8 @@ class SharingGroup:
             return self._retimed(now, [])
         if self.lanes and self._decoding():  # lanes start at a decode round's boundary
             return self._retimed(now, [])
+        if self.pcache and self.chunked:
+            self._fit_before_admission()
         started: list[tuple[float, int]] = []
         while True:
             jobs = sched.schedule(self._state, _GroupBudget(self), now)
@@ -621,9 +687,19 @@ class SharingGroup:
         if job.phase == PREFILL:
             seqs = self._take_prefill(job)
             lens = [s.prompt_tokens + s.gen_saved for s in seqs]
-            cost = self.costs[m].prefill_time(lens, share)
-            if self.copy_load:
-                cost = float(self._copies_slow(cost, self.costs[m].prefill_memory_s(lens)))
+            cache = self.pcache.get(m)
+            if cache is not None:  # the admissions' KV evicts cached entries
+                cache.fit(self.layout.free_token_blocks(m))
+            if cache is not None and any(s.prefilled for s in seqs):  # the hits are not computed
+                work = [(n - s.prefilled, s.prefilled) for s, n in zip(seqs, lens, strict=True)]
+                ic = cast("InstanceCost", self.costs[m])
+                cost = ic.mixed_time(work, 0, 0, share)
+                if self.copy_load:
+                    cost = float(self._copies_slow(cost, ic.mixed_memory_s(work, 0, 0)))
+            else:
+                cost = self.costs[m].prefill_time(lens, share)
+                if self.copy_load:
+                    cost = float(self._copies_slow(cost, self.costs[m].prefill_memory_s(lens)))
             traffic = 0.0
             if self._bw is not None:
                 traffic = self.costs[m].prefill_memory_s(lens)
@@ -697,10 +773,9 @@ class SharingGroup:
             n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
             chunks.append((s, n))
             left -= n
-        for s in admitted:
-            s.prefilled = 0
+        for s in admitted:  # ``prefilled``: its cache hits (0 without prefix caching)
             self.partial[m].append(s)
-            n = min(s.prompt_tokens + s.gen_saved, left)
+            n = min(s.prompt_tokens + s.gen_saved - s.prefilled, left)
             if n <= 0:
                 raise RuntimeError(f"group {self.id}: request {s.id} admitted past the budget")
             chunks.append((s, n))
@@ -716,6 +791,9 @@ class SharingGroup:
         m = job.model
         C, n_fit = self._bound_boundary(m, b)
         C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
+        cache = self.pcache.get(m)
+        if cache is not None:  # the admissions' KV and the decodes' blocks evict entries
+            cache.fit(self.layout.free_token_blocks(m) - C[0])
         B = len(b)
         chunks = self._mixed_chunks(m, admitted, self.max_batched_tokens - B)
         if not chunks and not B:
@@ -881,12 +959,17 @@ class SharingGroup:
             self._ends[token] = ends
         return (float(ends[-1]), token)
 
-    def _unbind(self, s: Seq) -> int:
-        """Take running ``s`` out of its bound batch, its KV freed; its tokens."""
+    def _unbind(self, s: Seq, *, keep_refs: bool = False) -> int:
+        """Take running ``s`` out of its bound batch, its KV freed (its cache
+        references too, unless ``keep_refs``); its tokens."""
         b = self._bound[s.model]
         kv = b.unrun(s)
         del self.running[s.model][s.id]
-        self.layout.bulk_change(s.model, -1, -kv, (-kv) // self.layout.block_size)
+        bs = self.layout.block_size
+        sh = s.shared
+        self.layout.bulk_change(s.model, -1, sh * bs - kv, (-kv) // bs + sh)
+        if s.refs is not None and not keep_refs:
+            self._release_refs(s)
         return kv
 
     def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> np.ndarray | None:
@@ -1131,14 +1214,20 @@ class SharingGroup:
         moves, and the requests that generated their last token leave."""
         b.end()
         bs = self.layout.block_size
+        cache = self.pcache.get(m)
+        if cache is not None:  # the segment's growth evicts cached entries
+            cache.fit(self.layout.free_token_blocks(m))
         run = self.running[m]
         n = tokens = blocks = 0
         for s, kv in b.due():
             n += 1
-            tokens += kv
-            blocks += -(-kv // bs)
+            sh = s.shared
+            tokens += kv - sh * bs
+            blocks += -(-kv // bs) - sh
             del run[s.id]
             s.kv_saved = 0
+            if s.refs is not None:  # its references, in finishing order (the LRU's)
+                self._release_refs(s)
             self._finished(s, now)
             done.append(s)
         if n:  # their KV leaves the batch's totals at once
@@ -1150,9 +1239,13 @@ class SharingGroup:
         """``s``'s (re)prefill ended at ``now`` with its first token: it joins
         the bound batch, or finishes when that token was its last."""
         self._first_token(s, now)
+        if s.refs is not None:  # its full prompt blocks become cache entries
+            self._publish(s, s.kv_saved)
         if s.gen_saved + 1 >= s.output_tokens:
             s.gen_saved += 1
             self.layout.free(s.id)
+            if s.refs is not None:
+                self._release_refs(s)
             s.kv_saved = 0
             self._finished(s, now)
             done.append(s)
@@ -1180,6 +1273,8 @@ class SharingGroup:
             for s, k in chunks:
                 s.in_job = False
                 s.prefilled += k
+                if s.refs is not None:  # the blocks its chunks computed become entries
+                    self._publish(s, s.prefilled)
                 if s.prefilled < s.prompt_tokens + s.gen_saved:
                     live.append(s)
                     continue
@@ -1257,6 +1352,8 @@ class SharingGroup:
                     keep.append(s)
                     continue
                 self.layout.free(s.id)
+                if s.refs is not None:
+                    self._release_refs(s)
                 s.kv_saved = 0
                 s.prefilled = 0
                 out.append(s)
@@ -1338,17 +1435,22 @@ class SharingGroup:
         self._moving(model)
         self.layout.hold(model, blocks)
         self.mig_in[model] += blocks
+        cache = self.pcache.get(model)
+        if cache is not None:  # the reservation evicts cached entries
+            cache.fit(self.layout.free_token_blocks(model))
 
     def unreserve(self, model: str, blocks: int) -> None:
         """Give back a reservation of a copy that was aborted."""
         self.layout.unhold(model, blocks)
         self.mig_in[model] -= blocks
 
-    def release_held(self, model: str, blocks: int) -> None:
-        """Free the ``blocks`` a detached request kept while its final copy
-        read them (:meth:`detach`)."""
+    def release_held(self, model: str, blocks: int, seq: Seq | None = None) -> None:
+        """Free the ``blocks`` (private) a detached request ``seq`` kept while
+        its final copy read them (:meth:`detach`), and its cache references."""
         self.layout.unhold(model, blocks)
         self.mig_out[model] -= blocks
+        if seq is not None and self._holding.pop(seq.id, None) is seq:
+            self._release_refs(seq)
 
     def remove_waiting(self, seq: Seq) -> None:
         """Take queued ``seq`` out (it moves elsewhere as token ids)."""
@@ -1369,13 +1471,17 @@ class SharingGroup:
             raise RuntimeError(
                 f"group {self.id}: request {seq.id} is not in {m!r}'s batch at a boundary"
             )
-        kv = self._unbind(seq)
+        kv = self._unbind(seq, keep_refs=keep_blocks)
         seq.state = TRANSIT
         seq.kv_saved = kv if keep_blocks else 0
-        if keep_blocks:
-            blocks = -(-kv // self.layout.block_size)
+        if keep_blocks:  # its private blocks held; its cache references kept
+            blocks = -(-kv // self.layout.block_size) - seq.shared
             self.layout.hold(m, blocks)  # the blocks just freed: they fit
             self.mig_out[m] += blocks
+            if seq.refs:
+                self._holding[seq.id] = seq
+            else:
+                seq.refs = None
         return kv
 
     def attach(self, seq: Seq, kv: int, blocks: int, now: float) -> None:
@@ -1391,6 +1497,8 @@ class SharingGroup:
                 f"group {self.id}: cannot attach request {seq.id} ({kv} tokens in "
                 f"{blocks} blocks; {self.mig_in[m]} reserved; segment in flight: {bool(b.n)})"
             )
+        if seq.refs is not None or seq.shared:  # pragma: no cover - copied KV is private
+            raise RuntimeError(f"group {self.id}: request {seq.id} arrives with cache references")
         self.unreserve(m, blocks)
         self.layout.grow(seq.id, m, kv)  # into the blocks just given back
         self.layout.bind(seq.id)
@@ -1398,6 +1506,69 @@ class SharingGroup:
         b.run(seq, kv)
         self.running[m][seq.id] = seq
         self.scheduler.on_arrival(seq, now)
+
+    # -------------------------------------------------------- prefix caching
+    def _admit_cached(self, s: Seq, n: int, hits: list[Entry], hit: int) -> None:
+        """Allocate ``s``'s (re)prefill of ``n`` tokens with prefix caching:
+        the hits (:meth:`PrefixCache.lookup`, ``hit`` tokens) become its
+        references, held once by the layout (an evictable one taken back),
+        the rest its private blocks; ``prefilled`` starts past the hits."""
+        m = s.model
+        if s.hashes is None:
+            self.layout.grow(s.id, m, n)
+            s.prefilled = 0
+            return
+        cache = self.pcache[m]
+        revived = cache.acquire(hits)
+        if revived:
+            self.layout.hold(m, revived)
+        s.refs = list(hits)
+        s.shared = hit // self.layout.block_size
+        s.pub = len(hits)
+        self.layout.grow(s.id, m, n - s.shared * self.layout.block_size)
+        s.prefilled = hit
+        if s.gen_saved == 0:  # its first prefill
+            s.record.cached_tokens = hit
+        else:
+            cache.stats.recompute_hit_tokens += hit
+
+    def _publish(self, s: Seq, computed: int) -> None:
+        """The full prompt blocks of ``s`` its prefill computed (its first
+        ``computed`` tokens) become cache entries it references: those blocks
+        move from its private ones to the layout's held ones."""
+        before = s.shared
+        self.pcache[s.model].publish(s, computed)
+        moved = s.shared - before
+        if moved:
+            self.layout.shrink(s.id, s.kv_saved - s.shared * self.layout.block_size)
+            self.layout.hold(s.model, moved)
+
+    def _release_refs(self, s: Seq) -> None:
+        """Drop the cache references of ``s``: the entries nobody references
+        any more become evictable (free)."""
+        refs = s.refs
+        assert refs is not None
+        freed = self.pcache[s.model].release(refs)
+        if freed:
+            self.layout.unhold(s.model, freed)
+        s.refs = None
+        s.shared = 0
+
+    def _fit_before_admission(self) -> None:
+        """Chunked prefill: before the scheduler admits, each cache keeps its
+        evictable entries within the blocks free after its service's decodes
+        of the next mixed iteration (the instance evicts there too). Skipped
+        when those decodes do not fit: the mixed iteration preempts first
+        and admits nothing, and evicts then (:meth:`_start_mixed_bound`)."""
+        for m, cache in self.pcache.items():
+            if not (self.waiting[m] or self.partial[m]):
+                continue
+            b = self._bound[m]
+            bs = self.layout.block_size
+            opening = b.opening() + sum(1 for x in self._joining[m] if x.kv_saved % bs == 0)
+            free = self.layout.free_token_blocks(m) - opening
+            if free >= 0:
+                cache.fit(free)
 
     def _copies_slow(self, t: Any, memory_s: Any) -> Any:
         """Iteration times ``t`` (moving ``memory_s`` of HBM traffic) beside
@@ -1415,6 +1586,7 @@ class SharingGroup:
                 assert s.id not in seen and not s.in_job and s.kv_saved == 0, s.id
                 assert s.state == WAITING and s.inst is self.host, s.id
                 assert not lay.holds(s.id), s.id
+                assert s.refs is None and s.shared == 0, s.id
                 seen.add(s.id)
             b = self._bound.get(m)
             for rid, s in self.running[m].items():
@@ -1437,11 +1609,14 @@ class SharingGroup:
                 want_blocks = sum(-(-(s.base + b.steps) // bs) for s in b.running.values())
                 if n:
                     want_blocks += b.grown(n - 1)
+                shared = sum(s.shared for s in b.running.values())  # cache entries' blocks
                 got = lay.bulk(m)
-                assert got == (len(b), b.tokens + len(b) * n, want_blocks), (m, got)
+                bulk = (len(b), b.tokens + len(b) * n - shared * bs, want_blocks - shared)
+                assert got == bulk, (m, got, bulk)
             for s in self.partial[m]:  # admitted, partly prefilled: KV held in full
                 assert s.id not in seen and s.state == PREFILLING and s.inst is self.host, s.id
-                assert lay.tokens_of(s.id) == s.kv_saved == s.prompt_tokens + s.gen_saved, s.id
+                assert s.kv_saved == s.prompt_tokens + s.gen_saved, s.id
+                assert lay.tokens_of(s.id) == s.kv_saved - s.shared * lay.block_size, s.id
                 assert 0 <= s.prefilled < s.kv_saved, s.id
                 seen.add(s.id)
         for token, (job, ss, _, _) in self.jobs.items():
@@ -1456,9 +1631,25 @@ class SharingGroup:
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
-        for m in self._models:  # the layout's held blocks are the moves' (sim/migration.py)
+        for m in self._models:  # the layout's held blocks: the moves' and the cache's
             assert self.mig_in[m] >= 0 and self.mig_out[m] >= 0, m
-            assert lay.held(m) == self.mig_in[m] + self.mig_out[m], (m, lay.held(m))
+            referenced = 0
+            cache = self.pcache.get(m)
+            if cache is not None:  # references, entries, eviction (prefix_cache.check)
+                holding = [x for x in self._holding.values() if x.model == m]
+                for x in holding:
+                    assert x.refs and x.state == TRANSIT and x.mig is not None, x.id
+                holders = [*self.running[m].values(), *self.prefilling(m), *holding]
+                b = self._bound[m]
+                ahead = b.grown(b.n - 1) if b.n else 0  # allocated ahead of the boundary
+                referenced = cache.check(holders, lay.free_token_blocks(m) + ahead)
+            else:
+                for x in (*self.running[m].values(), *self.prefilling(m)):
+                    assert x.refs is None and x.shared == 0, x.id
+            want_held = self.mig_in[m] + self.mig_out[m] + referenced
+            assert lay.held(m) == want_held, (m, lay.held(m), want_held)
+        if not self.pcache:
+            assert not self._holding
         bs = lay.block_size
         for m in self._models:
             want = sum(-(-s.prefill_tokens // bs) for s in self.waiting[m])

@@ -45,10 +45,14 @@ DB keep the group's *explicit* counts (``kv_saved``,
   copies in flight slow the iterations that start beside them. The group
   names this instance as its requests' ``inst``, which the moves read.
 
+- **Prefix caching.** The group's cache ("Prefix caching" in
+  :mod:`fleetserve.sim.group`) with the run's counters.
+
 Behind a switch (``Simulator(..., one_model_groups=True)``), for every
-single-model stack (migration included, since session 28) without prefix
-caching; ``tests/test_group_instance.py`` checks that their records, time
-series, GPU intervals and migrations equal the instance's. The event counts differ a
+single-model stack, migration and prefix caching included (session 28);
+``tests/test_group_instance.py`` and ``tests/test_prefix_cache_sim.py``
+check that their records, time series, GPU intervals, migrations and cache
+counters equal the instance's. The event counts differ a
 little (65,646 against 65,555 on the Azure trace of ``make bench``): a
 decode iteration that preempts runs as a job of its own in the group, where
 the instance's segment goes on past it when no queued prompt could be
@@ -69,6 +73,7 @@ from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.group import HostView, SharingGroup
 from fleetserve.sim.instance import ChangeReports
 from fleetserve.sim.kvlayout import make_layout
+from fleetserve.sim.prefix_cache import PrefixStats
 from fleetserve.sim.seq import Seq
 
 if TYPE_CHECKING:
@@ -106,6 +111,8 @@ class GroupInstance(ChangeReports):
         watermark: float,
         macro_steps: bool,
         chunked_prefill: bool = False,
+        prefix_caching: bool = False,
+        prefix_stats: PrefixStats | None = None,
     ) -> None:
         sched: GroupScheduler = BATCHING.get(batching)()
         if sched.spatial:
@@ -136,6 +143,8 @@ class GroupInstance(ChangeReports):
             # (FCFS and RR; MLFQ and DB keep explicit counts)
             bound=sched.one_model,
             clock=clock,
+            prefix_caching=prefix_caching,
+            prefix_stats=prefix_stats,
         )
         self._host = HostView(self.group, model)  # the views, moved to each read's time
         self.group.host = self  # its requests' ``inst`` (sim/migration.py reads it)
@@ -315,7 +324,7 @@ class GroupInstance(ChangeReports):
 
     def release_held(self, blocks: int, now: float, seq: Seq | None = None) -> float | None:
         """Free the blocks a detached request kept for its final copy."""
-        self.group.release_held(self.model, blocks)
+        self.group.release_held(self.model, blocks, seq)
         return self.truncate(now)
 
     def remove_waiting(self, seq: Seq, now: float) -> float | None:

@@ -173,7 +173,11 @@ class Simulator:
                         "batch's boundary: batching fcfs or rr)",
                         needs_groups and pn["migration"] != "none",
                     ),
-                    ("engine.prefix_caching", config.engine.prefix_caching),
+                    (
+                        "engine.prefix_caching (cached blocks are shared within a batch "
+                        "bound to its steps: batching fcfs or rr)",
+                        needs_groups and config.engine.prefix_caching,
+                    ),
                     ("engine.chunked_prefill", needs_groups and config.engine.chunked_prefill),
                 )
                 if bad
@@ -304,6 +308,8 @@ class Simulator:
                     watermark=eng.watermark,
                     macro_steps=self.cfg.macro_steps,
                     chunked_prefill=eng.chunked_prefill,
+                    prefix_caching=eng.prefix_caching,
+                    prefix_stats=self.prefix_stats,
                 ),
                 now,
                 load,
