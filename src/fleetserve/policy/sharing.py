@@ -31,7 +31,7 @@ import heapq
 import math
 from abc import abstractmethod
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter, is_
@@ -237,7 +237,7 @@ class GroupScheduler(Policy):
         self,
         state: GroupState,
         model: str,
-        batch: Sequence[GroupSeq],
+        batch: Collection[GroupSeq],
         ends: Sequence[float],
         now: float,
     ) -> int:
@@ -913,7 +913,7 @@ class DoublingBudget(GroupScheduler):
         self,
         state: GroupState,
         model: str,
-        batch: Sequence[GroupSeq],
+        batch: Collection[GroupSeq],
         ends: Sequence[float],
         now: float,
     ) -> int:

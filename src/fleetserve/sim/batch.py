@@ -27,7 +27,9 @@ the "as of now" counts a bound request reads (:attr:`BoundBatch.decode_steps`,
 from __future__ import annotations
 
 import sys
+from bisect import bisect_right
 from collections.abc import Iterator
+from itertools import accumulate
 
 import numpy as np
 
@@ -199,19 +201,21 @@ class BoundBatch:
         B = len(self.running)
         if not B:  # nothing decodes: nothing grows
             return [0] * bs, sys.maxsize
-        D = self.steps
-        C = []
-        acc = 0
-        for r in range(bs):
-            acc += hist[(-r - D) % bs]
-            C.append(acc)
-        n_exh = -1
-        for r in range(bs):
-            c = C[r]
-            j = r if c > free else ((free - c) // B + 1) * bs + r
-            if n_exh < 0 or j < n_exh:
-                n_exh = j
-        return C, n_exh
+        # iteration r opens a block for the requests whose base is -(steps + r)
+        # modulo bs: the histogram read backwards from -steps, cumulated
+        s0 = -self.steps % bs
+        C = list(accumulate(hist[s0::-1] + hist[:s0:-1]))
+        # an iteration j = q bs + r opens q B + C[r] blocks. Some r of the
+        # first bs iterations already runs short: the first such r (C grows).
+        r = bisect_right(C, free)
+        if r < bs:
+            return C, r
+        # Else iteration q bs + r runs short for q = (free - C[r]) // B + 1,
+        # which is q0 + 1 or q0 (C[r] - C[0] <= B, with q0 that of r = 0):
+        # the first r whose q drops (C[r] > free - q0 B), else r = 0.
+        q0 = (free - C[0]) // B
+        r = bisect_right(C, free - q0 * B)
+        return C, q0 * bs + r if r < bs else (q0 + 1) * bs
 
     def opening(self) -> int:
         """Running requests whose next token opens a new block (the first

@@ -103,7 +103,14 @@ import numpy as np
 import numpy.typing as npt
 
 from fleetserve.errors import ConfigError
-from fleetserve.policy.sharing import DECODE, PREFILL, GroupScheduler, GroupSeq, Job
+from fleetserve.policy.sharing import (
+    DECODE,
+    PREFILL,
+    GroupScheduler,
+    GroupSeq,
+    Job,
+    admit_in_order,
+)
 from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import BandwidthSharing, beside_copies, decode_weight
 from fleetserve.sim.kvlayout import HeadwiseLayout
@@ -171,7 +178,7 @@ class _GroupBudget:
         return hit, seq.prompt_tokens + seq.gen_saved - held * cache.bs
 
     def fits(self, s: GroupSeq) -> bool:
-        seq = cast(Seq, s)  # the scheduler got it from this group's state
+        seq: Seq = s  # type: ignore[assignment]  # the scheduler got it from this group
         g = self.group
         m = seq.model
         if self.model is None:
@@ -196,7 +203,7 @@ class _GroupBudget:
         return g.can_admit(seq, n, self.reserve)
 
     def take(self, s: GroupSeq) -> None:
-        seq = cast(Seq, s)
+        seq: Seq = s  # type: ignore[assignment]
         g = self.group
         n = seq.prompt_tokens + seq.gen_saved
         if self.model is None:
@@ -293,7 +300,7 @@ class SharingGroup:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self._models = tuple(sorted(costs))
-        bs = layout.block_size
+        self._bs = bs = layout.block_size
         self.watermark_tokens = {
             m: int(watermark * (layout.max_tokens(m) // bs)) * bs for m in self._models
         }
@@ -325,6 +332,9 @@ class SharingGroup:
         self._bw = BandwidthSharing() if spatial_bw or self.lanes else None
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
         self._state = _StateView(self)  # what the scheduler reads
+        self._hooks = scheduler.observes_jobs  # its job-end hooks do something
+        # its KV quotas (ADBS's); the base scheduler's limit is infinite
+        self._quotas = type(scheduler).kv_limit is not GroupScheduler.kv_limit
         self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
@@ -375,6 +385,12 @@ class SharingGroup:
             for m in self._models:
                 self._bound[m] = BoundBatch(bs, clock)
                 self._joining[m] = []
+        # one service under a scheduler with a one-model case, bound: that case
+        # (:meth:`_schedule_one`); its decode job takes the whole batch
+        self._one: str | None = None
+        self._decode_job = Job(self._models[0], DECODE, (), 1.0)
+        if bound and len(self._models) == 1 and self._bw is None:
+            self._one = self._models[0]
         # prefix caching: each service's cache; the requests detached for a KV
         # move's final copy that still reference entries (the copy reads them)
         self.pcache: dict[str, PrefixCache] = {}
@@ -460,7 +476,7 @@ class SharingGroup:
         """:meth:`ahead_blocks` at each of ``times``: as of a time, a macro
         job's requests hold the tokens of the iterations done and the one in
         flight."""
-        bs = self.layout.block_size
+        bs = self._bs
         out = np.zeros(len(times), dtype=np.int64)
         b = self._bound.get(model)
         for token, ends in self._ends.items():
@@ -546,7 +562,7 @@ class SharingGroup:
         schedules). Fixed while one job's prompts are admitted."""
         reserve = self.watermark_tokens[model]
         if self.chunked:
-            bs = self.layout.block_size
+            bs = self._bs
             b = self._bound.get(model)
             if b is None:
                 run: Iterable[Seq] = self.running[model].values()
@@ -570,7 +586,7 @@ class SharingGroup:
         if not lay.can_grow(seq.id, seq.model, tokens):
             return False
         m = seq.model
-        if self.scheduler.kv_limit(m) == math.inf:
+        if not self._quotas or self.scheduler.kv_limit(m) == math.inf:
             return True
         extra = lay.grow_bytes(seq.id, m, tokens)
         used = lay.used_bytes(m)
@@ -582,7 +598,7 @@ class SharingGroup:
         """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
         seq.inst = self.host
         seq.state = WAITING
-        self.queued_blocks[seq.model] += -(-seq.prefill_tokens // self.layout.block_size)
+        self.queued_blocks[seq.model] += -(-seq.prefill_tokens // self._bs)
         if head:
             self.waiting[seq.model].appendleft(seq)
         else:
@@ -592,6 +608,10 @@ class SharingGroup:
 
     def schedule(self, now: float) -> list[tuple[float, int]]:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
+        if self._one is not None:  # one service, one job at a time
+            if self.jobs or self.state != "live":
+                return []
+            return self._schedule_one(now)
         sched = self.scheduler
         if self.state != "live" or (not sched.spatial and self.jobs and not self.lanes):
             return self._retimed(now, [])
@@ -621,6 +641,47 @@ class SharingGroup:
         if self.jobs and self._busy_since is None:
             self._busy_since = now
         return self._retimed(now, started)
+
+    def _schedule_one(self, now: float) -> list[tuple[float, int]]:
+        """:meth:`schedule` of a group hosting one service whose scheduler has
+        a one-model case (FCFS, RR: :attr:`GroupScheduler.one_model`), with
+        its running requests bound: that case, as a one-model instance runs
+        it (:class:`~fleetserve.policy.batching.OneModel`). The queue is
+        admitted in order while prompts fit (the prefill job, or with chunked
+        prefill the mixed iteration, of what was admitted), else the batch
+        decodes (a mixed iteration when prompts are partly prefilled).
+        ``tests/test_batching_one_model.py`` checks that this is what the
+        scheduler's :meth:`~GroupScheduler.schedule` decides."""
+        m = self._one
+        assert m is not None
+        if self.pcache and self.chunked:
+            self._fit_before_admission()
+        b = self._bound[m]
+        while True:
+            q = self.waiting[m]
+            got = None
+            if q:
+                admitted = admit_in_order(q, _GroupBudget(self))
+                if admitted:
+                    job = Job(m, PREFILL, tuple(s.id for s in admitted), 1.0)
+                    got = self._start(job, now)
+                    if self._taken:  # pragma: no cover - _start takes every one admitted
+                        raise RuntimeError(f"group {self.id}: admitted requests not started")
+                    if got is None:  # pragma: no cover - a prefill job always starts
+                        raise RuntimeError(f"group {self.id}: a prefill job did not start")
+            if got is None:
+                if self.chunked and self.partial[m]:
+                    got = self._start_mixed(Job(m, DECODE, (), 1.0), now)
+                elif b.running or self._joining[m]:
+                    got = self._start_bound(self._decode_job, b, now)
+                else:
+                    return []
+            if got is not None:
+                if self._busy_since is None:
+                    self._busy_since = now
+                return [got]
+            # every running request was preempted: the queue again (a round
+            # preempts a request each time, so this ends)
 
     def _retimed(self, now: float, started: list[tuple[float, int]]) -> list[tuple[float, int]]:
         """``started`` with the jobs that memory-bandwidth contention re-timed:
@@ -872,7 +933,7 @@ class SharingGroup:
     def _take_prefill(self, job: Job) -> list[Seq]:
         """A prefill job's requests (admitted through the budget), out of the queue."""
         seqs = self._admitted(job)
-        bs = self.layout.block_size
+        bs = self._bs
         self.queued_blocks[job.model] -= sum(-(-s.prefill_tokens // bs) for s in seqs)
         ids = set(job.seqs)
         q = self.waiting[job.model]
@@ -911,7 +972,7 @@ class SharingGroup:
         change of the batch's totals."""
         m = job.model
         C, n_fit = self._bound_boundary(m, b)
-        if len(job.seqs) != len(b):
+        if job is not self._decode_job and len(job.seqs) != len(b):
             raise RuntimeError(
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
                 f"{len(b)} running requests; a bound batch decodes as a whole"
@@ -927,10 +988,13 @@ class SharingGroup:
                 if self.copy_load:
                     t = self._copies_slow(t, cast("InstanceCost", cost).decode_memory(B, ctxs))
                 ends = np.cumsum(np.concatenate(([now], t)))[1:]
-                seqs = list(b.running.values())
                 # the ends as an array: the one-model schedulers read their number only
                 k = self.scheduler.stable_iterations(
-                    self._state, m, seqs, cast("Sequence[float]", ends), now
+                    self._state,
+                    m,
+                    b.running.values(),
+                    ends,  # type: ignore[arg-type]  # the one-model ones read its length
+                    now,
                 )
                 if k > 1:
                     return self._begin_bound(job, b, ends[:k], C, now)
@@ -965,7 +1029,7 @@ class SharingGroup:
         b = self._bound[s.model]
         kv = b.unrun(s)
         del self.running[s.model][s.id]
-        bs = self.layout.block_size
+        bs = self._bs
         sh = s.shared
         self.layout.bulk_change(s.model, -1, sh * bs - kv, (-kv) // bs + sh)
         if s.refs is not None and not keep_refs:
@@ -1057,9 +1121,11 @@ class SharingGroup:
         """End a macro job after its iteration in flight (a request arrived:
         the scheduler decides again at the next iteration boundary); the new
         ``(end, token)`` to push, if it got shorter."""
+        if not self._ends:
+            return []
         out = []
         for token, ends in list(self._ends.items()):
-            j = int(np.searchsorted(ends, now, side="right"))  # iterations completed
+            j = int(ends.searchsorted(now, side="right"))  # iterations completed
             if j + 1 < len(ends):
                 del self._ends[token]
                 entry = self.jobs.pop(token)
@@ -1129,7 +1195,7 @@ class SharingGroup:
         self.preemptions += 1
         if s.mig is not None:  # its move aborts (sim/migration.py)
             self.preempted_migrating.append(s)
-        self.queued_blocks[s.model] += -(-s.prefill_tokens // self.layout.block_size)
+        self.queued_blocks[s.model] += -(-s.prefill_tokens // self._bs)
         self.waiting[s.model].appendleft(s)
 
     def complete(self, token: int, now: float) -> list[Seq]:
@@ -1139,9 +1205,9 @@ class SharingGroup:
         if entry is None:
             return []
         job, seqs, start, share = entry
-        ends = self._ends.pop(token, None)
-        bound = job.model in self._bound
-        if ends is not None and len(ends) > 1 and not bound:  # a macro job: all but its last
+        ends = self._ends.pop(token, None) if self._ends else None
+        b = self._bound.get(job.model)
+        if ends is not None and len(ends) > 1 and b is None:  # a macro job: all but its last
             k = len(ends)
             done_ends = ends[:-1].tolist()
             self.scheduler.on_job_ends(job, seqs, done_ends, start)
@@ -1151,21 +1217,25 @@ class SharingGroup:
                 s.kv_saved += k - 1
             start = prev
         key = (job.model, job.phase)
-        self._busy[key] -= 1
-        if not self._busy[key]:
-            del self._busy[key]
+        busy = self._busy
+        left = busy[key] - 1
+        if left:
+            busy[key] = left
+        else:
+            del busy[key]
         if self._bw is not None:
             self._bw.remove(token)
             if self.lanes:
                 self._reweigh()
-        self.held_share = max(0.0, self.held_share - share)
+        held = self.held_share - share
+        self.held_share = held if held > 0.0 else 0.0
         if not self.jobs and self._busy_since is not None:
             self.busy_s += now - self._busy_since
             self._busy_since = None
-        chunks = self._chunks.pop(token, None)
-        if chunks is not None:
-            return self._mixed_done(job, seqs, chunks, start, now)
-        b = self._bound.get(job.model)
+        if self._chunks:
+            chunks = self._chunks.pop(token, None)
+            if chunks is not None:
+                return self._mixed_done(job, seqs, chunks, start, now)
         if b is not None:
             return self._bound_done(job, b, seqs, ends, start, now)
         done: list[Seq] = []
@@ -1192,7 +1262,7 @@ class SharingGroup:
         requests join the batch (or finish at their first token)."""
         done: list[Seq] = []
         if job.phase == DECODE:
-            hooks = self.scheduler.observes_jobs  # (FCFS, RR: no per-job lists to build)
+            hooks = self._hooks  # (FCFS, RR: no per-job lists to build)
             if ends is not None and len(ends) > 1 and hooks:  # all but its last iteration
                 self.scheduler.on_job_ends(
                     job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
@@ -1206,14 +1276,15 @@ class SharingGroup:
         for s in seqs:
             s.in_job = False
             self._prefilled_bound(s, b, now, done, live)
-        self.scheduler.on_job_end(job, live, now - start, now)
+        if self._hooks:
+            self.scheduler.on_job_end(job, live, now - start, now)
         return done
 
     def _bound_step_done(self, b: BoundBatch, m: str, now: float, done: list[Seq]) -> None:
         """``m``'s bound batch ended its segment at ``now``: its step counter
         moves, and the requests that generated their last token leave."""
         b.end()
-        bs = self.layout.block_size
+        bs = self._bs
         cache = self.pcache.get(m)
         if cache is not None:  # the segment's growth evicts cached entries
             cache.fit(self.layout.free_token_blocks(m))
@@ -1455,7 +1526,7 @@ class SharingGroup:
     def remove_waiting(self, seq: Seq) -> None:
         """Take queued ``seq`` out (it moves elsewhere as token ids)."""
         self.waiting[seq.model].remove(seq)
-        self.queued_blocks[seq.model] -= -(-seq.prefill_tokens // self.layout.block_size)
+        self.queued_blocks[seq.model] -= -(-seq.prefill_tokens // self._bs)
         seq.inst = None
         seq.state = TRANSIT
 
@@ -1475,7 +1546,7 @@ class SharingGroup:
         seq.state = TRANSIT
         seq.kv_saved = kv if keep_blocks else 0
         if keep_blocks:  # its private blocks held; its cache references kept
-            blocks = -(-kv // self.layout.block_size) - seq.shared
+            blocks = -(-kv // self._bs) - seq.shared
             self.layout.hold(m, blocks)  # the blocks just freed: they fit
             self.mig_out[m] += blocks
             if seq.refs:
@@ -1492,7 +1563,7 @@ class SharingGroup:
         :meth:`adopt`)."""
         m = seq.model
         b = self._moving(m)
-        if b.n or blocks != -(-kv // self.layout.block_size) or blocks > self.mig_in[m]:
+        if b.n or blocks != -(-kv // self._bs) or blocks > self.mig_in[m]:
             raise RuntimeError(
                 f"group {self.id}: cannot attach request {seq.id} ({kv} tokens in "
                 f"{blocks} blocks; {self.mig_in[m]} reserved; segment in flight: {bool(b.n)})"
@@ -1523,9 +1594,9 @@ class SharingGroup:
         if revived:
             self.layout.hold(m, revived)
         s.refs = list(hits)
-        s.shared = hit // self.layout.block_size
+        s.shared = hit // self._bs
         s.pub = len(hits)
-        self.layout.grow(s.id, m, n - s.shared * self.layout.block_size)
+        self.layout.grow(s.id, m, n - s.shared * self._bs)
         s.prefilled = hit
         if s.gen_saved == 0:  # its first prefill
             s.record.cached_tokens = hit
@@ -1540,7 +1611,7 @@ class SharingGroup:
         self.pcache[s.model].publish(s, computed)
         moved = s.shared - before
         if moved:
-            self.layout.shrink(s.id, s.kv_saved - s.shared * self.layout.block_size)
+            self.layout.shrink(s.id, s.kv_saved - s.shared * self._bs)
             self.layout.hold(s.model, moved)
 
     def _release_refs(self, s: Seq) -> None:
@@ -1564,7 +1635,7 @@ class SharingGroup:
             if not (self.waiting[m] or self.partial[m]):
                 continue
             b = self._bound[m]
-            bs = self.layout.block_size
+            bs = self._bs
             opening = b.opening() + sum(1 for x in self._joining[m] if x.kv_saved % bs == 0)
             free = self.layout.free_token_blocks(m) - opening
             if free >= 0:
@@ -1681,12 +1752,15 @@ class HostView:
     and moved to each read's time (:meth:`at`).
     """
 
-    __slots__ = ("_g", "_now", "model")
+    __slots__ = ("_g", "_kind", "_now", "model")
 
     def __init__(self, group: SharingGroup, model: str, now: float = 0.0) -> None:
         self._g = group
         self.model = model
         self._now = now
+        lay = group.layout
+        # 0: its own partition; 1: head-wise units any service can use; 2: merged
+        self._kind = 1 if isinstance(lay, HeadwiseLayout) else 0 if lay.counts_only else 2
 
     def at(self, now: float) -> HostView:
         """This view as of ``now``."""
@@ -1727,10 +1801,11 @@ class HostView:
         whose units any service can use)."""
         g = self._g
         lay = g.layout
-        if lay.counts_only and not isinstance(lay, HeadwiseLayout):  # its own partition
+        kind = self._kind
+        if kind == 0:  # its own partition
             return lay.free_token_blocks(self.model) + g.ahead_blocks(self.model, self._now)
         per = lay.bytes_per_token_block(self.model)
-        if isinstance(lay, HeadwiseLayout):
+        if kind == 1:
             ahead = sum(
                 g.ahead_blocks(m, self._now) * lay.bytes_per_token_block(m) for m in g.models
             )
@@ -1746,8 +1821,22 @@ class HostView:
         """Free blocks less the queued prompts' and the admission watermark's,
         as an instance counts them (since session 25: before, the free ones)."""
         g = self._g
-        wm = g.watermark_tokens[self.model] // self.block_size
-        return self.free_blocks - self.reserved_blocks - wm
+        m = self.model
+        return self.free_blocks - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs
+
+    def avail_bounds(self) -> tuple[int, int]:
+        """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` when the
+        service's macro job in flight ends (its blocks ahead then held); an
+        instance's ``avail_bounds`` (the cluster index reads it)."""
+        g = self._g
+        m = self.model
+        ahead = g.ahead_blocks(m, self._now)
+        held = g.queued_blocks[m] + g.watermark_tokens[m] // g._bs
+        if self._kind == 0:  # its own partition: free now = free at the end + ahead
+            lo = g.layout.free_token_blocks(m) - held
+            return lo, lo + ahead
+        hi = self.free_blocks - held
+        return hi - ahead, hi
 
     @property
     def num_running(self) -> int:

@@ -159,6 +159,8 @@ class GroupInstance(ChangeReports):
         self._ready_s = 0.0
         self.version = -1  # the token of the job in flight (its ITER_END's version)
         self.mig_refs = 0  # migrations in flight that touch it (sim/migration.py counts)
+        # preempted while moving out (the group's list: sim/migration.py empties it)
+        self.preempted_migrating: list[Seq] = self.group.preempted_migrating
         self._logs: list[dict[int, Any]] = []
 
     # ---------------------------------------------------------- activation
@@ -231,14 +233,6 @@ class GroupInstance(ChangeReports):
         return self.group.copy_load
 
     @property
-    def preempted_migrating(self) -> list[Seq]:
-        return self.group.preempted_migrating
-
-    @preempted_migrating.setter
-    def preempted_migrating(self, seqs: list[Seq]) -> None:
-        self.group.preempted_migrating = seqs
-
-    @property
     def waiting(self) -> Any:
         return self.group.waiting[self.model]
 
@@ -256,8 +250,7 @@ class GroupInstance(ChangeReports):
     def avail_bounds(self) -> tuple[int, int]:
         """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` its value
         when the macro job in flight ends (its blocks ahead then held)."""
-        hi = self.available_blocks
-        return hi - self.group.ahead_blocks(self.model, self.clock.now), hi
+        return self._view().avail_bounds()
 
     def usage_segment(self) -> tuple[int, float | None, Callable[[np.ndarray], np.ndarray]]:
         """For the usage totals: ``(blocks, end, ahead)``: the blocks held when
@@ -271,7 +264,8 @@ class GroupInstance(ChangeReports):
     def _started(self, evs: list[tuple[float, int]]) -> float | None:
         """The end of the job ``evs`` started (one at most: a temporal one-model
         group runs one job at a time); it becomes the instance's version."""
-        self._changed()
+        if self._logs:
+            self._changed()
         if not evs:
             return None
         if len(evs) > 1:  # pragma: no cover - a one-model temporal group
@@ -346,7 +340,8 @@ class GroupInstance(ChangeReports):
     def complete(self, now: float) -> list[Seq]:
         """End the job in flight (its ``ITER_END`` for ``version``)."""
         done = self.group.complete(self.version, now)
-        self._changed()
+        if self._logs:
+            self._changed()
         return done
 
     def check_integrity(self) -> None:

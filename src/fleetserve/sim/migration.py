@@ -472,7 +472,8 @@ class Migrations:
     def after_schedule(self, inst: Instance, now: float) -> list[Event]:
         """``inst`` preempted requests that were migrating out: abort their moves."""
         ev: list[Event] = []
-        pre, inst.preempted_migrating = inst.preempted_migrating, []
+        pre = list(inst.preempted_migrating)
+        inst.preempted_migrating.clear()  # (a group instance shares its group's list)
         for seq in pre:
             t = seq.mig
             if t is not None and t.src is inst:
