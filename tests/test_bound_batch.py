@@ -55,3 +55,42 @@ def test_growth_is_the_blocks_each_iteration_opens(
         b.begin(np.arange(1.0, k + 1), k, C)  # a segment of k iterations
         for j in range(k):  # the blocks of any iteration, from C
             assert b.grown(j) == opened(j)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch=st.integers(1, 300),
+    ctx0=st.integers(0, 500_000),
+    k=st.integers(1, 60),
+    start=st.floats(0.0, 1e6, allow_nan=False),
+    gpu=st.sampled_from(["a100-40gb", "h100-80gb", "l4-24gb"]),
+    model=st.sampled_from(["llama-2-7b", "llama-2-70b"]),
+    form=st.sampled_from(["default", "scaled", "roofline"]),
+)
+def test_decode_ends_are_the_running_sum_of_the_iterations(
+    batch: int, ctx0: int, k: int, start: float, gpu: str, model: str, form: str
+) -> None:
+    """A decode segment's end times (short ones summed in Python floats,
+    long ones in arrays) are bit for bit the running sum of its iterations'
+    times, each as one iteration computes it (``decode_time_scalar``): for
+    the per-operation model, with a decode batch scale, and the plain roofline."""
+    from dataclasses import replace
+
+    from fleetserve.costmodel import CostModel
+    from fleetserve.costmodel.params import EfficiencyParams, gpu_defaults
+    from fleetserve.spec import get_gpu, get_model
+
+    g = get_gpu(gpu)
+    params = gpu_defaults(gpu)
+    if form == "scaled":
+        params = replace(params, decode_batch_scale=((1, 1.3), (64, 0.9), (256, 1.1)))
+    elif form == "roofline":  # the plain roofline form (no per-operation terms)
+        params = EfficiencyParams()
+    cost = CostModel(params).bind(get_model(model), g, 1)
+    ends = cost.decode_ends(batch, ctx0, k, start)
+    t = start
+    want = []
+    for i in range(1, k + 1):
+        t += cost.decode_time_scalar(batch, float(ctx0 + batch * i))
+        want.append(t)
+    assert ends.tolist() == want

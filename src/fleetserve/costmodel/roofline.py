@@ -124,6 +124,11 @@ if TYPE_CHECKING:
 __all__ = ["CostModel", "InstanceCost", "RawCoefficients", "raw_coefficients"]
 
 
+_SHORT_SEGMENT = 24
+"""Decode segments of at most this many iterations are summed in Python floats
+(:meth:`InstanceCost.decode_ends`): below it, cheaper than the array form."""
+
+
 @dataclass(frozen=True, slots=True)
 class RawCoefficients:
     """Per-unit seconds at 100 % efficiency for one (model, GPU, tp); see module docstring.
@@ -485,6 +490,32 @@ class InstanceCost:
         if self._scaled:
             out = out * self.params.decode_scale(batch)
         return out
+
+    def decode_ends(self, batch: int, ctx0: int, k: int, start: float) -> npt.NDArray[np.float64]:
+        """End times of ``k`` decode iterations of ``batch`` sequences run back
+        to back from ``start``: iteration ``i`` (1..k) reads ``ctx0 + batch * i``
+        KV tokens. The running sum of :meth:`decode_time` over those contexts,
+        left to right (as ``np.cumsum``), so each end is bit for bit that of
+        the same iterations run one at a time. A short segment (most are: a
+        decode segment ends at the next arrival or finish) is summed in
+        Python floats, whose operations are the same IEEE ones as the array
+        form's, without the arrays' fixed cost."""
+        if k > _SHORT_SEGMENT:
+            ctx = ctx0 + batch * np.arange(1, k + 1, dtype=np.float64)
+            return np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[1:]
+        a_c, b_c, a_m, b_m = self.decode_lines(batch)
+        scaled = self._scaled
+        scale = self.params.decode_scale(batch) if scaled else 1.0
+        out = [0.0] * k
+        t = start
+        for i in range(k):
+            x = float(ctx0 + batch * (i + 1))
+            c = x * b_c + a_c
+            m = x * b_m + a_m
+            d = c if c >= m else m
+            t += d * scale if scaled else d
+            out[i] = t
+        return np.array(out)
 
     def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
         """Scalar form of :meth:`decode_time` (same value, same rounding); with

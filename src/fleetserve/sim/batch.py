@@ -62,6 +62,7 @@ class BoundBatch:
     __slots__ = (
         "_B",
         "_C",
+        "_bs",
         "_finishing",
         "_hist",
         "block_size",
@@ -80,6 +81,7 @@ class BoundBatch:
         self.block_size = block_size
         self.clock = clock
         self._hist = [0] * block_size if block_size else []
+        self._bs = block_size or 1
         self._finishing = FinishQueue()
         # the decode segment in flight: its iterations' end times, how many
         # (0: none), and the batch size and growth by residue at its start
@@ -116,12 +118,12 @@ class BoundBatch:
 
     def grown(self, j: int) -> int:
         """Blocks the segment's iterations ``0..j`` open (``j < n``)."""
-        bs = len(self._C)
+        bs = self._bs
         return (j // bs) * self._B + self._C[j % bs]
 
     def grown_at(self, j: np.ndarray) -> np.ndarray:
         """:meth:`grown` of each iteration index of ``j`` (each ``< n``)."""
-        bs = len(self._C)
+        bs = self._bs
         return (j // bs) * self._B + np.asarray(self._C, dtype=np.int64)[j % bs]
 
     @property

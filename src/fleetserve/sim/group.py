@@ -576,8 +576,11 @@ class SharingGroup:
         """Whether a prompt of ``tokens`` tokens may be admitted now:
         :meth:`can_hold`, with ``reserve`` tokens (:meth:`admission_reserve`)
         still free after it."""
-        if reserve and not self.layout.can_grow(seq.id, seq.model, tokens + reserve):
-            return False
+        if reserve:
+            if not self.layout.can_grow(seq.id, seq.model, tokens + reserve):
+                return False
+            if not self._quotas:  # then ``tokens`` fit too
+                return True
         return self.can_hold(seq, tokens)
 
     def can_hold(self, seq: Seq, tokens: int) -> bool:
@@ -664,8 +667,13 @@ class SharingGroup:
                 admitted = admit_in_order(q, _GroupBudget(self))
                 if admitted:
                     job = Job(m, PREFILL, tuple(s.id for s in admitted), 1.0)
-                    got = self._start(job, now)
-                    if self._taken:  # pragma: no cover - _start takes every one admitted
+                    if self.chunked:
+                        got = self._start_mixed(job, now)
+                    else:
+                        seqs = self._take_prefill(job)
+                        end = now + self._prefill_time(m, seqs, 1.0)
+                        got = (end, self._register(job, seqs, now, 1.0))
+                    if self._taken:  # pragma: no cover - every one admitted is taken
                         raise RuntimeError(f"group {self.id}: admitted requests not started")
                     if got is None:  # pragma: no cover - a prefill job always starts
                         raise RuntimeError(f"group {self.id}: a prefill job did not start")
@@ -747,23 +755,10 @@ class SharingGroup:
             return self._start_mixed(job, now)
         if job.phase == PREFILL:
             seqs = self._take_prefill(job)
-            lens = [s.prompt_tokens + s.gen_saved for s in seqs]
-            cache = self.pcache.get(m)
-            if cache is not None:  # the admissions' KV evicts cached entries
-                cache.fit(self.layout.free_token_blocks(m))
-            if cache is not None and any(s.prefilled for s in seqs):  # the hits are not computed
-                work = [(n - s.prefilled, s.prefilled) for s, n in zip(seqs, lens, strict=True)]
-                ic = cast("InstanceCost", self.costs[m])
-                cost = ic.mixed_time(work, 0, 0, share)
-                if self.copy_load:
-                    cost = float(self._copies_slow(cost, ic.mixed_memory_s(work, 0, 0)))
-            else:
-                cost = self.costs[m].prefill_time(lens, share)
-                if self.copy_load:
-                    cost = float(self._copies_slow(cost, self.costs[m].prefill_memory_s(lens)))
+            cost = self._prefill_time(m, seqs, share)
             traffic = 0.0
             if self._bw is not None:
-                traffic = self.costs[m].prefill_memory_s(lens)
+                traffic = self.costs[m].prefill_memory_s([s.prefill_tokens for s in seqs])
         else:
             bb = self._bound.get(m)
             if bb is not None:
@@ -791,6 +786,27 @@ class SharingGroup:
         if self._bw is not None:
             self._bw.add(token, now, cost, traffic)
         return (now + cost, token)
+
+    def _prefill_time(self, m: str, seqs: list[Seq], share: float) -> float:
+        """How long a prefill job of ``seqs`` (admitted, out of the queue)
+        takes on ``share`` of the group: with prefix caching, each prompt's
+        hits are not computed (a chunk over cached tokens); beside KV copies,
+        slower (:attr:`copy_load`)."""
+        lens = [s.prompt_tokens + s.gen_saved for s in seqs]
+        cache = self.pcache.get(m) if self.pcache else None
+        if cache is not None:  # the admissions' KV evicts cached entries
+            cache.fit(self.layout.free_token_blocks(m))
+            if any(s.prefilled for s in seqs):  # the hits are not computed
+                work = [(n - s.prefilled, s.prefilled) for s, n in zip(seqs, lens, strict=True)]
+                ic = cast("InstanceCost", self.costs[m])
+                t = ic.mixed_time(work, 0, 0, share)
+                if self.copy_load:
+                    t = float(self._copies_slow(t, ic.mixed_memory_s(work, 0, 0)))
+                return t
+        t = self.costs[m].prefill_time(lens, share)
+        if self.copy_load:
+            t = float(self._copies_slow(t, self.costs[m].prefill_memory_s(lens)))
+        return t
 
     def _start_mixed(self, job: Job, now: float) -> tuple[float, int] | None:
         """Chunked prefill: one mixed iteration of the job's service, as the
@@ -983,11 +999,13 @@ class SharingGroup:
         if macro and n_fit > 1:
             k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
             if k > 1:
-                ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
-                t = cost.decode_time(B, ctxs)
+                ic = cast("InstanceCost", cost)  # a bound batch runs on a replica
                 if self.copy_load:
-                    t = self._copies_slow(t, cast("InstanceCost", cost).decode_memory(B, ctxs))
-                ends = np.cumsum(np.concatenate(([now], t)))[1:]
+                    ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
+                    t = self._copies_slow(cost.decode_time(B, ctxs), ic.decode_memory(B, ctxs))
+                    ends = np.cumsum(np.concatenate(([now], t)))[1:]
+                else:
+                    ends = ic.decode_ends(B, b.tokens, k, now)
                 # the ends as an array: the one-model schedulers read their number only
                 k = self.scheduler.stable_iterations(
                     self._state,
@@ -1822,7 +1840,11 @@ class HostView:
         as an instance counts them (since session 25: before, the free ones)."""
         g = self._g
         m = self.model
-        return self.free_blocks - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs
+        if self._kind == 0:  # its own partition (free_blocks, inlined: dispatch reads it often)
+            free = g.layout.free_token_blocks(m) + g.ahead_blocks(m, self._now)
+        else:
+            free = self.free_blocks
+        return free - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs
 
     def avail_bounds(self) -> tuple[int, int]:
         """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` when the

@@ -768,11 +768,13 @@ class Instance(ChangeReports):
         if not self.macro or (preempted and self._may_admit()):
             n = 1  # the next boundary may admit a request (a victim) again
         ctx0 = self.batch.tokens
-        ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
-        t = self.cost.decode_time(B, ctx)
         if self.copy_load:
+            ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
+            t = self.cost.decode_time(B, ctx)
             t = beside_copies(t, self.cost.decode_memory(B, ctx), self.copy_load)
-        ends = np.cumsum(np.concatenate(([now], t)))[1:]
+            ends = np.cumsum(np.concatenate(([now], t)))[1:]
+        else:
+            ends = self.cost.decode_ends(B, ctx0, n, now)
         self.batch.begin(ends, n, C)
         self.phase = DECODE
         self.version += 1
