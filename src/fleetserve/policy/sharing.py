@@ -250,9 +250,10 @@ class GroupScheduler(Policy):
         nothing is queued (or :attr:`decodes_past_queue`), else 1: then this
         batch is the only possible job.
         """
-        if not self.decodes_past_queue and any(state.waiting(m) for m in state.models):
+        models = state.models
+        if not self.decodes_past_queue and any(state.waiting(m) for m in models):
             return 1
-        if any(state.ready(m) for m in state.models if m != model):
+        if len(models) > 1 and any(state.ready(m) for m in models if m != model):
             return 1
         return len(ends)
 

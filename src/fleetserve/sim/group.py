@@ -987,7 +987,10 @@ class SharingGroup:
         token-blocks; the layout takes the segment's tokens and blocks as one
         change of the batch's totals."""
         m = job.model
-        C, n_fit = self._bound_boundary(m, b)
+        if self._joining[m]:
+            C, n_fit = self._bound_boundary(m, b)
+        else:
+            C, n_fit = b.growth(self.layout.free_token_blocks(m))
         if job is not self._decode_job and len(job.seqs) != len(b):
             raise RuntimeError(
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
@@ -1254,9 +1257,12 @@ class SharingGroup:
             chunks = self._chunks.pop(token, None)
             if chunks is not None:
                 return self._mixed_done(job, seqs, chunks, start, now)
-        if b is not None:
-            return self._bound_done(job, b, seqs, ends, start, now)
         done: list[Seq] = []
+        if b is not None:
+            if job.phase == DECODE and not self._hooks:  # (FCFS, RR: the common case)
+                self._bound_step_done(b, job.model, now, done)
+                return done
+            return self._bound_done(job, b, seqs, ends, start, now)
         live: list[Seq] = []
         for s in seqs:
             s.in_job = False
@@ -1767,15 +1773,20 @@ class HostView:
         +------------------------+    use (its quota under ADBS) / a's block
 
     A view is made when a request is dispatched and read at once, or kept
-    and moved to each read's time (:meth:`at`).
+    and moved to each read's time (:meth:`at`). A one-model group's instance
+    (:class:`~fleetserve.sim.group_instance.GroupInstance`) is this view of
+    its group, read at the simulation clock's time.
     """
 
     __slots__ = ("_g", "_kind", "_now", "model")
 
     def __init__(self, group: SharingGroup, model: str, now: float = 0.0) -> None:
+        self._bind(group, model)
+        self._now = now
+
+    def _bind(self, group: SharingGroup, model: str) -> None:
         self._g = group
         self.model = model
-        self._now = now
         lay = group.layout
         # 0: its own partition; 1: head-wise units any service can use; 2: merged
         self._kind = 1 if isinstance(lay, HeadwiseLayout) else 0 if lay.counts_only else 2
@@ -1870,7 +1881,10 @@ class HostView:
 
     @property
     def decode_steps(self) -> int:
-        return 0
+        """Decode iterations the service's bound batch completed as of now
+        (0 without one: explicit counts)."""
+        b = self._g._bound.get(self.model)
+        return b.decode_steps if b is not None else 0
 
     @property
     def idle(self) -> bool:

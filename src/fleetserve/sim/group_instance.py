@@ -87,10 +87,22 @@ __all__ = ["GroupInstance"]
 IDLE, BUSY = 0, 1  # ``phase``: the instance's IDLE, and any job in flight
 
 
-class GroupInstance(ChangeReports):
+class GroupInstance(HostView, ChangeReports):
     """One model on one GPU (group) as a one-model sharing group (see the
     module docstring). The arguments are :class:`~fleetserve.sim.instance.Instance`'s,
-    with the model's shape (``spec``) and the batching policy by name."""
+    with the model's shape (``spec``) and the batching policy by name.
+
+    Its views are its group's :class:`~fleetserve.sim.group.HostView` for its
+    model, read at the simulation clock's time (``_now``); its fixed facts
+    (``id``, ``gpus``, ``tp``, ``block_size``, ``total_blocks``) are plain
+    attributes, set once (the class attributes below stand in for the view's
+    properties, so that they can be)."""
+
+    id: int = -1
+    gpus: tuple[int, ...] = ()
+    tp: int = 1
+    block_size: int = 1
+    total_blocks: int = 0
 
     def __init__(
         self,
@@ -146,10 +158,9 @@ class GroupInstance(ChangeReports):
             prefix_caching=prefix_caching,
             prefix_stats=prefix_stats,
         )
-        self._host = HostView(self.group, model)  # the views, moved to each read's time
+        self._bind(self.group, model)  # the view of its model
         self.group.host = self  # its requests' ``inst`` (sim/migration.py reads it)
         self.id = iid
-        self.model = model
         self.gpus = gpus
         self.tp = tp
         self.total_blocks = total_blocks
@@ -176,43 +187,14 @@ class GroupInstance(ChangeReports):
             self.group.state = "loading"
 
     # ------------------------------------------------------------------ view
-    def _view(self) -> HostView:
-        return self._host.at(self.clock.now)
+    @property
+    def _now(self) -> float:  # type: ignore[override]
+        """The views' time: the simulation clock's."""
+        return self.clock.now
 
     @property
     def phase(self) -> int:
         return BUSY if self.group.jobs else IDLE
-
-    @property
-    def used_blocks(self) -> int:
-        return self._view().used_blocks
-
-    @property
-    def free_blocks(self) -> int:
-        return self.total_blocks - self.used_blocks
-
-    @property
-    def reserved_blocks(self) -> int:
-        return self.group.queued_blocks[self.model]
-
-    @property
-    def available_blocks(self) -> int:
-        return self._view().available_blocks
-
-    @property
-    def num_running(self) -> int:
-        return len(self.group.running[self.model])
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.group.waiting[self.model])
-
-    @property
-    def decode_steps(self) -> int:
-        """Decode iterations its batch completed as of now (bound batches;
-        0 for MLFQ and DB, whose requests keep explicit counts)."""
-        b = self.group._bound.get(self.model)
-        return b.decode_steps if b is not None else 0
 
     @property
     def idle(self) -> bool:
@@ -245,12 +227,8 @@ class GroupInstance(ChangeReports):
         return self.group.prefilling(self.model)
 
     def seqs(self) -> list[SeqView]:
+        """Running, prefilling and waiting requests (as an instance's)."""
         return [*self.running.values(), *self.prefilling(), *self.waiting]
-
-    def avail_bounds(self) -> tuple[int, int]:
-        """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` its value
-        when the macro job in flight ends (its blocks ahead then held)."""
-        return self._view().avail_bounds()
 
     def usage_segment(self) -> tuple[int, float | None, Callable[[np.ndarray], np.ndarray]]:
         """For the usage totals: ``(blocks, end, ahead)``: the blocks held when
