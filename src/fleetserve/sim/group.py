@@ -192,7 +192,7 @@ class _GroupBudget:
         if seq.in_job or self.seqs_left <= 0:
             return False
         hit = 0
-        cache = g.pcache.get(m)
+        cache = g.pcache.get(m) if g.pcache else None
         if cache is not None:
             hit, n = self._need(seq, cache)  # n: the KV tokens the pool gives
         if g.chunked:  # a prompt needs one token of the budget to start
@@ -210,7 +210,7 @@ class _GroupBudget:
             self.model = seq.model
             if not g.chunked:
                 self.tokens_left = g.max_batched_tokens
-        cache = g.pcache.get(seq.model)
+        cache = g.pcache.get(seq.model) if g.pcache else None
         if cache is None:
             g.layout.grow(seq.id, seq.model, n)
             seq.prefilled = 0
@@ -335,6 +335,8 @@ class SharingGroup:
         self._hooks = scheduler.observes_jobs  # its job-end hooks do something
         # its KV quotas (ADBS's); the base scheduler's limit is infinite
         self._quotas = type(scheduler).kv_limit is not GroupScheduler.kv_limit
+        self._on_arrival = type(scheduler).on_arrival is not GroupScheduler.on_arrival
+        self._on_finish = type(scheduler).on_finish is not GroupScheduler.on_finish
         self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
@@ -606,7 +608,10 @@ class SharingGroup:
             self.waiting[seq.model].appendleft(seq)
         else:
             self.waiting[seq.model].append(seq)
-            self.scheduler.on_arrival(seq, now)
+            if self._on_arrival:
+                self.scheduler.on_arrival(seq, now)
+        if self.jobs and self._one is not None:  # busy: the next boundary decides
+            return self.truncate(now)
         return self.truncate(now) + self.schedule(now)
 
     def schedule(self, now: float) -> list[tuple[float, int]]:
@@ -798,7 +803,7 @@ class SharingGroup:
             cache.fit(self.layout.free_token_blocks(m))
             if any(s.prefilled for s in seqs):  # the hits are not computed
                 work = [(n - s.prefilled, s.prefilled) for s, n in zip(seqs, lens, strict=True)]
-                ic = cast("InstanceCost", self.costs[m])
+                ic: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
                 t = ic.mixed_time(work, 0, 0, share)
                 if self.copy_load:
                     t = float(self._copies_slow(t, ic.mixed_memory_s(work, 0, 0)))
@@ -996,19 +1001,18 @@ class SharingGroup:
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
                 f"{len(b)} running requests; a bound batch decodes as a whole"
             )
-        cost = self.costs[m]
-        B = len(b)
+        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
+        B = len(b.running)
         macro = self.macro and not (self.chunked and any(self.partial.values()))
         if macro and n_fit > 1:
             k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
             if k > 1:
-                ic = cast("InstanceCost", cost)  # a bound batch runs on a replica
                 if self.copy_load:
                     ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
-                    t = self._copies_slow(cost.decode_time(B, ctxs), ic.decode_memory(B, ctxs))
+                    t = self._copies_slow(cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs))
                     ends = np.cumsum(np.concatenate(([now], t)))[1:]
                 else:
-                    ends = ic.decode_ends(B, b.tokens, k, now)
+                    ends = cost.decode_ends(B, b.tokens, k, now)
                 # the ends as an array: the one-model schedulers read their number only
                 k = self.scheduler.stable_iterations(
                     self._state,
@@ -1022,7 +1026,7 @@ class SharingGroup:
         C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
         if not b.running:
             return None
-        B = len(b)
+        B = len(b.running)
         t1 = cost.decode_time_scalar(B, float(b.tokens + B), job.share)
         if self.copy_load:
             t1 = float(self._copies_slow(t1, cost.decode_memory_s(B, float(b.tokens + B))))
@@ -1309,9 +1313,8 @@ class SharingGroup:
         moves, and the requests that generated their last token leave."""
         b.end()
         bs = self._bs
-        cache = self.pcache.get(m)
-        if cache is not None:  # the segment's growth evicts cached entries
-            cache.fit(self.layout.free_token_blocks(m))
+        if self.pcache:  # the segment's growth evicts cached entries
+            self.pcache[m].fit(self.layout.free_token_blocks(m))
         run = self.running[m]
         n = tokens = blocks = 0
         for s, kv in b.due():
@@ -1430,7 +1433,8 @@ class SharingGroup:
         rec.finish_s = now
         rec.generated = s.gen_saved
         rec.instance = self.id
-        self.scheduler.on_finish(s)
+        if self._on_finish:
+            self.scheduler.on_finish(s)
 
     # ------------------------------------------------------------- handover
     def take_waiting(self) -> list[Seq]:
@@ -1905,7 +1909,7 @@ class _StateView:
 
     @property
     def models(self) -> Sequence[str]:
-        return self._g.models
+        return self._g._models
 
     @property
     def free_share(self) -> float:
