@@ -16,13 +16,18 @@ scheduler of the same name as the batching policy: FCFS or RR):
   in flight, so its job token is the instance's ``version``: a job cut short
   (``truncate``) gets a new token and the old event is stale, as an
   instance's truncated segment gets a new version.
-- **Views.** :class:`~fleetserve.sim.group.HostView`, the multi-LLM world's
-  dispatch view, counts blocks as an instance does (a macro job's blocks
-  allocated ahead of now count as free). ``avail_bounds`` bounds it until the
-  next change report: it only falls while a macro job runs, down to the
-  job's end.
+- **Views.** A :class:`GroupInstance` is its group's
+  :class:`~fleetserve.sim.group.HostView` (the multi-LLM world's dispatch
+  view) of its model, read at the clock's time: it counts blocks as an
+  instance does (a macro job's blocks allocated ahead of now count as free).
+  ``avail_bounds`` bounds it until the next change report: it only falls
+  while a macro job runs, down to the job's end.
 - **Change reports.** Every protocol call reports the instance to the logs it
   is tracked by (conservative: the group changes at every call).
+- **Scheduling.** The group runs its scheduler's one-model case directly
+  (admission in queue order, else the batch's decode:
+  :meth:`~fleetserve.sim.group.SharingGroup._schedule_one`), as an instance
+  runs it.
 - **Usage totals.** :meth:`GroupInstance.usage_segment` gives the blocks at
   the end of the job in flight, its end, and the blocks held ahead of any
   time before it, which the totals subtract at their grid times.
@@ -56,9 +61,11 @@ counters equal the instance's. The event counts differ a
 little (65,646 against 65,555 on the Azure trace of ``make bench``): a
 decode iteration that preempts runs as a job of its own in the group, where
 the instance's segment goes on past it when no queued prompt could be
-admitted. About 2x slower than the instance for now (``make bench``; 4-5x
-before the bound batches): the rest is the layers a job passes through
-(group, scheduler, budget, views), each a few Python calls.
+admitted. About 1.8x slower than the instance for now (``make bench``,
+session 28: 21,256 against 38,231 requests/s; 4-5x before the bound
+batches): the rest is the layers a job passes through (the instance
+protocol, the group's job registry, the layout's books beside the batch's,
+the admission budget, the views), each a few Python calls.
 """
 
 from __future__ import annotations
