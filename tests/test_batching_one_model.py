@@ -73,7 +73,7 @@ def test_the_one_model_policies_are_fcfs_and_rr() -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(
-    name=st.sampled_from(["fcfs", "rr"]),
+    name=st.sampled_from(one_model_batching()),  # every policy with a one-model case
     prompts=st.lists(st.integers(1, 60), max_size=12),
     running=st.lists(st.floats(0, 10, allow_nan=False), max_size=6),
     tokens=st.integers(0, 200),
@@ -82,6 +82,9 @@ def test_the_one_model_policies_are_fcfs_and_rr() -> None:
 def test_schedule_decides_what_the_one_model_instance_does(
     name: str, prompts: list[int], running: list[float], tokens: int, slots: int
 ) -> None:
+    """A policy's one-model case, as one-model instances and one-service
+    sharing groups run it (``SharingGroup._schedule_one``): the queue in
+    order while prompts fit, else a decode of every running request."""
     waiting = [_Seq(100 + i, 10.0 + i, p) for i, p in enumerate(prompts)]
     run = [_Seq(i, t, 1) for i, t in enumerate(running)]
     jobs = BATCHING.get(name)().schedule(_State(waiting, run), _Budget(tokens, slots), 0.0)

@@ -118,45 +118,52 @@ class JobBudget:
         self.taken: dict[int, EngineRequest] = {}
         self._reserved = 0  # chunked prefill: pages the model's decodes take first
 
-    def _start(self, model: str) -> None:
-        """The job's model is known: with chunked prefill, its mixed step's
-        decodes and partly prefilled prompts come first (their tokens, and
-        the decodes' pages: a step that admits never preempts)."""
+    def _first(self, model: str) -> tuple[int, int]:
+        """``(tokens_left, reserved pages)`` of a job of ``model`` before its
+        first prompt: with chunked prefill, its mixed step's decodes and
+        partly prefilled prompts come first (their tokens, and the decodes'
+        pages: a step that admits never preempts)."""
         e = self._e
-        self.model = model
         if not e.chunked_prefill:
-            return
+            return e.max_batch_tokens, 0
         run = [r for r in e.running if r.model == model and r.status == _RUNNING]
         part = [r for r in e.prefilling if r.model == model]
-        self.tokens_left -= len(run) + sum(len(r.tokens) - r.n_cached for r in part)
-        self._reserved = sum(e.pool.pages_to_grow(r.id, r.n_cached + 1) for r in run)
+        tokens = e.max_batch_tokens - len(run) - sum(len(r.tokens) - r.n_cached for r in part)
+        return tokens, sum(e.pool.pages_to_grow(r.id, r.n_cached + 1) for r in run)
 
     def fits(self, seq: GroupSeq) -> bool:
+        """Whether ``seq`` may join the job. The job's model is fixed by the
+        first prompt *taken*: a scheduler may try several models' queues in
+        one call (round-robin), and a model whose head does not fit must not
+        close the job to the next one's."""
         e = self._e
         req = e.requests.get(seq.id)
         if req is None or req.status != "waiting" or req.id in self.taken:
             return False
         if self.model is None:
-            self._start(req.model)
+            tokens_left, reserved = self._first(req.model)
         elif req.model != self.model:
             return False  # one service per job
+        else:
+            tokens_left, reserved = self.tokens_left, self._reserved
         n = len(req.tokens)
         if self.seqs_left <= 0:
             return False
         if e.chunked_prefill:  # a prompt needs one token of the budget to start
-            if self.tokens_left <= 0:
+            if tokens_left <= 0:
                 return False
-        elif self.taken and n > self.tokens_left:
+        elif self.taken and n > tokens_left:
             return False
         pages = e.prompt_pages(req.id)
-        room = e.pool.num_available - self._reserved - e.watermark_pages()
+        room = e.pool.num_available - reserved - e.watermark_pages()
         return pages <= room and e._kv_allows(self._sched, req, pages)
 
     def take(self, seq: GroupSeq) -> None:
         e = self._e
         req = e.requests[seq.id]
         if self.model is None:
-            self._start(req.model)
+            self.model = req.model
+            self.tokens_left, self._reserved = self._first(req.model)
         e.alloc_prompt(req)
         self.taken[req.id] = req
         self.seqs_left -= 1
