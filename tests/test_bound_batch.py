@@ -94,3 +94,23 @@ def test_decode_ends_are_the_running_sum_of_the_iterations(
         t += cost.decode_time_scalar(batch, float(ctx0 + batch * i))
         want.append(t)
     assert ends.tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bases=st.lists(st.integers(1, 200), min_size=1, max_size=30),
+    steps=st.integers(0, 100),
+    bs=st.sampled_from([1, 3, 16]),
+    n=st.integers(1, 70),
+    now=st.floats(0.0, 80.0, allow_nan=False),
+)
+def test_ahead_is_the_growth_past_the_iteration_in_flight(
+    bases: list[int], steps: int, bs: int, n: int, now: float
+) -> None:
+    """The blocks a segment of ``n`` iterations (ending at 1, 2, ... s) holds
+    ahead of ``now``: those its iterations after the one in flight open."""
+    b = _batch(bases, steps, bs)
+    C, _ = b.growth(10**9)
+    b.begin(np.arange(1.0, n + 1), n, C)
+    in_flight = min(int(np.searchsorted(b.ends, now, side="right")), n - 1)
+    assert b.ahead(now) == b.grown(n - 1) - b.grown(in_flight)

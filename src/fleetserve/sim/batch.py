@@ -121,6 +121,22 @@ class BoundBatch:
         bs = self._bs
         return (j // bs) * self._B + self._C[j % bs]
 
+    def ahead(self, now: float) -> int:
+        """Blocks the segment in flight opens after its iteration in flight
+        as of ``now`` (allocated ahead: 0 for a segment of one iteration or
+        none)."""
+        n = self.n
+        if n <= 1:
+            return 0
+        steps = int(self.ends.searchsorted(now, side="right")) + 1
+        if steps >= n:
+            return 0
+        bs = self._bs
+        C = self._C
+        j = n - 1
+        done = steps - 1
+        return (j // bs - done // bs) * self._B + C[j % bs] - C[done % bs]
+
     def grown_at(self, j: np.ndarray) -> np.ndarray:
         """:meth:`grown` of each iteration index of ``j`` (each ``< n``)."""
         bs = self._bs

@@ -465,11 +465,7 @@ class SharingGroup:
         as free (:class:`HostView`)."""
         b = self._bound.get(model)
         if b is not None:  # a bound batch's segment of k > 1 iterations: its growth ahead
-            k = b.n
-            if k <= 1:
-                return 0
-            steps = min(int(b.ends.searchsorted(now, side="right")) + 1, k)
-            return b.grown(k - 1) - b.grown(steps - 1)
+            return b.ahead(now)
         if not self._ends:
             return 0
         return int(self.ahead_blocks_at(model, np.array([now]))[0])
@@ -671,13 +667,13 @@ class SharingGroup:
             if q:
                 admitted = admit_in_order(q, _GroupBudget(self))
                 if admitted:
-                    job = Job(m, PREFILL, tuple(s.id for s in admitted), 1.0)
+                    job = Job(m, PREFILL, tuple([s.id for s in admitted]), 1.0)
                     if self.chunked:
                         got = self._start_mixed(job, now)
                     else:
-                        seqs = self._take_prefill(job)
-                        end = now + self._prefill_time(m, seqs, 1.0)
-                        got = (end, self._register(job, seqs, now, 1.0))
+                        self._take_head(m, admitted)
+                        end = now + self._prefill_time(m, admitted, 1.0)
+                        got = (end, self._register(job, admitted, now, 1.0))
                     if self._taken:  # pragma: no cover - every one admitted is taken
                         raise RuntimeError(f"group {self.id}: admitted requests not started")
                     if got is None:  # pragma: no cover - a prefill job always starts
@@ -963,6 +959,19 @@ class SharingGroup:
         else:
             self.waiting[job.model] = deque(s for s in q if s.id not in ids)
         return seqs
+
+    def _take_head(self, m: str, admitted: list[Seq]) -> None:
+        """:meth:`_take_prefill` of prompts admitted in queue order (a
+        one-model case: the head of ``m``'s queue)."""
+        taken = self._taken
+        q = self.waiting[m]
+        bs = self._bs
+        blocks = 0
+        for s in admitted:
+            if taken.pop(s.id, None) is not s or q.popleft() is not s:
+                raise RuntimeError(f"group {self.id}: request {s.id} was not admitted at the head")
+            blocks += -(-s.prefill_tokens // bs)
+        self.queued_blocks[m] -= blocks
 
     def _decode_seqs(self, job: Job) -> list[Seq]:
         """A decode job's running requests (none of them may be in a job)."""

@@ -181,6 +181,9 @@ class KVLayout(ABC):
     """
 
     name: ClassVar[str]
+    _tracks_alloc: ClassVar[bool] = True
+    """Whether :meth:`_alloc` does anything (a partition's blocks are
+    interchangeable: its count is the state, so the call is skipped)."""
     counts_only: ClassVar[bool] = True
     """Whether the layout keeps counts only (partitioned, head-wise), so a
     service's bound batch can be one set of totals (:meth:`bind`); the merged
@@ -306,7 +309,7 @@ class KVLayout(ABC):
             ValueError: negative tokens, or ``model`` differs from the request's.
         """
         self._check_grow_args(rid, model, tokens)
-        add = _ceil_div(tokens, self._block_size) - self._rblocks.get(rid, 0)
+        add = -(-tokens // self._block_size) - self._rblocks.get(rid, 0)
         return add <= 0 or self._fits(model, add)
 
     def grow_bytes(self, rid: int, model: str, tokens: int) -> int:
@@ -314,7 +317,7 @@ class KVLayout(ABC):
         ``model`` (``used_bytes(model)`` grows by exactly this much; 0 when no
         new token-block is needed). Quotas (MuxServe's ADBS) check it first."""
         self._check_grow_args(rid, model, tokens)
-        add = _ceil_div(tokens, self._block_size) - self._rblocks.get(rid, 0)
+        add = -(-tokens // self._block_size) - self._rblocks.get(rid, 0)
         return self._add_bytes(model, add) if add > 0 else 0
 
     def grow(self, rid: int, model: str, tokens: int) -> None:
@@ -338,7 +341,7 @@ class KVLayout(ABC):
         if held is not None and tokens <= held:
             return
         blocks = self._rblocks.get(rid, 0)
-        add = _ceil_div(tokens, self._block_size) - blocks
+        add = -(-tokens // self._block_size) - blocks
         if add > 0:
             if not self._fits(model, add):
                 raise PoolFull(
@@ -346,7 +349,8 @@ class KVLayout(ABC):
                     f"{add} more token-block(s) for {tokens} tokens; "
                     f"{self.free_bytes_for(model)} bytes free for {model!r}"
                 )
-            self._alloc(rid, model, add)
+            if self._tracks_alloc:
+                self._alloc(rid, model, add)
             self._rblocks[rid] = blocks + add
             self._mblocks[model] += add
         if held is None:
@@ -448,7 +452,8 @@ class KVLayout(ABC):
         grown = 0
         for rid, t, a in zip(rids, tokens, adds, strict=True):
             if a > 0:
-                self._alloc(rid, model, a)
+                if self._tracks_alloc:
+                    self._alloc(rid, model, a)
                 rblk[rid] += a
             held = rtok[rid]
             if t > held:
@@ -509,7 +514,8 @@ class KVLayout(ABC):
                     f"{self.name} KV layout: the bound batch of {model!r} needs {blocks} more "
                     f"token-block(s); {self.free_bytes_for(model)} bytes free"
                 )
-            self._alloc(-1, model, blocks)
+            if self._tracks_alloc:
+                self._alloc(-1, model, blocks)
         elif blocks < 0:
             self._release(-1, model, -blocks)
         b[0] += requests
@@ -547,7 +553,8 @@ class KVLayout(ABC):
                 f"{self.name} KV layout: {model!r} cannot hold {blocks} more token-block(s); "
                 f"{self.free_bytes_for(model)} bytes free"
             )
-        self._alloc(-1, model, blocks)
+        if self._tracks_alloc:
+            self._alloc(-1, model, blocks)
         self._held[model] += blocks
         self._mblocks[model] += blocks
 
@@ -1236,6 +1243,7 @@ class PartitionedLayout(KVLayout):
     """
 
     name: ClassVar[str] = "partitioned"
+    _tracks_alloc: ClassVar[bool] = False
 
     def __init__(
         self,
