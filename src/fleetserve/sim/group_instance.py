@@ -61,8 +61,8 @@ counters equal the instance's. The event counts differ a
 little (65,646 against 65,555 on the Azure trace of ``make bench``): a
 decode iteration that preempts runs as a job of its own in the group, where
 the instance's segment goes on past it when no queued prompt could be
-admitted. About 1.8x slower than the instance for now (``make bench``,
-session 28: 21,256 against 38,231 requests/s; 4-5x before the bound
+admitted. About 1.75x slower than the instance for now (``make bench``,
+session 28: 22,403 against 39,177 requests/s; 4-5x before the bound
 batches): the rest is the layers a job passes through (the instance
 protocol, the group's job registry, the layout's books beside the batch's,
 the admission budget, the views), each a few Python calls.
