@@ -193,3 +193,49 @@ def test_bound_batches_say_what_they_need() -> None:
             BATCHING.get("fcfs")(),
             bound=True,
         )
+
+
+def test_a_request_moves_out_and_in_at_its_batchs_boundary_only() -> None:
+    """The group's move actions ("Moving a request" in sim/group.py): a
+    reservation and a detached request's kept blocks are the layout's held
+    blocks (checked by the integrity checks), a request leaves or joins its
+    bound batch only at the batch's boundary, and the actions need a bound
+    batch."""
+    clock = SimClock()
+    g = _group(True, "fcfs", "partitioned", 1.0, clock)
+    r = Request(0, "a", 0.0, 40, 50)
+    s = _seq(r)
+    (end, tok), *_ = g.enqueue(s, 0.0)
+    clock.now = end
+    g.complete(tok, end)  # prefilled: it runs, bound
+    g.check_integrity()
+    start = end
+    (end, tok), *_ = g.schedule(start)  # a decode segment in flight, to its finish
+    clock.now = mid = (start + end) / 2
+    with pytest.raises(RuntimeError, match="at a boundary"):
+        g.detach(s, keep_blocks=True)
+    (end, tok), *_ = g.truncate(mid)  # cut after the iteration in flight
+    clock.now = end
+    g.complete(tok, end)
+    assert s.record.status != "finished"
+    kv = g.detach(s, keep_blocks=True)  # at the boundary: its blocks stay held
+    blocks = -(-kv // 16)
+    assert g.mig_out["a"] == blocks == g.layout.held("a")
+    g.check_integrity()
+    g.release_held("a", blocks)
+    g.reserve("a", blocks)  # a copy coming back in
+    g.check_integrity()
+    with pytest.raises(RuntimeError, match="cannot attach"):
+        g.attach(s, kv, blocks + 1, end)
+    g.attach(s, kv, blocks, end)
+    assert g.layout.held("a") == 0 and s.bound and g.running["a"][s.id] is s
+    g.check_integrity()
+    g.add_copy_load(0.3)
+    assert g.copy_load == 0.3
+    g.add_copy_load(-0.3)
+    assert g.copy_load == 0.0
+    explicit = _group(False, "fcfs", "partitioned", 1.0, SimClock())
+    with pytest.raises(RuntimeError, match="bound batch"):
+        explicit.reserve("a", 1)
+    with pytest.raises(RuntimeError, match="bound batches only"):
+        explicit.add_copy_load(0.1)
