@@ -802,11 +802,11 @@ class SharingGroup:
                 ic: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
                 t = ic.mixed_time(work, 0, 0, share)
                 if self.copy_load:
-                    t = float(self._copies_slow(t, ic.mixed_memory_s(work, 0, 0)))
+                    t = float(beside_copies(t, ic.mixed_memory_s(work, 0, 0), self.copy_load))
                 return t
         t = self.costs[m].prefill_time(lens, share)
         if self.copy_load:
-            t = float(self._copies_slow(t, self.costs[m].prefill_memory_s(lens)))
+            t = float(beside_copies(t, self.costs[m].prefill_memory_s(lens), self.copy_load))
         return t
 
     def _start_mixed(self, job: Job, now: float) -> tuple[float, int] | None:
@@ -882,7 +882,7 @@ class SharingGroup:
         t = cost.mixed_time(work, B, ctx) if chunks else cost.decode_time_scalar(B, float(ctx))
         if self.copy_load:
             mem = cost.mixed_memory_s(work, B, ctx) if chunks else cost.decode_memory_s(B, ctx)
-            t = float(self._copies_slow(t, mem))
+            t = float(beside_copies(t, mem, self.copy_load))
         end = now + t
         if B:
             b.begin(np.array([end]), 1, C)
@@ -1018,7 +1018,9 @@ class SharingGroup:
             if k > 1:
                 if self.copy_load:
                     ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
-                    t = self._copies_slow(cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs))
+                    t = beside_copies(
+                        cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs), self.copy_load
+                    )
                     ends = np.cumsum(np.concatenate(([now], t)))[1:]
                 else:
                     ends = cost.decode_ends(B, b.tokens, k, now)
@@ -1038,7 +1040,8 @@ class SharingGroup:
         B = len(b.running)
         t1 = cost.decode_time_scalar(B, float(b.tokens + B), job.share)
         if self.copy_load:
-            t1 = float(self._copies_slow(t1, cost.decode_memory_s(B, float(b.tokens + B))))
+            mem = cost.decode_memory_s(B, float(b.tokens + B))
+            t1 = float(beside_copies(t1, mem, self.copy_load))
         return self._begin_bound(job, b, np.array([now + t1]), C, now)
 
     def _begin_bound(
@@ -1677,11 +1680,6 @@ class SharingGroup:
             free = self.layout.free_token_blocks(m) - opening
             if free >= 0:
                 cache.fit(free)
-
-    def _copies_slow(self, t: Any, memory_s: Any) -> Any:
-        """Iteration times ``t`` (moving ``memory_s`` of HBM traffic) beside
-        the KV copies in flight (:attr:`copy_load`)."""
-        return beside_copies(t, memory_s, self.copy_load)
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:

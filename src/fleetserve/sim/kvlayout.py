@@ -1356,15 +1356,6 @@ class PartitionedLayout(KVLayout):
     def _free_token_blocks(self, model: str) -> int:
         return self._part_blocks[model] - self._mblocks[model]
 
-    def free_token_blocks(self, model: str) -> int:
-        """The free blocks of ``model``'s partition (one lookup: sharing
-        groups read it at every decode segment)."""
-        try:
-            return self._part_blocks[model] - self._mblocks[model]
-        except KeyError:
-            self._check_model(model)  # raises, with the known services
-            raise
-
     def _alloc(self, rid: int, model: str, add: int) -> None:
         return None  # blocks of a partition are interchangeable: the count is the state
 
