@@ -83,7 +83,7 @@ def test_schedule_decides_what_the_one_model_instance_does(
     name: str, prompts: list[int], running: list[float], tokens: int, slots: int
 ) -> None:
     """A policy's one-model case, as one-model instances and one-service
-    sharing groups run it (``SharingGroup._schedule_one``): the queue in
+    sharing groups run it (``SharingGroup.schedule_one``): the queue in
     order while prompts fit, else a decode of every running request."""
     waiting = [_Seq(100 + i, 10.0 + i, p) for i, p in enumerate(prompts)]
     run = [_Seq(i, t, 1) for i, t in enumerate(running)]

@@ -153,10 +153,11 @@ class _GroupBudget:
     """Admission of prompts into one prefill job: memory (layout and quota),
     running-batch room, and the token budget (a lone prompt may exceed it)."""
 
-    __slots__ = ("group", "hits", "model", "reserve", "seqs_left", "taken", "tokens_left")
+    __slots__ = ("free", "group", "hits", "model", "reserve", "seqs_left", "taken", "tokens_left")
 
     def __init__(self, group: SharingGroup) -> None:
         self.group = group
+        self.free = 0  # token-blocks free less the reserve (:class:`_FreeBudget`)
         self.model: str | None = None
         self.seqs_left = 0
         self.tokens_left = 0
@@ -225,6 +226,41 @@ class _GroupBudget:
         self.seqs_left -= 1
         self.tokens_left -= n - seq.prefilled
         self.taken += 1
+        self.free -= -(-n // g._bs)
+
+
+class _FreeBudget(_GroupBudget):
+    """:class:`_GroupBudget` of a one-service group with a count-only layout,
+    no KV quotas and no prefix cache (a one-model instance's case): a prompt
+    fits when its blocks and the reserve fit the service's free token-blocks,
+    counted once per round and taken down by each admission, as an
+    instance's budget counts its free blocks. Exactly the layout's answer: a
+    count-only layout's fit is linear in one service's token-blocks
+    (:meth:`~fleetserve.sim.kvlayout.KVLayout.free_token_blocks`), the
+    reserve is whole blocks, and a queued request holds no KV (checked: one
+    that did is an error)."""
+
+    def fits(self, s: GroupSeq) -> bool:
+        seq: Seq = s  # type: ignore[assignment]  # the scheduler got it from this group
+        g = self.group
+        if self.model is None:
+            m = seq.model
+            self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
+            self.reserve = g.admission_reserve(m)
+            if g.chunked:  # the mixed iteration's decodes and partial prompts come first
+                self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
+            self.free = g.layout.free_token_blocks(m) - self.reserve // g._bs
+        n = seq.prompt_tokens + seq.gen_saved
+        if seq.in_job or self.seqs_left <= 0:
+            return False
+        if g.chunked:  # a prompt needs one token of the budget to start
+            if self.tokens_left <= 0:
+                return False
+        elif self.taken and n > self.tokens_left:
+            return False
+        if g.layout.holds(seq.id):  # pragma: no cover - an invariant
+            raise RuntimeError(f"group {g.id}: queued request {seq.id} holds KV")
+        return -(-n // g._bs) <= self.free
 
 
 class SharingGroup:
@@ -388,11 +424,15 @@ class SharingGroup:
                 self._bound[m] = BoundBatch(bs, clock)
                 self._joining[m] = []
         # one service under a scheduler with a one-model case, bound: that case
-        # (:meth:`_schedule_one`); its decode job takes the whole batch
+        # (:meth:`schedule_one`); its decode job takes the whole batch
         self._one: str | None = None
         self._decode_job = Job(self._models[0], DECODE, (), 1.0)
         if bound and len(self._models) == 1 and self._bw is None:
             self._one = self._models[0]
+        # the one-service admission budget (the linear one without quotas or a cache)
+        self._budget: type[_GroupBudget] = _GroupBudget
+        if self._one is not None and not prefix_caching and not self._quotas and layout.counts_only:
+            self._budget = _FreeBudget
         # prefix caching: each service's cache; the requests detached for a KV
         # move's final copy that still reference entries (the copy reads them)
         self.pcache: dict[str, PrefixCache] = {}
@@ -613,9 +653,8 @@ class SharingGroup:
     def schedule(self, now: float) -> list[tuple[float, int]]:
         """Ask the scheduler for jobs and start them; ``(end, token)`` of each."""
         if self._one is not None:  # one service, one job at a time
-            if self.jobs or self.state != "live":
-                return []
-            return self._schedule_one(now)
+            got = self.schedule_one(now)
+            return [] if got is None else [got]
         sched = self.scheduler
         if self.state != "live" or (not sched.spatial and self.jobs and not self.lanes):
             return self._retimed(now, [])
@@ -646,18 +685,22 @@ class SharingGroup:
             self._busy_since = now
         return self._retimed(now, started)
 
-    def _schedule_one(self, now: float) -> list[tuple[float, int]]:
+    def schedule_one(self, now: float) -> tuple[float, int] | None:
         """:meth:`schedule` of a group hosting one service whose scheduler has
         a one-model case (FCFS, RR: :attr:`GroupScheduler.one_model`), with
-        its running requests bound: that case, as a one-model instance runs
-        it (:class:`~fleetserve.policy.batching.OneModel`). The queue is
+        its running requests bound: that case, as a one-model
+        instance runs it (:class:`~fleetserve.policy.batching.OneModel`); the
+        ``(end, token)`` of the job it started, if any. The queue is
         admitted in order while prompts fit (the prefill job, or with chunked
         prefill the mixed iteration, of what was admitted), else the batch
         decodes (a mixed iteration when prompts are partly prefilled).
         ``tests/test_batching_one_model.py`` checks that this is what the
         scheduler's :meth:`~GroupScheduler.schedule` decides."""
         m = self._one
-        assert m is not None
+        if m is None:
+            raise RuntimeError(f"group {self.id}: no one-model case (several services, or unbound)")
+        if self.jobs or self.state != "live":
+            return None
         if self.pcache and self.chunked:
             self._fit_before_admission()
         b = self._bound[m]
@@ -665,7 +708,7 @@ class SharingGroup:
             q = self.waiting[m]
             got = None
             if q:
-                admitted = admit_in_order(q, _GroupBudget(self))
+                admitted = admit_in_order(q, self._budget(self))
                 if admitted:
                     job = Job(m, PREFILL, tuple([s.id for s in admitted]), 1.0)
                     if self.chunked:
@@ -684,11 +727,11 @@ class SharingGroup:
                 elif b.running or self._joining[m]:
                     got = self._start_bound(self._decode_job, b, now)
                 else:
-                    return []
+                    return None
             if got is not None:
                 if self._busy_since is None:
                     self._busy_since = now
-                return [got]
+                return got
             # every running request was preempted: the queue again (a round
             # preempts a request each time, so this ends)
 
@@ -1055,7 +1098,13 @@ class SharingGroup:
         self.layout.bulk_change(m, 0, len(b.running) * k, b.grown(k - 1))
         if job.share != 1.0:  # a temporal job holds the whole group
             job = Job(m, DECODE, job.seqs, 1.0)
-        token = self._register(job, [], now, 1.0)
+        # :meth:`_register`, inlined (no request is marked: the batch runs)
+        token = self._next_token
+        self._next_token = token + 1
+        self.jobs[token] = (job, [], now, 1.0)
+        key = (m, DECODE)
+        self._busy[key] = self._busy.get(key, 0) + 1
+        self.held_share += 1.0
         if k > 1:
             self._ends[token] = ends
         return (float(ends[-1]), token)
@@ -1863,7 +1912,9 @@ class HostView:
         g = self._g
         m = self.model
         if self._kind == 0:  # its own partition (free_blocks, inlined: dispatch reads it often)
-            free = g.layout.free_token_blocks(m) + g.ahead_blocks(m, self._now)
+            b = g._bound.get(m)  # a bound batch's blocks ahead (ahead_blocks, inlined)
+            ahead = b.ahead(self._now) if b is not None else g.ahead_blocks(m, self._now)
+            free = g.layout.free_token_blocks(m) + ahead
         else:
             free = self.free_blocks
         return free - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs

@@ -26,7 +26,7 @@ scheduler of the same name as the batching policy: FCFS or RR):
   is tracked by (conservative: the group changes at every call).
 - **Scheduling.** The group runs its scheduler's one-model case directly
   (admission in queue order, else the batch's decode:
-  :meth:`~fleetserve.sim.group.SharingGroup._schedule_one`), as an instance
+  :meth:`~fleetserve.sim.group.SharingGroup.schedule_one`), as an instance
   runs it.
 - **Usage totals.** :meth:`GroupInstance.usage_segment` gives the blocks at
   the end of the job in flight, its end, and the blocks held ahead of any
@@ -272,7 +272,15 @@ class GroupInstance(HostView, ChangeReports):
         g = self.group
         if g.state == "loading" and now >= self._ready_s:
             g.state = "live"
-        return self._started(g.schedule(now))
+        if g._one is None:  # MLFQ, DB: the scheduler's jobs
+            return self._started(g.schedule(now))
+        if self._logs:  # FCFS, RR: the one-model case (one call less per job)
+            self._changed()
+        got = g.schedule_one(now)
+        if got is None:
+            return None
+        self.version = got[1]
+        return got[0]
 
     # ------------------------------------------------------------- migration
     # The instance's actions for sim/migration.py, on the group ("Moving a

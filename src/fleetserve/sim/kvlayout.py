@@ -182,8 +182,9 @@ class KVLayout(ABC):
 
     name: ClassVar[str]
     _tracks_alloc: ClassVar[bool] = True
-    """Whether :meth:`_alloc` does anything (a partition's blocks are
-    interchangeable: its count is the state, so the call is skipped)."""
+    """Whether :meth:`_alloc` and :meth:`_release` change anything (a
+    partition's blocks are interchangeable: its count is the state, so the
+    calls are skipped where only the state matters)."""
     counts_only: ClassVar[bool] = True
     """Whether the layout keeps counts only (partitioned, head-wise), so a
     service's bound batch can be one set of totals (:meth:`bind`); the merged
@@ -516,7 +517,7 @@ class KVLayout(ABC):
                 )
             if self._tracks_alloc:
                 self._alloc(-1, model, blocks)
-        elif blocks < 0:
+        elif blocks < 0 and self._tracks_alloc:
             self._release(-1, model, -blocks)
         b[0] += requests
         b[1] += tokens
@@ -1355,6 +1356,13 @@ class PartitionedLayout(KVLayout):
 
     def _free_token_blocks(self, model: str) -> int:
         return self._part_blocks[model] - self._mblocks[model]
+
+    def free_token_blocks(self, model: str) -> int:
+        # the base's, in one call (a one-model group asks at every job)
+        part = self._part_blocks.get(model)
+        if part is None:
+            self._check_model(model)  # raises, with the known services
+        return part - self._mblocks[model]  # type: ignore[operator]
 
     def _alloc(self, rid: int, model: str, add: int) -> None:
         return None  # blocks of a partition are interchangeable: the count is the state
