@@ -101,6 +101,29 @@ def test_schedule_decides_what_the_one_model_instance_does(
         assert victim is max(run, key=lambda s: (s.arrival_s, s.id))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(BATCHING.names())),
+    prompts=st.lists(st.integers(1, 60), max_size=6),
+    running=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=6),
+    n=st.integers(1, 30),
+)
+def test_a_lone_batch_kept_whole_is_what_stable_iterations_says(
+    name: str, prompts: list[int], running: list[float], n: int
+) -> None:
+    """``keeps_lone_batch`` (a one-service group then skips the call) holds
+    only where :meth:`stable_iterations` keeps every iteration offered to a
+    one-service group, whatever is queued or running (FCFS, RR)."""
+    sched = BATCHING.get(name)()
+    assert sched.keeps_lone_batch == (name in ("fcfs", "rr"))
+    if not sched.keeps_lone_batch:
+        return
+    waiting = [_Seq(100 + i, 10.0 + i, p) for i, p in enumerate(prompts)]
+    run = [_Seq(i, t, 1) for i, t in enumerate(running)]
+    ends = [float(i + 1) for i in range(n)]
+    assert sched.stable_iterations(_State(waiting, run), "m", run, ends, 0.0) == n
+
+
 @pytest.mark.parametrize("name", ["mlfq", "db", "adbs"])
 def test_policies_that_need_service_statistics_are_refused_on_one_model(name: str) -> None:
     with pytest.raises(ConfigError, match="statistics"):

@@ -491,7 +491,7 @@ class InstanceCost:
             out = out * self.params.decode_scale(batch)
         return out
 
-    def decode_ends(self, batch: int, ctx0: int, k: int, start: float) -> npt.NDArray[np.float64]:
+    def decode_ends(self, batch: int, ctx0: int, k: int, start: float) -> list[float]:
         """End times of ``k`` decode iterations of ``batch`` sequences run back
         to back from ``start``: iteration ``i`` (1..k) reads ``ctx0 + batch * i``
         KV tokens. The running sum of :meth:`decode_time` over those contexts,
@@ -499,10 +499,15 @@ class InstanceCost:
         the same iterations run one at a time. A short segment (most are: a
         decode segment ends at the next arrival or finish) is summed in
         Python floats, whose operations are the same IEEE ones as the array
-        form's, without the arrays' fixed cost."""
+        form's, without the arrays' fixed cost. A list (its readers look
+        times up with :func:`bisect.bisect_right`, cheaper than an array's
+        ``searchsorted`` on a few elements)."""
         if k > _SHORT_SEGMENT:
             ctx = ctx0 + batch * np.arange(1, k + 1, dtype=np.float64)
-            return np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[1:]
+            ends: list[float] = np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[
+                1:
+            ].tolist()
+            return ends
         a_c, b_c, a_m, b_m = self.decode_lines(batch)
         scaled = self._scaled
         scale = self.params.decode_scale(batch) if scaled else 1.0
@@ -515,7 +520,7 @@ class InstanceCost:
             d = c if c >= m else m
             t += d * scale if scaled else d
             out[i] = t
-        return np.array(out)
+        return out
 
     def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
         """Scalar form of :meth:`decode_time` (same value, same rounding); with

@@ -258,6 +258,15 @@ class GroupScheduler(Policy):
         return len(ends)
 
     @property
+    def keeps_lone_batch(self) -> bool:
+        """Whether, on a group hosting one service, :meth:`stable_iterations`
+        keeps every iteration it is offered (the default rule with
+        :attr:`decodes_past_queue`: FCFS, RR), so a one-model group may skip
+        the call per segment."""
+        cls = type(self)
+        return self.decodes_past_queue and cls.stable_iterations is GroupScheduler.stable_iterations
+
+    @property
     def observes_jobs(self) -> bool:
         """Whether :meth:`on_job_end` or :meth:`on_job_ends` does anything
         (FCFS and RR keep no per-job state: a group may skip both calls)."""

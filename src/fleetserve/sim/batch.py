@@ -46,9 +46,6 @@ class SimClock:
         self.now = 0.0
 
 
-_NO_ENDS = np.empty(0)
-
-
 class BoundBatch:
     """The running requests of one holder, bound to its step counter.
 
@@ -85,13 +82,13 @@ class BoundBatch:
         self._finishing = FinishQueue()
         # the decode segment in flight: its iterations' end times, how many
         # (0: none), and the batch size and growth by residue at its start
-        self.ends: np.ndarray = _NO_ENDS
+        self.ends: list[float] = []
         self.n = 0
         self._B = 0
         self._C: list[int] = []
 
     # --------------------------------------------------------- the segment
-    def begin(self, ends: np.ndarray, n: int, C: list[int]) -> None:
+    def begin(self, ends: list[float], n: int, C: list[int]) -> None:
         """A decode segment of ``n`` iterations starts (ending at ``ends``;
         ``C`` from :meth:`growth`; the running requests decode in each)."""
         self.ends = ends
@@ -113,7 +110,7 @@ class BoundBatch:
 
     def completed(self, now: float) -> int:
         """Iterations of the segment in flight completed by ``now`` (at most ``n``)."""
-        k = int(self.ends.searchsorted(now, side="right"))
+        k = bisect_right(self.ends, now)
         return k if k < self.n else self.n
 
     def grown(self, j: int) -> int:
@@ -128,7 +125,7 @@ class BoundBatch:
         n = self.n
         if n <= 1:
             return 0
-        steps = int(self.ends.searchsorted(now, side="right")) + 1
+        steps = bisect_right(self.ends, now) + 1
         if steps >= n:
             return 0
         bs = self._bs
@@ -148,7 +145,7 @@ class BoundBatch:
         if not self.n:
             return self.steps
         assert self.clock is not None
-        k = int(self.ends.searchsorted(self.clock.now, side="right"))
+        k = bisect_right(self.ends, self.clock.now)
         return self.steps + (k if k < self.n else self.n)
 
     def kv_steps(self) -> int:
@@ -157,7 +154,7 @@ class BoundBatch:
         if not self.n:
             return self.steps
         assert self.clock is not None
-        k = int(self.ends.searchsorted(self.clock.now, side="right"))
+        k = bisect_right(self.ends, self.clock.now)
         return self.steps + (k + 1 if k < self.n else self.n)
 
     def __len__(self) -> int:

@@ -95,6 +95,7 @@ copy is done. Bound batches only, as moves.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -369,11 +370,13 @@ class SharingGroup:
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
         self._state = _StateView(self)  # what the scheduler reads
         self._hooks = scheduler.observes_jobs  # its job-end hooks do something
+        # one service whose scheduler keeps every decode iteration offered
+        self._keeps_lone = len(self._models) == 1 and scheduler.keeps_lone_batch
         # its KV quotas (ADBS's); the base scheduler's limit is infinite
         self._quotas = type(scheduler).kv_limit is not GroupScheduler.kv_limit
         self._on_arrival = type(scheduler).on_arrival is not GroupScheduler.on_arrival
         self._on_finish = type(scheduler).on_finish is not GroupScheduler.on_finish
-        self._ends: dict[int, np.ndarray] = {}  # token -> iteration ends of a macro job
+        self._ends: dict[int, list[float]] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
         self.busy_s = 0.0  # time with at least one job in flight
@@ -522,7 +525,7 @@ class SharingGroup:
             if job.model != model:
                 continue
             k = len(ends)
-            steps = np.minimum(ends.searchsorted(times, side="right") + 1, k)
+            steps = np.minimum(np.searchsorted(ends, times, side="right") + 1, k)
             if b is not None:  # the batch's growth by iteration
                 out += b.grown(k - 1) - b.grown_at(steps - 1)
                 continue
@@ -548,7 +551,7 @@ class SharingGroup:
         bulk: dict[str, tuple[int, int]] = {}
         for token, ends in self._ends.items():
             k = len(ends)
-            j = int(np.searchsorted(ends, now, side="right"))
+            j = bisect_right(ends, now)
             steps = j + 1 if j + 1 < k else k
             if steps < k:
                 job, seqs, _, _ = self.jobs[token]
@@ -569,6 +572,16 @@ class SharingGroup:
             if job.model == model and job.phase == PREFILL and token not in self._chunks:
                 out += seqs
         return out
+
+    def num_prefilling(self, model: str) -> int:
+        """``len(prefilling(model))``, without the list (the time series
+        count them at every sample)."""
+        n = len(self.partial[model])
+        if (model, PREFILL) in self._busy:
+            for token, (job, seqs, _, _) in self.jobs.items():
+                if job.model == model and job.phase == PREFILL and token not in self._chunks:
+                    n += len(seqs)
+        return n
 
     def request_ids(self) -> list[int]:
         """Every request here, once: queued, prefilling and running."""
@@ -928,7 +941,7 @@ class SharingGroup:
             t = float(beside_copies(t, mem, self.copy_load))
         end = now + t
         if B:
-            b.begin(np.array([end]), 1, C)
+            b.begin([end], 1, C)
             self.layout.bulk_change(m, 0, B, b.grown(0))
         if not chunks:
             token = self._register(Job(m, DECODE, tuple(b.running), 1.0), [], now, 1.0)
@@ -1064,17 +1077,13 @@ class SharingGroup:
                     t = beside_copies(
                         cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs), self.copy_load
                     )
-                    ends = np.cumsum(np.concatenate(([now], t)))[1:]
+                    ends = np.cumsum(np.concatenate(([now], t)))[1:].tolist()
                 else:
                     ends = cost.decode_ends(B, b.tokens, k, now)
-                # the ends as an array: the one-model schedulers read their number only
-                k = self.scheduler.stable_iterations(
-                    self._state,
-                    m,
-                    b.running.values(),
-                    ends,  # type: ignore[arg-type]  # the one-model ones read its length
-                    now,
-                )
+                if not self._keeps_lone:  # (FCFS, RR with one service keep them all)
+                    k = self.scheduler.stable_iterations(
+                        self._state, m, b.running.values(), ends, now
+                    )
                 if k > 1:
                     return self._begin_bound(job, b, ends[:k], C, now)
         C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
@@ -1085,10 +1094,10 @@ class SharingGroup:
         if self.copy_load:
             mem = cost.decode_memory_s(B, float(b.tokens + B))
             t1 = float(beside_copies(t1, mem, self.copy_load))
-        return self._begin_bound(job, b, np.array([now + t1]), C, now)
+        return self._begin_bound(job, b, [now + t1], C, now)
 
     def _begin_bound(
-        self, job: Job, b: BoundBatch, ends: np.ndarray, C: list[int], now: float
+        self, job: Job, b: BoundBatch, ends: list[float], C: list[int], now: float
     ) -> tuple[float, int]:
         """Start a bound batch's decode segment of ``len(ends)`` iterations:
         its KV allocated ahead (as a macro job's), one job."""
@@ -1122,7 +1131,7 @@ class SharingGroup:
             self._release_refs(s)
         return kv
 
-    def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> np.ndarray | None:
+    def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> list[float] | None:
         """End times of the decode iterations this batch may run as one job
         (None: step by step).
 
@@ -1146,8 +1155,9 @@ class SharingGroup:
         b = len(seqs)
         base = sum(s.kv_saved for s in seqs)
         ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
-        ends = np.cumsum(np.concatenate(([now], self.costs[model].decode_time(b, ctxs))))[1:]
-        k = self.scheduler.stable_iterations(self._state, model, seqs, ends.tolist(), now)
+        times = self.costs[model].decode_time(b, ctxs)
+        ends: list[float] = np.cumsum(np.concatenate(([now], times)))[1:].tolist()
+        k = self.scheduler.stable_iterations(self._state, model, seqs, ends, now)
         if k <= 1:
             return None
         k = self._iterations_that_fit(model, seqs, k)
@@ -1211,7 +1221,7 @@ class SharingGroup:
             return []
         out = []
         for token, ends in list(self._ends.items()):
-            j = int(ends.searchsorted(now, side="right"))  # iterations completed
+            j = bisect_right(ends, now)  # iterations completed
             if j + 1 < len(ends):
                 del self._ends[token]
                 entry = self.jobs.pop(token)
@@ -1295,7 +1305,7 @@ class SharingGroup:
         b = self._bound.get(job.model)
         if ends is not None and len(ends) > 1 and b is None:  # a macro job: all but its last
             k = len(ends)
-            done_ends = ends[:-1].tolist()
+            done_ends = ends[:-1]
             self.scheduler.on_job_ends(job, seqs, done_ends, start)
             prev = done_ends[-1]
             for s in seqs:
@@ -1342,7 +1352,7 @@ class SharingGroup:
         job: Job,
         b: BoundBatch,
         seqs: list[Seq],
-        ends: np.ndarray | None,
+        ends: list[float] | None,
         start: float,
         now: float,
     ) -> list[Seq]:
@@ -1353,9 +1363,7 @@ class SharingGroup:
         if job.phase == DECODE:
             hooks = self._hooks  # (FCFS, RR: no per-job lists to build)
             if ends is not None and len(ends) > 1 and hooks:  # all but its last iteration
-                self.scheduler.on_job_ends(
-                    job, list(b.running.values()), cast("Sequence[float]", ends[:-1]), start
-                )
+                self.scheduler.on_job_ends(job, list(b.running.values()), ends[:-1], start)
                 start = float(ends[-2])
             self._bound_step_done(b, job.model, now, done)
             if hooks:
@@ -1879,6 +1887,8 @@ class HostView:
     @property
     def used_blocks(self) -> int:
         """As of now (a macro job's blocks ahead not counted, as an instance)."""
+        if self._kind == 0:  # its own partition: what is not free of it
+            return self.total_blocks - self.free_blocks
         lay = self._g.layout
         ahead = self._g.ahead_blocks(self.model, self._now)
         return lay.used_bytes(self.model) // lay.bytes_per_token_block(self.model) - ahead
@@ -1892,7 +1902,9 @@ class HostView:
         lay = g.layout
         kind = self._kind
         if kind == 0:  # its own partition
-            return lay.free_token_blocks(self.model) + g.ahead_blocks(self.model, self._now)
+            b = g._bound.get(self.model)  # a bound batch's blocks ahead (ahead_blocks, inlined)
+            ahead = b.ahead(self._now) if b is not None else g.ahead_blocks(self.model, self._now)
+            return lay.free_token_blocks(self.model) + ahead
         per = lay.bytes_per_token_block(self.model)
         if kind == 1:
             ahead = sum(
@@ -1911,13 +1923,7 @@ class HostView:
         as an instance counts them (since session 25: before, the free ones)."""
         g = self._g
         m = self.model
-        if self._kind == 0:  # its own partition (free_blocks, inlined: dispatch reads it often)
-            b = g._bound.get(m)  # a bound batch's blocks ahead (ahead_blocks, inlined)
-            ahead = b.ahead(self._now) if b is not None else g.ahead_blocks(m, self._now)
-            free = g.layout.free_token_blocks(m) + ahead
-        else:
-            free = self.free_blocks
-        return free - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs
+        return self.free_blocks - g.queued_blocks[m] - g.watermark_tokens[m] // g._bs
 
     def avail_bounds(self) -> tuple[int, int]:
         """``(lo, hi)``: ``hi`` is :attr:`available_blocks` now, ``lo`` when the

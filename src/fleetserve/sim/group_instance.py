@@ -233,6 +233,11 @@ class GroupInstance(HostView, ChangeReports):
         """Requests admitted whose prefill has not completed."""
         return self.group.prefilling(self.model)
 
+    @property
+    def num_prefilling(self) -> int:
+        """``len(prefilling())``."""
+        return self.group.num_prefilling(self.model)
+
     def seqs(self) -> list[SeqView]:
         """Running, prefilling and waiting requests (as an instance's)."""
         return [*self.running.values(), *self.prefilling(), *self.waiting]

@@ -100,6 +100,7 @@ operation for operation.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -356,6 +357,11 @@ class Instance(ChangeReports):
         """Requests admitted whose prefill has not completed yet."""
         return self._prefill + self._prefilling
 
+    @property
+    def num_prefilling(self) -> int:
+        """``len(prefilling())``."""
+        return len(self._prefill) + len(self._prefilling)
+
     def seqs(self) -> list[SeqView]:
         """Running, prefilling and waiting requests (not those detached or in transit)."""
         return [*self.running.values(), *self._prefill, *self._prefilling, *self.waiting]
@@ -401,7 +407,7 @@ class Instance(ChangeReports):
         """
         if self.phase == DECODE:
             b = self.batch
-            k = int(b.ends.searchsorted(now, side="right"))
+            k = bisect_right(b.ends, now)
             if k + 1 < b.n:
                 b.cut(k + 1)
                 self.version += 1
@@ -734,7 +740,7 @@ class Instance(ChangeReports):
             t_mixed = float(beside_copies(t_mixed, mem, self.copy_load))
         end = now + t_mixed
         self._chunks = chunks
-        self.batch.begin(np.array([end]), 1, C)
+        self.batch.begin([end], 1, C)
         self.phase = MIXED
         self.version += 1
         return end
@@ -772,7 +778,7 @@ class Instance(ChangeReports):
             ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
             t = self.cost.decode_time(B, ctx)
             t = beside_copies(t, self.cost.decode_memory(B, ctx), self.copy_load)
-            ends = np.cumsum(np.concatenate(([now], t)))[1:]
+            ends = np.cumsum(np.concatenate(([now], t)))[1:].tolist()
         else:
             ends = self.cost.decode_ends(B, ctx0, n, now)
         self.batch.begin(ends, n, C)

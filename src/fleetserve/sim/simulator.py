@@ -666,8 +666,8 @@ class Simulator:
                 used += u * bb
                 cap += inst.total_blocks * bb
                 demand += (u + inst.reserved_blocks) * bb
-                queued += len(inst.waiting)
-                running += len(inst.running) + len(inst.prefilling())
+                queued += inst.num_waiting
+                running += inst.num_running + inst.num_prefilling
         queued += len(self.held) + len(self.mig.transit)
         self.timeseries.append(now, self.pool.active, used, cap, demand, queued, running)
 

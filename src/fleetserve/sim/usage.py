@@ -177,7 +177,7 @@ class UsageTotals:
             stop = self._grid_until(float(ends[n1])) if n1 else self.cur
             if stop > self.cur:  # grid times before the segment's end: growth still to come
                 a, b = self.cur - self.g0, stop - self.g0
-                k = ends.searchsorted(np.array(self.times[a:b]), side="right")
+                k = np.searchsorted(ends, self.times[a:b], side="right")
                 np.minimum(k, n1, out=k)
                 d = (batch.grown_at(k) - end_growth) * bb
                 self.delta[a:b] += d
@@ -198,7 +198,7 @@ class UsageTotals:
                 d = -ahead(np.array(self.times[a:b])) * bb
                 self.delta[a:b] += d
                 s.start, s.delta = self.cur, d
-        s.running = len(inst.running) + len(inst.prefilling())
+        s.running = inst.num_running + inst.num_prefilling
         self._add_snap(inst, s, used * bb, bb)
 
     def _add_snap(self, inst: Any, s: _Snap, used: int, bb: int) -> None:
