@@ -93,7 +93,7 @@ def test_decode_ends_are_the_running_sum_of_the_iterations(
     for i in range(1, k + 1):
         t += cost.decode_time_scalar(batch, float(ctx0 + batch * i))
         want.append(t)
-    assert ends == want
+    assert list(ends) == want
 
 
 @settings(max_examples=200, deadline=None)

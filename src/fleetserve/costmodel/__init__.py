@@ -40,6 +40,7 @@ from fleetserve.costmodel.params import (
 )
 from fleetserve.costmodel.roofline import (
     CostModel,
+    Ends,
     InstanceCost,
     RawCoefficients,
     gpu_params,
@@ -62,6 +63,7 @@ __all__ = [
     "Calibration",
     "CostModel",
     "EfficiencyParams",
+    "Ends",
     "InstanceCost",
     "Link",
     "ProfileRow",

@@ -121,8 +121,11 @@ from fleetserve.spec.types import GpuSpec, ModelSpec
 if TYPE_CHECKING:
     from fleetserve.costmodel.calibration import Calibration
 
-__all__ = ["CostModel", "InstanceCost", "RawCoefficients", "raw_coefficients"]
+__all__ = ["CostModel", "Ends", "InstanceCost", "RawCoefficients", "raw_coefficients"]
 
+
+Ends = list[float] | npt.NDArray[np.float64]
+"""End times of a decode segment's iterations, ascending (:meth:`InstanceCost.decode_ends`)."""
 
 _SHORT_SEGMENT = 24
 """Decode segments of at most this many iterations are summed in Python floats
@@ -491,7 +494,7 @@ class InstanceCost:
             out = out * self.params.decode_scale(batch)
         return out
 
-    def decode_ends(self, batch: int, ctx0: int, k: int, start: float) -> list[float]:
+    def decode_ends(self, batch: int, ctx0: int, k: int, start: float) -> Ends:
         """End times of ``k`` decode iterations of ``batch`` sequences run back
         to back from ``start``: iteration ``i`` (1..k) reads ``ctx0 + batch * i``
         KV tokens. The running sum of :meth:`decode_time` over those contexts,
@@ -499,15 +502,13 @@ class InstanceCost:
         the same iterations run one at a time. A short segment (most are: a
         decode segment ends at the next arrival or finish) is summed in
         Python floats, whose operations are the same IEEE ones as the array
-        form's, without the arrays' fixed cost. A list (its readers look
-        times up with :func:`bisect.bisect_right`, cheaper than an array's
-        ``searchsorted`` on a few elements)."""
+        form's, without the arrays' fixed cost, and returned as a list (its
+        readers look times up with :func:`bisect.bisect_right`, cheaper than
+        an array's ``searchsorted`` on a few elements); a long one stays an
+        array (hundreds of Python floats cost more to make and free)."""
         if k > _SHORT_SEGMENT:
             ctx = ctx0 + batch * np.arange(1, k + 1, dtype=np.float64)
-            ends: list[float] = np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[
-                1:
-            ].tolist()
-            return ends
+            return np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[1:]
         a_c, b_c, a_m, b_m = self.decode_lines(batch)
         scaled = self._scaled
         scale = self.params.decode_scale(batch) if scaled else 1.0

@@ -30,11 +30,15 @@ import sys
 from bisect import bisect_right
 from collections.abc import Iterator
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fleetserve.sim.finish import FinishQueue
 from fleetserve.sim.seq import RUNNING, Seq
+
+if TYPE_CHECKING:
+    from fleetserve.costmodel import Ends
 
 
 class SimClock:
@@ -82,13 +86,13 @@ class BoundBatch:
         self._finishing = FinishQueue()
         # the decode segment in flight: its iterations' end times, how many
         # (0: none), and the batch size and growth by residue at its start
-        self.ends: list[float] = []
+        self.ends: Ends = []
         self.n = 0
         self._B = 0
         self._C: list[int] = []
 
     # --------------------------------------------------------- the segment
-    def begin(self, ends: list[float], n: int, C: list[int]) -> None:
+    def begin(self, ends: Ends, n: int, C: list[int]) -> None:
         """A decode segment of ``n`` iterations starts (ending at ``ends``;
         ``C`` from :meth:`growth`; the running requests decode in each)."""
         self.ends = ends

@@ -119,7 +119,7 @@ from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
 from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
-    from fleetserve.costmodel import InstanceCost
+    from fleetserve.costmodel import Ends, InstanceCost
     from fleetserve.costmodel.pipeline import StagedCost
     from fleetserve.sim.batch import SimClock
     from fleetserve.sim.kvlayout import KVLayout, LayoutStats
@@ -148,6 +148,11 @@ class JobCost(Protocol):
     def prefill_memory_s(self, prompt_lens: Sequence[int]) -> float: ...
 
     def decode_memory_s(self, batch: int, ctx_total: float) -> float: ...
+
+
+def _floats(ends: Ends) -> list[float]:
+    """A segment's end times as a list (what a policy reads)."""
+    return ends if isinstance(ends, list) else ends.tolist()
 
 
 class _GroupBudget:
@@ -376,7 +381,7 @@ class SharingGroup:
         self._quotas = type(scheduler).kv_limit is not GroupScheduler.kv_limit
         self._on_arrival = type(scheduler).on_arrival is not GroupScheduler.on_arrival
         self._on_finish = type(scheduler).on_finish is not GroupScheduler.on_finish
-        self._ends: dict[int, list[float]] = {}  # token -> iteration ends of a macro job
+        self._ends: dict[int, Ends] = {}  # token -> iteration ends of a macro job
         self.held_share = 0.0
         self.preemptions = 0
         self.busy_s = 0.0  # time with at least one job in flight
@@ -1077,12 +1082,12 @@ class SharingGroup:
                     t = beside_copies(
                         cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs), self.copy_load
                     )
-                    ends = np.cumsum(np.concatenate(([now], t)))[1:].tolist()
+                    ends: Ends = np.cumsum(np.concatenate(([now], t)))[1:]
                 else:
                     ends = cost.decode_ends(B, b.tokens, k, now)
                 if not self._keeps_lone:  # (FCFS, RR with one service keep them all)
                     k = self.scheduler.stable_iterations(
-                        self._state, m, b.running.values(), ends, now
+                        self._state, m, b.running.values(), _floats(ends), now
                     )
                 if k > 1:
                     return self._begin_bound(job, b, ends[:k], C, now)
@@ -1097,7 +1102,7 @@ class SharingGroup:
         return self._begin_bound(job, b, [now + t1], C, now)
 
     def _begin_bound(
-        self, job: Job, b: BoundBatch, ends: list[float], C: list[int], now: float
+        self, job: Job, b: BoundBatch, ends: Ends, C: list[int], now: float
     ) -> tuple[float, int]:
         """Start a bound batch's decode segment of ``len(ends)`` iterations:
         its KV allocated ahead (as a macro job's), one job."""
@@ -1131,7 +1136,7 @@ class SharingGroup:
             self._release_refs(s)
         return kv
 
-    def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> list[float] | None:
+    def _macro_ends(self, model: str, seqs: list[Seq], now: float) -> Ends | None:
         """End times of the decode iterations this batch may run as one job
         (None: step by step).
 
@@ -1156,8 +1161,8 @@ class SharingGroup:
         base = sum(s.kv_saved for s in seqs)
         ctxs = base + b * np.arange(1, k + 1, dtype=np.float64)
         times = self.costs[model].decode_time(b, ctxs)
-        ends: list[float] = np.cumsum(np.concatenate(([now], times)))[1:].tolist()
-        k = self.scheduler.stable_iterations(self._state, model, seqs, ends, now)
+        ends = np.cumsum(np.concatenate(([now], times)))[1:]
+        k = self.scheduler.stable_iterations(self._state, model, seqs, ends.tolist(), now)
         if k <= 1:
             return None
         k = self._iterations_that_fit(model, seqs, k)
@@ -1305,7 +1310,7 @@ class SharingGroup:
         b = self._bound.get(job.model)
         if ends is not None and len(ends) > 1 and b is None:  # a macro job: all but its last
             k = len(ends)
-            done_ends = ends[:-1]
+            done_ends = _floats(ends[:-1])
             self.scheduler.on_job_ends(job, seqs, done_ends, start)
             prev = done_ends[-1]
             for s in seqs:
@@ -1352,7 +1357,7 @@ class SharingGroup:
         job: Job,
         b: BoundBatch,
         seqs: list[Seq],
-        ends: list[float] | None,
+        ends: Ends | None,
         start: float,
         now: float,
     ) -> list[Seq]:
@@ -1363,7 +1368,7 @@ class SharingGroup:
         if job.phase == DECODE:
             hooks = self._hooks  # (FCFS, RR: no per-job lists to build)
             if ends is not None and len(ends) > 1 and hooks:  # all but its last iteration
-                self.scheduler.on_job_ends(job, list(b.running.values()), ends[:-1], start)
+                self.scheduler.on_job_ends(job, list(b.running.values()), _floats(ends[:-1]), start)
                 start = float(ends[-2])
             self._bound_step_done(b, job.model, now, done)
             if hooks:

@@ -116,7 +116,7 @@ from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
     from fleetserve.cluster.state import SeqView
-    from fleetserve.costmodel import InstanceCost
+    from fleetserve.costmodel import Ends, InstanceCost
     from fleetserve.sim.prefix_cache import Entry
 
 IDLE, PREFILL, DECODE, MIXED = 0, 1, 2, 3
@@ -778,7 +778,7 @@ class Instance(ChangeReports):
             ctx = ctx0 + B * np.arange(1, n + 1, dtype=np.float64)
             t = self.cost.decode_time(B, ctx)
             t = beside_copies(t, self.cost.decode_memory(B, ctx), self.copy_load)
-            ends = np.cumsum(np.concatenate(([now], t)))[1:].tolist()
+            ends: Ends = np.cumsum(np.concatenate(([now], t)))[1:]
         else:
             ends = self.cost.decode_ends(B, ctx0, n, now)
         self.batch.begin(ends, n, C)
