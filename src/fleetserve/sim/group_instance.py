@@ -166,6 +166,9 @@ class GroupInstance(HostView, ChangeReports):
             prefix_stats=prefix_stats,
         )
         self._bind(self.group, model)  # the view of its model
+        # fixed facts the dispatch view reads at every arrival (available_blocks)
+        self._batch = self.group._bound.get(model)
+        self._wm_blocks = self.group.watermark_tokens[model] // block_size
         self.group.host = self  # its requests' ``inst`` (sim/migration.py reads it)
         self.id = iid
         self.gpus = gpus
@@ -198,6 +201,18 @@ class GroupInstance(HostView, ChangeReports):
     def _now(self) -> float:  # type: ignore[override]
         """The views' time: the simulation clock's."""
         return self.clock.now
+
+    @property
+    def available_blocks(self) -> int:
+        """:attr:`HostView.available_blocks` of its own partition (the same
+        number: :meth:`check_integrity` compares them), with the facts fixed
+        at its start read once (dispatch reads it at every arrival)."""
+        g = self.group
+        m = self.model
+        b = self._batch
+        now = self.clock.now
+        ahead = b.ahead(now) if b is not None else g.ahead_blocks(m, now)
+        return g.layout.free_token_blocks(m) + ahead - g.queued_blocks[m] - self._wm_blocks
 
     @property
     def phase(self) -> int:
@@ -344,3 +359,9 @@ class GroupInstance(HostView, ChangeReports):
 
     def check_integrity(self) -> None:
         self.group.check_integrity()
+        view = HostView(self.group, self.model, self.clock.now)
+        if view.available_blocks != self.available_blocks:
+            raise AssertionError(
+                f"instance {self.id}: available blocks {self.available_blocks}, "
+                f"its group's view {view.available_blocks}"
+            )

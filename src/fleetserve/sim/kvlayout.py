@@ -503,7 +503,8 @@ class KVLayout(ABC):
         if b is None:
             self._check_model(model)  # raises, with the known services
             return
-        if b[0] + requests < 0 or b[1] + tokens < 0 or b[2] + blocks < 0:
+        n, t, k = b[0] + requests, b[1] + tokens, b[2] + blocks
+        if n < 0 or t < 0 or k < 0:
             raise ValueError(
                 f"{self.name} KV layout: the bound batch of {model!r} ({b[0]} requests, "
                 f"{b[1]} tokens, {b[2]} token-blocks) cannot change by "
@@ -519,9 +520,7 @@ class KVLayout(ABC):
                 self._alloc(-1, model, blocks)
         elif blocks < 0 and self._tracks_alloc:
             self._release(-1, model, -blocks)
-        b[0] += requests
-        b[1] += tokens
-        b[2] += blocks
+        b[0], b[1], b[2] = n, t, k
         self._mreqs[model] += requests
         self._mtokens[model] += tokens
         self._mblocks[model] += blocks
