@@ -57,6 +57,8 @@ def _same(cfg: dict[str, Any], reqs: list[Request]) -> RunResult:
     assert a.gpu_intervals == b.gpu_intervals
     assert a.migrations == b.migrations
     assert a.end_s == b.end_s
+    if cfg["policy"].get("batching", "fcfs") == "fcfs":  # the instance steps RR one by one
+        assert a.sim_events == b.sim_events  # the same decode segments, event for event
     return a
 
 

@@ -1060,7 +1060,15 @@ class SharingGroup:
         iterations that fit are the batch's growth
         (:meth:`~fleetserve.sim.batch.BoundBatch.growth`) within the free
         token-blocks; the layout takes the segment's tokens and blocks as one
-        change of the batch's totals."""
+        change of the batch's totals.
+
+        As an instance's decode segment, a bound batch's runs up to its first
+        finish or block shortage (no cap on its length: its ends are one
+        sum), also after preempting when no queued prompt of the group could
+        be admitted at a later boundary of it (:meth:`_may_admit`: the free
+        blocks only shrink until a request finishes). Either way each
+        iteration is the one a step-by-step run makes; only the number of
+        events differs."""
         m = job.model
         if self._joining[m]:
             C, n_fit = self._bound_boundary(m, b)
@@ -1071,35 +1079,72 @@ class SharingGroup:
                 f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
                 f"{len(b)} running requests; a bound batch decodes as a whole"
             )
-        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
-        B = len(b.running)
         macro = self.macro and not (self.chunked and any(self.partial.values()))
         if macro and n_fit > 1:
-            k = min(b.earliest_finish() - b.steps, _MACRO_MAX, n_fit)
-            if k > 1:
-                if self.copy_load:
-                    ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
-                    t = beside_copies(
-                        cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs), self.copy_load
-                    )
-                    ends: Ends = np.cumsum(np.concatenate(([now], t)))[1:]
-                else:
-                    ends = cost.decode_ends(B, b.tokens, k, now)
-                if not self._keeps_lone:  # (FCFS, RR with one service keep them all)
-                    k = self.scheduler.stable_iterations(
-                        self._state, m, b.running.values(), _floats(ends), now
-                    )
-                if k > 1:
-                    return self._begin_bound(job, b, ends[:k], C, now)
-        C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
-        if not b.running:
-            return None
+            got = self._bound_segment(job, b, C, n_fit, now)
+            if got is not None:
+                return got
+        if n_fit == 0:
+            C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
+            if not b.running:
+                return None
+            if macro and n_fit > 1 and not self._may_admit():
+                got = self._bound_segment(job, b, C, n_fit, now)
+                if got is not None:
+                    return got
+        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
         B = len(b.running)
         t1 = cost.decode_time_scalar(B, float(b.tokens + B), job.share)
         if self.copy_load:
             mem = cost.decode_memory_s(B, float(b.tokens + B))
             t1 = float(beside_copies(t1, mem, self.copy_load))
         return self._begin_bound(job, b, [now + t1], C, now)
+
+    def _bound_segment(
+        self, job: Job, b: BoundBatch, C: list[int], n_fit: int, now: float
+    ) -> tuple[float, int] | None:
+        """A bound batch's decode segment of more than one iteration (up to
+        its first finish and the ``n_fit`` iterations that fit, as long as
+        the scheduler keeps choosing it), or None (one iteration, then)."""
+        m = job.model
+        k = min(b.earliest_finish() - b.steps, n_fit)
+        if k <= 1:
+            return None
+        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
+        B = len(b.running)
+        if self.copy_load:
+            ctxs = b.tokens + B * np.arange(1, k + 1, dtype=np.float64)
+            t = beside_copies(
+                cost.decode_time(B, ctxs), cost.decode_memory(B, ctxs), self.copy_load
+            )
+            ends: Ends = np.cumsum(np.concatenate(([now], t)))[1:]
+        else:
+            ends = cost.decode_ends(B, b.tokens, k, now)
+        if not self._keeps_lone:  # (FCFS, RR with one service keep them all)
+            k = self.scheduler.stable_iterations(
+                self._state, m, b.running.values(), _floats(ends), now
+            )
+            if k <= 1:
+                return None
+        return self._begin_bound(job, b, ends[:k], C, now)
+
+    def _may_admit(self) -> bool:
+        """Whether a queued prompt of any service could be admitted at a
+        later boundary of a decode segment starting now (conservative: its
+        blocks fit the service's free token-blocks above the watermark; with
+        prefix caching, any queued prompt, since hits may need fewer). The
+        single-model instance's rule (``Instance._may_admit``)."""
+        lay = self.layout
+        bs = self._bs
+        for m, q in self.waiting.items():
+            if not q:
+                continue
+            if self.pcache:
+                return True
+            room = lay.free_token_blocks(m) - self.watermark_tokens[m] // bs
+            if any(-(-s.prefill_tokens // bs) <= room for s in q):
+                return True
+        return False
 
     def _begin_bound(
         self, job: Job, b: BoundBatch, ends: Ends, C: list[int], now: float
