@@ -323,7 +323,7 @@ def test_one_model_groups_cache_prefixes_as_the_instances_do(
         over["policy"] = {"stack": "bf", "migration": "_test_pc_random"}
         over["migration"] = {"epoch_s": 0.2, "max_stages": 3}
     c = cfg(**over)
-    a = Simulator(c, reqs).run()
+    a = Simulator(c, reqs, one_model_groups=False).run()
     b = Simulator(c, reqs, one_model_groups=True).run()
     assert outcome(a) == outcome(b)
     assert [r.cached_tokens for r in a.records] == [r.cached_tokens for r in b.records]

@@ -121,6 +121,13 @@ class Simulator:
         on_iteration_end: called as ``on_iteration_end(instance, now)`` after
             each iteration end is handled (an observer: it must not change
             the simulation).
+        one_model_groups: each instance is a one-model sharing group
+            (:class:`~fleetserve.sim.group_instance.GroupInstance`: the
+            multi-LLM world's instance type), the default since session 29.
+            False runs the single-model :class:`~fleetserve.sim.instance.Instance`,
+            kept as the reference the groups are tested against (the same
+            records, time series, moves and, under FCFS, events) until it
+            goes; it runs FCFS and RR only.
 
     Raises:
         ConfigError: when a model does not fit on the configured GPUs, or a
@@ -138,7 +145,7 @@ class Simulator:
         progress_every: int = 4096,
         placement: Sequence[str] | None = None,
         on_iteration_end: Callable[[Instance, float], None] | None = None,
-        one_model_groups: bool = False,
+        one_model_groups: bool = True,
     ) -> None:
         self.cfg = config
         self._placement = tuple(placement) if placement is not None else None
@@ -164,31 +171,29 @@ class Simulator:
         # one-model sharing groups, with the statistics its scheduler reads
         needs_groups = not BATCHING.get(pn["batching"]).one_model
         self.one_model_groups = one_model_groups or needs_groups
-        if self.one_model_groups:
+        if needs_groups:  # their requests keep explicit counts: no bound batch
             why = [
                 w
                 for w, bad in (
                     (
                         f"migration policy {pn['migration']!r} (a request moves at its "
                         "batch's boundary: batching fcfs or rr)",
-                        needs_groups and pn["migration"] != "none",
+                        pn["migration"] != "none",
                     ),
                     (
                         "engine.prefix_caching (cached blocks are shared within a batch "
                         "bound to its steps: batching fcfs or rr)",
-                        needs_groups and config.engine.prefix_caching,
+                        config.engine.prefix_caching,
                     ),
-                    ("engine.chunked_prefill", needs_groups and config.engine.chunked_prefill),
+                    ("engine.chunked_prefill", config.engine.chunked_prefill),
                 )
                 if bad
             ]
             if why:
-                reason = (
-                    f"batching {pn['batching']!r} runs on one-model sharing groups"
-                    if needs_groups
-                    else "one_model_groups (instances as one-model sharing groups)"
+                raise ConfigError(
+                    f"batching {pn['batching']!r} runs on one-model sharing groups, "
+                    f"which do not model {', '.join(why)} yet"
                 )
-                raise ConfigError(f"{reason}, which do not model {', '.join(why)} yet")
 
         # Models, their instances' KV capacity, and the per-request feasibility limit.
         names = sorted({r.model for r in self.requests} or {config.model})
