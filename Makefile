@@ -65,6 +65,13 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session29.json.gz: against session26.json.gz, the single-model simulator's
+# instances are one-model sharing groups (issue 21 item 2): its 45 runs are
+# identical, events included; a bound batch's decode segment is no longer cut
+# at 512 iterations and runs past a preemption when no queued prompt could be
+# admitted, as the instance's: sim.events down by <= 1% in the multi-LLM
+# world's 9 vllm runs, and one group's busy_fraction differs in its last digit
+# (a sum over differently split busy intervals); no outcome changed;
 # session26.json.gz: against session25.json.gz, no request's outcome changed;
 # the multi-LLM world samples its KV layouts as of the sample time (a macro
 # job's blocks allocated ahead no longer count: kv_utilization and kv_layout
@@ -121,7 +128,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session26.json.gz
+	  --check benchmarks/fingerprints/session29.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
