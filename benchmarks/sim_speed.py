@@ -1,6 +1,5 @@
 """Simulator speed: the full Azure conv trace, LLaMA-2-7B, elastic A100-40GB pool, stack bf
-(instances as one-model sharing groups, the default; the single-model reference
-instances timed beside them).
+(its instances are one-model sharing groups, since session 29).
 
 Target: >= 25,000 simulated requests per wall-second on the 2-core development
 machine (issue 21: the "One system" refactor must keep the speed measured
@@ -74,13 +73,6 @@ def main() -> int:
     same = [(r.finish_s, r.first_token_s, r.instance) for r in res.records] == [
         (r.finish_s, r.first_token_s, r.instance) for r in ref.records
     ]
-    # issue 21 step 2: the simulator's instances are one-model sharing groups
-    # (the default since session 29); the single-model Instance they replace,
-    # kept as their reference until it goes, for comparison
-    grp_s, grp = best_of(1, lambda: Simulator(cfg, reqs, one_model_groups=False).run())
-    grp_same = [(r.finish_s, r.first_token_s, r.instance) for r in res.records] == [
-        (r.finish_s, r.first_token_s, r.instance) for r in grp.records
-    ] and res.sim_events == grp.sim_events
     cost = CostModel().bind(get_model("llama-2-7b"), get_gpu("a100-40gb"))
     x1, xk = np.array([1234.0]), np.arange(1000, dtype=np.float64) * 13 + 100
     n = 20000
@@ -108,12 +100,6 @@ def main() -> int:
             "requests_per_s": len(reqs) / ref_s,
             "identical_results": same,
         },
-        "reference_instances": {
-            "wall_s": grp_s,
-            "events": grp.sim_events,
-            "requests_per_s": len(reqs) / grp_s,
-            "identical_results": grp_same,
-        },
         "decode_time_us": {"len1": d1 / n * 1e6, "len1000": dk / n * 1e6},
         "target_requests_per_s": TARGET_RPS,
         "meets_target": rps >= TARGET_RPS,
@@ -138,10 +124,6 @@ def main() -> int:
         f"iteration by iteration  {ref_s:.3f} s  {len(reqs) / ref_s:,.0f} requests/s  "
         f"({ref.sim_events:,} events)  identical results: {same}"
     )
-    print(
-        f"instances (ref.)  {grp_s:.3f} s  {len(reqs) / grp_s:,.0f} requests/s  "
-        f"({grp.sim_events:,} events)  identical results and events: {grp_same}"
-    )
     print(f"decode_time       {d1 / n * 1e6:.2f} µs (1 ctx)  {dk / n * 1e6:.2f} µs (1,000 ctx)")
     verdict = "meets" if rps >= TARGET_RPS else "MISSES"
     print(f"target >= {TARGET_RPS:,.0f} requests/s: {verdict}")
@@ -157,7 +139,7 @@ def main() -> int:
         f"(target <= {MAX_SCALE_RATIO:g}x): {verdict}"
     )
     print(f"written to {dest / 'sim_speed.json'}")
-    return 0 if rps >= TARGET_RPS and same and grp_same and ratio <= MAX_SCALE_RATIO else 1
+    return 0 if rps >= TARGET_RPS and same and ratio <= MAX_SCALE_RATIO else 1
 
 
 def scale_point(label: str, rate_scale: float) -> dict[str, object]:

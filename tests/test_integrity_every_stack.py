@@ -138,12 +138,12 @@ _GROUPED = [n for n, st_ in sorted(stacks_in(SINGLE).items()) if st_.migration =
 @pytest.mark.parametrize(("stack", "batching"), [(n, b) for n in _GROUPED for b in ("mlfq", "db")])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(items=streams, small=st.booleans())
-def test_single_model_stacks_on_one_model_groups_keep_their_invariants(
+def test_single_model_stacks_with_every_batching_keep_their_invariants(
     stack: str, batching: str, items: list[tuple[float, int, int, bool]], small: bool
 ) -> None:
-    """The single-model world's stacks without migration on one-model sharing
-    groups: MLFQ and DB (the batching policies that run only there), and the
-    switch for FCFS."""
+    """The single-model world's stacks without migration with MLFQ and DB
+    (their requests keep explicit counts), and with the stack's own batching
+    (FCFS: bound batches)."""
     reqs = _requests(items, (MODEL, MODEL))
     cluster: dict[str, Any] = {"gpu": "a100-40gb", "mem_util": 0.33 if small else 0.9}
     cluster |= {"elastic": False, "gpus": 2} if small else {"elastic": True}
@@ -155,8 +155,7 @@ def test_single_model_stacks_on_one_model_groups_keep_their_invariants(
     }
     _ends_once(Simulator(config_from_dict(data), reqs).run(), len(reqs))
     data["policy"] = {"stack": stack}
-    sim = Simulator(config_from_dict(data), reqs, one_model_groups=True)
-    _ends_once(sim.run(), len(reqs))
+    _ends_once(Simulator(config_from_dict(data), reqs).run(), len(reqs))
 
 
 def _chunked_cases() -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetserve.metrics.records import RequestRecord
-from fleetserve.sim import group, instance, kun, kun_parts, migration, multi, seq
+from fleetserve.sim import group, group_instance, kun, kun_parts, migration, multi, seq
 from fleetserve.sim.seq import PREFILLING, RUNNING, WAITING, Seq
 from fleetserve.workload.request import Request
 
@@ -31,7 +31,7 @@ class _Holder:
 
 
 def test_every_world_uses_the_one_class() -> None:
-    for mod in (group, instance, kun, migration, multi):
+    for mod in (group, group_instance, kun, migration, multi):
         assert mod.Seq is seq.Seq, mod.__name__
     assert not hasattr(kun_parts, "KSeq") and not hasattr(group, "GSeq")
 

@@ -134,7 +134,7 @@ from fleetserve.metrics.records import RunResult
 from fleetserve.policy.catalog import SINGLE, world_of
 from fleetserve.runtime.plan import plan_workers
 from fleetserve.sim.build import Workload, build_workload
-from fleetserve.sim.instance import IDLE, Instance
+from fleetserve.sim.group_instance import IDLE, GroupInstance
 from fleetserve.sim.multi_build import history_placement
 from fleetserve.sim.simulator import ProgressFn, Simulator, preflight
 from fleetserve.spec import GpuSpec, emulated_gpu, get_model
@@ -494,7 +494,7 @@ def placed_simulator(
             raise ValueError("iteration timelines need macro_steps off")
         tls = timelines
 
-        def observe(inst: Instance, now: float) -> None:
+        def observe(inst: GroupInstance, now: float) -> None:
             tl = tls.setdefault(inst.id, Timeline([], []))
             tl.add(now, inst.phase != IDLE)
 

@@ -1,27 +1,49 @@
 """A running batch whose requests decode together: bound token counts.
 
-A single-model instance (:class:`~fleetserve.sim.instance.Instance`) and a
-KunServe executor (:class:`~fleetserve.sim.kun.Executor`) decode every running
-request at each iteration. So a request's counts follow one step counter: it
-holds ``base + steps`` tokens of KV (``base`` fixed when it joined), and it
-finishes at a step known when it joins. A decode iteration moves the counter,
-not every request (:class:`~fleetserve.sim.seq.Seq`, "bound"), and finishes
-come out of a heap keyed by step (:class:`~fleetserve.sim.finish.FinishQueue`).
-This is what keeps the single-model world at tens of thousands of requests per
+A single-model instance (a one-model sharing group,
+:class:`~fleetserve.sim.group_instance.GroupInstance`), a sharing group's
+service under FCFS or RR, and a KunServe executor
+(:class:`~fleetserve.sim.kun.Executor`) decode every running request at each
+iteration. So a request's counts follow one step counter: it holds ``base +
+steps`` tokens of KV (``base`` fixed when it joined), and it finishes at a
+step known when it joins. A decode iteration moves the counter, not every
+request (:class:`~fleetserve.sim.seq.Seq`, "bound"), and finishes come out of
+a heap keyed by step (:class:`~fleetserve.sim.finish.FinishQueue`). This is
+what keeps the single-model world at tens of thousands of requests per
 wall-second.
 
-:class:`BoundBatch` is that batch, one implementation for both. With a block
-size it also keeps a histogram of the requests' ``base`` modulo the block size:
-the requests whose next token opens a new block at a given step are those of one
-residue, so the blocks a segment of ``n`` iterations adds are one sum over the
-histogram (:meth:`BoundBatch.growth`; see :mod:`fleetserve.sim.instance`,
-"Macro-steps").
+Macro-steps. While a batch only decodes, its composition cannot change
+before the next finish, the next block shortage, or the next external event
+(an arrival dispatched here). Those iterations are computed in one go:
+iteration ``j`` reads ``ctx_j = sum_i (kv_i + j + 1)`` tokens and its end time
+is the running sum of the iteration times, added in order
+(:meth:`~fleetserve.costmodel.InstanceCost.decode_ends`), so the times equal
+those of an iteration-by-iteration run bit for bit. An arrival mid-segment
+truncates the segment at the end of the iteration in flight.
+
+Block growth without a loop over requests. A request holding ``kv`` tokens
+needs a new block in decode iteration ``j`` iff ``(kv + j) % bs == 0``, i.e.
+at ``j = r, r + bs, r + 2bs, ...`` with ``r = (-kv) % bs``. With ``C[s]`` the
+number of running requests with ``r <= s``, the blocks added up to and
+including iteration ``j = m*bs + s`` are::
+
+    D(j) = m * B + C[s]            (B = batch size)
+
+    r:    0   1   2  ...  s  ...  bs-1
+    cnt:  2   0   1       3        1      C[s] = cnt[0] + ... + cnt[s]
+
+so the shortage iteration (first ``j`` with ``D(j) > free``) takes O(bs).
+
+:class:`BoundBatch` is that batch, one implementation for all. With a block
+size it keeps the histogram of the requests' ``base`` modulo the block size
+(:meth:`BoundBatch.growth`).
 
 The batch also keeps the decode segment in flight (the iterations its holder
 started as one job: their end times and the blocks each opens), so it answers
 the "as of now" counts a bound request reads (:attr:`BoundBatch.decode_steps`,
 :meth:`BoundBatch.kv_steps`) and the blocks held as of now
-(:meth:`BoundBatch.grown`).
+(:meth:`BoundBatch.grown`): as of ``now``, ``k`` iterations of the segment
+are complete (``bisect_right(ends, now)``) and iteration ``k`` is in flight.
 """
 
 from __future__ import annotations

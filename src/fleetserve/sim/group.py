@@ -507,10 +507,10 @@ class SharingGroup:
 
     def ahead_blocks(self, model: str, now: float) -> int:
         """Token-blocks ``model``'s macro decode jobs hold ahead of ``now``: a
-        macro job allocates its whole segment's KV when it starts, while an
-        instance counts, as of now, the blocks of the iterations done and the
-        one in flight (``Instance.used_blocks``). Dispatch views count them
-        as free (:class:`HostView`)."""
+        macro job allocates its whole segment's KV when it starts, while the
+        views count, as of now, the blocks of the iterations done and the one
+        in flight (as vLLM holds them). Dispatch views count them as free
+        (:class:`HostView`)."""
         b = self._bound.get(model)
         if b is not None:  # a bound batch's segment of k > 1 iterations: its growth ahead
             return b.ahead(now)
@@ -1133,7 +1133,7 @@ class SharingGroup:
         later boundary of a decode segment starting now (conservative: its
         blocks fit the service's free token-blocks above the watermark; with
         prefix caching, any queued prompt, since hits may need fewer). The
-        single-model instance's rule (``Instance._may_admit``)."""
+        rule of the single-model ``Instance`` this group replaced (session 29)."""
         lay = self.layout
         bs = self._bs
         for m, q in self.waiting.items():

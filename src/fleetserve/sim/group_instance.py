@@ -1,71 +1,82 @@
-"""A one-model sharing group behind the single-model simulator's instance
-protocol: the next step of issue 21's "one instance model".
+"""The single-model simulator's instance: one model on one GPU (group), as a
+one-model sharing group (issue 21's "one instance model", session 29).
 
 The single-model world (:class:`~fleetserve.sim.simulator.Simulator`) keeps
-one :class:`~fleetserve.sim.instance.Instance` per GPU (group) and drives it
-with a small protocol: ``enqueue``/``schedule``/``truncate`` return the end of
-the iteration in flight (pushed as an ``ITER_END`` event for ``version``),
-``complete`` ends it and returns the requests that finished, and the dispatch
-policies, the cluster index (:mod:`fleetserve.cluster.index`) and the usage
-totals (:mod:`fleetserve.sim.usage`) read lazy "as of now" views between
-events. :class:`GroupInstance` speaks that protocol over a one-model
+one :class:`GroupInstance` per GPU (group): a one-model
 :class:`~fleetserve.sim.group.SharingGroup` (partitioned layout, the group
-scheduler of the same name as the batching policy: FCFS or RR):
+scheduler of the same name as the batching policy), the multi-LLM world's
+instance type, behind a small protocol: ``enqueue``/``schedule``/``truncate``
+return the end of the job in flight (pushed as an ``ITER_END`` event for
+``version``), ``complete`` ends it and returns the requests that finished,
+and the dispatch policies, the cluster index (:mod:`fleetserve.cluster.index`)
+and the usage totals (:mod:`fleetserve.sim.usage`) read lazy "as of now"
+views between events. It replaced the single-model ``Instance`` class (until
+session 28), whose records, time series, moves, cache counters and, under
+FCFS, events it reproduced exactly (tested by hypothesis and checked on every
+fingerprinted run, ``benchmarks/fingerprints/session29.json.gz``).
+
+Token bookkeeping of one request (``p`` prompt tokens, ``g`` generated)::
+
+    waiting (fresh or preempted): no KV; a prefill processes p + g tokens,
+                                  leaves p + g tokens of KV and emits token g+1
+    running:                      KV holds p + g - 1 tokens (the newest token
+                                  is not cached yet); a decode step caches it
+                                  and emits the next one
+    finishes                      when g == output_tokens
 
 - **Events.** A one-model group under a temporal scheduler has at most one job
   in flight, so its job token is the instance's ``version``: a job cut short
-  (``truncate``) gets a new token and the old event is stale, as an
-  instance's truncated segment gets a new version.
+  (``truncate``) gets a new token and the old event is stale.
+- **Scheduling.** Under FCFS and RR the group keeps its running requests bound
+  to a step counter (:class:`~fleetserve.sim.batch.BoundBatch`) and runs its
+  scheduler's one-model case directly
+  (:meth:`~fleetserve.sim.group.SharingGroup.schedule_one`): admission in
+  queue order while prompts fit (vLLM's), else the batch decodes. A decode
+  segment runs as one job up to the first finish or block shortage
+  ("macro-steps", :mod:`fleetserve.sim.batch`; bit for bit an
+  iteration-by-iteration run), past a queue whose head does not fit and past
+  a preemption when no queued prompt could be admitted later in it (the
+  free blocks only shrink until a request finishes). An arrival cuts the
+  segment at its iteration in flight (``truncate``). MLFQ and DB keep the
+  group's explicit counts (``kv_saved``, ``gen_saved``, updated at job ends).
 - **Views.** A :class:`GroupInstance` is its group's
-  :class:`~fleetserve.sim.group.HostView` (the multi-LLM world's dispatch
-  view) of its model, read at the clock's time: it counts blocks as an
-  instance does (a macro job's blocks allocated ahead of now count as free).
-  ``avail_bounds`` bounds it until the next change report: it only falls
-  while a macro job runs, down to the job's end.
-- **Change reports.** Every protocol call reports the instance to the logs it
-  is tracked by (conservative: the group changes at every call).
-- **Scheduling.** The group runs its scheduler's one-model case directly
-  (admission in queue order, else the batch's decode:
-  :meth:`~fleetserve.sim.group.SharingGroup.schedule_one`), as an instance
-  runs it.
+  :class:`~fleetserve.sim.group.HostView` of its model, read at the clock's
+  time: as of now, ``k`` iterations of the segment in flight are complete and
+  iteration ``k`` is in flight; a running request's KV counts the token
+  iteration ``k`` is caching (its block is allocated when the iteration
+  starts), so policies read what an iteration-by-iteration run shows at the
+  same instant, and a segment's blocks allocated ahead of now count as free.
+  ``avail_bounds`` bounds the available blocks until the next change report:
+  they only fall while a segment runs, down to its end.
+- **Change reports** (for :mod:`fleetserve.cluster.index` and
+  :mod:`fleetserve.sim.usage`). Every protocol call reports the instance to
+  the logs it is tracked by (:class:`ChangeReports`), so an index re-reads
+  only instances that changed.
 - **Usage totals.** :meth:`GroupInstance.usage_segment` gives the blocks at
   the end of the job in flight, its end, and the blocks held ahead of any
   time before it, which the totals subtract at their grid times.
 - **Activation.** An instance activated during a run waits for its weights
   (``ready_s``): the group is ``loading`` and starts no job until then.
-
-Under FCFS and RR (with or without chunked prefill), the group keeps the running
-requests *bound* to a step counter (``SharingGroup(bound=True)``: the
-instance's :class:`~fleetserve.sim.batch.BoundBatch`, and the layout keeps the
-batch's totals), so a decode job costs what an instance's segment costs:
-O(block size + finishes), not O(requests), and a policy reading a running
-request's tokens mid-segment sees them as of now, as on an instance. MLFQ and
-DB keep the group's *explicit* counts (``kv_saved``,
-``gen_saved``, updated at job ends).
-
 - **Moves.** Llumnix's and Mell's migrations (:mod:`fleetserve.sim.migration`)
-  use the group's actions ("Moving a request" in :mod:`fleetserve.sim.group`):
-  reservations and a detached request's kept blocks are the layout's held
-  blocks, a request leaves or joins the bound batch at its boundary, and the
-  copies in flight slow the iterations that start beside them. The group
-  names this instance as its requests' ``inst``, which the moves read.
-
+  use the group's actions ("Moving a request" in :mod:`fleetserve.sim.group`).
+  Every change of the batch, queue or memory happens at an iteration
+  boundary (``detach``, ``attach``: between ``complete`` and ``schedule``) or
+  mid-segment followed by a truncation (``reserve``, ``unreserve``,
+  ``release_held``, ``remove_waiting``, ``enqueue``), so the next boundary
+  re-plans exactly where an iteration-by-iteration run would. Reserved and
+  kept blocks are the layout's held blocks; the copies in flight slow the
+  iterations that start beside them.
 - **Prefix caching.** The group's cache ("Prefix caching" in
-  :mod:`fleetserve.sim.group`) with the run's counters.
+  :mod:`fleetserve.sim.group`) with the run's counters: a request's blocks
+  are its private ones plus the cache entries it references, each entry
+  counted once; unreferenced entries are evictable and count as free.
+- **Chunked prefill** (FCFS, RR): while a prompt is being prefilled, every
+  iteration is mixed (the batch decodes one token beside prompt chunks that
+  fill the token budget); a prompt's blocks are allocated in full when it is
+  admitted.
 
-Behind a switch (``Simulator(..., one_model_groups=True)``), for every
-single-model stack, migration and prefix caching included (session 28);
-``tests/test_group_instance.py`` and ``tests/test_prefix_cache_sim.py``
-check that their records, time series, GPU intervals, migrations and cache
-counters equal the instance's. The event counts differ a
-little (65,646 against 65,555 on the Azure trace of ``make bench``): a
-decode iteration that preempts runs as a job of its own in the group, where
-the instance's segment goes on past it when no queued prompt could be
-admitted. About 1.75x slower than the instance for now (``make bench``,
-session 28: 22,403 against 39,177 requests/s; 4-5x before the bound
-batches): the rest is the layers a job passes through (the instance
-protocol, the group's job registry, the layout's books beside the batch's,
-the admission budget, the views), each a few Python calls.
+Speed (``make bench``, ``benchmarks/sim_speed.py``): see
+docs/architecture.md, "Session 29".
 """
 
 from __future__ import annotations
@@ -78,7 +89,6 @@ import numpy as np
 from fleetserve.errors import ConfigError
 from fleetserve.policy.sharing import BATCHING, GroupScheduler, ServiceStats
 from fleetserve.sim.group import HostView, SharingGroup
-from fleetserve.sim.instance import ChangeReports
 from fleetserve.sim.kvlayout import make_layout
 from fleetserve.sim.prefix_cache import PrefixStats
 from fleetserve.sim.seq import Seq
@@ -91,13 +101,54 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupInstance"]
 
-IDLE, BUSY = 0, 1  # ``phase``: the instance's IDLE, and any job in flight
+IDLE, BUSY = 0, 1  # ``phase``: no job in flight, and one
+
+
+class ChangeReports:
+    """Change reports of an instance (module docstring): the logs it is
+    tracked by (``_logs``, set by the instance) get ``log[id] = instance``
+    on every change of its blocks, queue or batch."""
+
+    id: int
+    _logs: list[dict[int, Any]]
+
+    def track(self, log: dict[int, Any]) -> None:
+        """Write ``log[self.id] = self`` on every change of blocks, queue or batch."""
+        self._logs.append(log)
+
+    def untrack(self, log: dict[int, Any]) -> None:
+        """Stop reporting to ``log``."""
+        self._logs = [g for g in self._logs if g is not log]
+
+    def _changed(self) -> None:
+        for log in self._logs:
+            log[self.id] = self
 
 
 class GroupInstance(HostView, ChangeReports):
     """One model on one GPU (group) as a one-model sharing group (see the
-    module docstring). The arguments are :class:`~fleetserve.sim.instance.Instance`'s,
-    with the model's shape (``spec``) and the batching policy by name.
+    module docstring).
+
+    Args:
+        iid: instance id.
+        model: model name.
+        spec: the model's shape.
+        gpus: GPU ids it occupies.
+        tp: tensor-parallel degree.
+        total_blocks: KV blocks of the instance.
+        block_size: tokens per block.
+        cost: cost model bound to (model, GPU, tp).
+        batching: the batching policy (a group scheduler) by name.
+        clock: the simulation clock (for the lazy "as of now" views).
+        stats: the model's statistics (schedulers without a one-model case:
+            MLFQ, DB).
+        max_num_seqs: running batch limit.
+        max_batched_tokens: prefill token budget per iteration.
+        watermark: fraction of blocks kept free at admission (vLLM's 1%).
+        macro_steps: advance fixed decode batches several iterations at once.
+        chunked_prefill: split prompts into chunks run together with decodes.
+        prefix_caching: share the KV of cached prompt prefixes.
+        prefix_stats: the run's prefix-cache counters (None: its own).
 
     Its views are its group's :class:`~fleetserve.sim.group.HostView` for its
     model, read at the simulation clock's time (``_now``); its fixed facts

@@ -5,7 +5,7 @@ each request has a FIFO of planned moves. Once per epoch the simulator hands
 the head move of every request that can move now to the migration
 *mechanism* (:mod:`fleetserve.policy.mechanism`), which returns the moves to
 start with their mode. This module executes them on the simulator's
-:class:`~fleetserve.sim.instance.Instance` objects.
+:class:`~fleetserve.sim.group_instance.GroupInstance` objects.
 
 KV transfer of a running request (Llumnix's live migration)::
 
@@ -19,7 +19,7 @@ KV transfer of a running request (Llumnix's live migration)::
   it starts, the destination reserves the blocks that KV will occupy; a
   reservation may only take blocks that are free as of now, beyond the
   growth of the iteration in flight and the admission watermark
-  (:meth:`Instance.can_reserve`), and it truncates the destination's decode
+  (:meth:`GroupInstance.can_reserve`), and it truncates the destination's decode
   segment so the next boundary re-plans with less memory. No room: abort —
   unless no KV was sent yet and ``migration.wait_for_room_s`` is above 0: the
   move then *waits* (the request decodes on at its source) and is retried at
@@ -125,7 +125,7 @@ from fleetserve.policy.mechanism import (
     shard_ports,
 )
 from fleetserve.sim.events import ITER_END, TRANSFER, Event
-from fleetserve.sim.instance import IDLE, Instance
+from fleetserve.sim.group_instance import IDLE, GroupInstance
 from fleetserve.sim.seq import PREFILLING, Seq
 
 if TYPE_CHECKING:
@@ -190,7 +190,9 @@ class MigrationTask:
         "wait_since",
     )
 
-    def __init__(self, seq: Seq, src: Instance, dst: Instance, mode: str, link: Link) -> None:
+    def __init__(
+        self, seq: Seq, src: GroupInstance, dst: GroupInstance, mode: str, link: Link
+    ) -> None:
         self.seq = seq
         self.src = src
         self.dst = dst
@@ -246,25 +248,25 @@ class Migrations:
         self.intra = intra_node_link(gpu)
         self.inter = network_link(gpu)
         self.hbm_bw = gpu.hbm_bw
-        self.pending: dict[int, deque[tuple[Instance, str | None]]] = {}
+        self.pending: dict[int, deque[tuple[GroupInstance, str | None]]] = {}
         self._out: dict[int, list[MigrationTask]] = {}  # by source instance id
         self._in: dict[int, list[MigrationTask]] = {}  # by destination instance id
         self.transit: dict[int, MigrationTask] = {}  # token moves in flight, by request id
         self.records: list[MigrationRecord] = []
         self.aborted = 0
         self.abort_reasons: dict[str, int] = {}  # aborts by reason (ids as N)
-        self.touched: list[Instance] = []
+        self.touched: list[GroupInstance] = []
         # Told the request id of every aborted or dropped move (the simulator
         # passes MigrationPolicy.on_move_aborted).
         self.on_abort: Callable[[int], None] = _ignore
         self._port_free: dict[LinkPort, float] = {}  # when each busy port is free again
 
     # ------------------------------------------------------------- planning
-    def plan_move(self, seq: Seq, dst: Instance, mode: str | None) -> None:
+    def plan_move(self, seq: Seq, dst: GroupInstance, mode: str | None) -> None:
         """Append a move of ``seq`` to ``dst`` to its FIFO of pending moves."""
         self.pending.setdefault(seq.id, deque()).append((dst, mode))
 
-    def link(self, src: Instance, dst: Instance) -> Link:
+    def link(self, src: GroupInstance, dst: GroupInstance) -> Link:
         """The link a move from ``src`` to ``dst`` uses."""
         gpn = self.gpus_per_node
         return self.intra if src.gpus[0] // gpn == dst.gpus[0] // gpn else self.inter
@@ -272,7 +274,7 @@ class Migrations:
     def start_pending(
         self,
         seqs: Sequence[Seq | None],
-        alive: dict[int, Instance],
+        alive: dict[int, GroupInstance],
         ctx: MechanismContext,
         now: float,
     ) -> list[Event]:
@@ -284,7 +286,7 @@ class Migrations:
         are dropped, and finished requests' moves are forgotten.
         """
         offered: list[PendingMove] = []
-        by_move: dict[int, tuple[Seq, Instance]] = {}
+        by_move: dict[int, tuple[Seq, GroupInstance]] = {}
         for rid in list(self.pending):
             fifo = self.pending[rid]
             seq = seqs[rid]
@@ -329,7 +331,7 @@ class Migrations:
         return events
 
     # ------------------------------------------------------------- starting
-    def _start(self, seq: Seq, dst: Instance, mode: str, now: float, ev: list[Event]) -> None:
+    def _start(self, seq: Seq, dst: GroupInstance, mode: str, now: float, ev: list[Event]) -> None:
         src = seq.inst
         assert src is not None
         task = MigrationTask(seq, src, dst, mode, self.link(src, dst))
@@ -433,7 +435,7 @@ class Migrations:
             self._complete(t, now)
         return ev
 
-    def at_boundary(self, inst: Instance, now: float) -> list[Event]:
+    def at_boundary(self, inst: GroupInstance, now: float) -> list[Event]:
         """``inst`` completed an iteration and has not planned the next one:
         abort moves of requests that just finished there, detach requests
         leaving it, attach requests arriving."""
@@ -469,7 +471,7 @@ class Migrations:
         t.phase = STAGE
         self._next_stage(t, now, ev)
 
-    def after_schedule(self, inst: Instance, now: float) -> list[Event]:
+    def after_schedule(self, inst: GroupInstance, now: float) -> list[Event]:
         """``inst`` preempted requests that were migrating out: abort their moves."""
         ev: list[Event] = []
         pre = list(inst.preempted_migrating)
@@ -608,7 +610,7 @@ class Migrations:
         for rid in self.transit:
             yield rid, "in transit"
 
-    def check_integrity(self, instances: dict[int, Instance]) -> None:
+    def check_integrity(self, instances: dict[int, GroupInstance]) -> None:
         """Migration memory and references of every instance match the tasks."""
         for iid, inst in instances.items():
             out = self._out.get(iid, [])
@@ -635,7 +637,7 @@ def _ignore(request_id: int) -> None:
     pass
 
 
-def _iter_end(inst: Instance, end: float | None, ev: list[Event]) -> None:
+def _iter_end(inst: GroupInstance, end: float | None, ev: list[Event]) -> None:
     if end is not None:
         ev.append((end, ITER_END, (inst, inst.version)))
 

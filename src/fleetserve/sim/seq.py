@@ -1,6 +1,6 @@
 """One request's state in the simulator, the same class in every world.
 
-The single-model world (:class:`~fleetserve.sim.instance.Instance`), the
+The single-model world (:class:`~fleetserve.sim.group_instance.GroupInstance`), the
 multi-LLM world (:class:`~fleetserve.sim.group.SharingGroup`) and the KunServe
 world (:class:`~fleetserve.sim.kun.Executor`) keep a request's state in one
 :class:`Seq`. It implements :class:`~fleetserve.cluster.state.SeqView` (what
@@ -24,17 +24,17 @@ Phases (``state``; every world uses the subset its mechanisms have)::
 Token counts, two ways:
 
 * **bound** (``bound`` true): the request runs in a batch that steps together
-  (:class:`~fleetserve.sim.batch.BoundBatch`: an instance's, a KunServe
-  executor's), and holds ``base + batch.kv_steps()`` tokens of KV with
+  (:class:`~fleetserve.sim.batch.BoundBatch`: a sharing group's service under
+  FCFS or RR, a KunServe executor's), and holds ``base + batch.kv_steps()`` tokens of KV with
   ``base + batch.decode_steps - prompt + 1`` generated. A
   decode iteration moves the instance's step counter, not every request: this
   is what keeps the single-model world at tens of thousands of requests per
-  wall-second (see :mod:`fleetserve.sim.instance`, "Macro-steps").
+  wall-second (see :mod:`fleetserve.sim.batch`, "Macro-steps").
 * **explicit** (``bound`` false): ``kv_saved`` tokens of KV and ``gen_saved``
-  generated. A sharing group keeps every running request this way, because
-  its scheduler steps a subset of a service's requests (DB, MLFQ); the other
-  worlds keep a request this way while it does not decode (waiting,
-  prefilling, stalled, in transit, swapped out).
+  generated. A sharing group keeps every running request this way when its
+  scheduler steps a subset of a service's requests (DB, MLFQ) or jobs run at
+  once (ADBS, pipelined groups); every world keeps a request this way while
+  it does not decode (waiting, prefilling, stalled, in transit, swapped out).
 
 The fields of one mechanism are unused in the worlds without it: prefix
 caching (``hashes``, ``refs``, ``shared``, ``pub``, ``hash_tokens``) in the

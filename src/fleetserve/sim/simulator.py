@@ -56,15 +56,13 @@ from fleetserve.policy import (
     Reject,
     ReleaseGpu,
 )
-from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.catalog import KUNSERVE, MULTI, check_world, resolve_policies
 from fleetserve.policy.mechanism import MODES
 from fleetserve.policy.sharing import BATCHING, ServiceStats
 from fleetserve.sim.admission import context_note, context_reason
 from fleetserve.sim.batch import SimClock
 from fleetserve.sim.events import EPOCH, GROUP_READY, ITER_END, SAMPLE, TRANSFER, Event
-from fleetserve.sim.group_instance import GroupInstance
-from fleetserve.sim.instance import IDLE, Instance
+from fleetserve.sim.group_instance import IDLE, GroupInstance
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.migration import Migrations
 from fleetserve.sim.multi import service_stats
@@ -121,13 +119,6 @@ class Simulator:
         on_iteration_end: called as ``on_iteration_end(instance, now)`` after
             each iteration end is handled (an observer: it must not change
             the simulation).
-        one_model_groups: each instance is a one-model sharing group
-            (:class:`~fleetserve.sim.group_instance.GroupInstance`: the
-            multi-LLM world's instance type), the default since session 29.
-            False runs the single-model :class:`~fleetserve.sim.instance.Instance`,
-            kept as the reference the groups are tested against (the same
-            records, time series, moves and, under FCFS, events) until it
-            goes; it runs FCFS and RR only.
 
     Raises:
         ConfigError: when a model does not fit on the configured GPUs, or a
@@ -144,8 +135,7 @@ class Simulator:
         progress: ProgressFn | None = None,
         progress_every: int = 4096,
         placement: Sequence[str] | None = None,
-        on_iteration_end: Callable[[Instance, float], None] | None = None,
-        one_model_groups: bool = True,
+        on_iteration_end: Callable[[GroupInstance, float], None] | None = None,
     ) -> None:
         self.cfg = config
         self._placement = tuple(placement) if placement is not None else None
@@ -170,7 +160,6 @@ class Simulator:
         # a temporal batching policy without a one-model case (MLFQ, DB) runs on
         # one-model sharing groups, with the statistics its scheduler reads
         needs_groups = not BATCHING.get(pn["batching"]).one_model
-        self.one_model_groups = one_model_groups or needs_groups
         if needs_groups:  # their requests keep explicit counts: no bound batch
             why = [
                 w
@@ -226,7 +215,7 @@ class Simulator:
             request_blocks=dict(self.max_req_blocks),
             block_size=cl.block_size,
         )
-        self.instances: dict[int, Instance] = {}
+        self.instances: dict[int, GroupInstance] = {}
         self._next_iid = 0
         self.records = [
             RequestRecord(r.id, r.model, r.arrival_s, r.prompt_tokens, r.output_tokens)
@@ -287,48 +276,25 @@ class Simulator:
         for m in placement.place(rates, n_gpus, dict(self.state.model_tp)):
             self._start_instance(m, 0.0)
 
-    def _start_instance(self, model: str, now: float, *, load: bool = False) -> Instance:
+    def _start_instance(self, model: str, now: float, *, load: bool = False) -> GroupInstance:
         """A new instance of ``model`` on GPUs from the pool; ``load``: an
         activation during the run, which loads its weights first
         (``cluster.activation_s``; the instances a run starts with are loaded)."""
         cl = self.cfg.cluster
         eng = self.cfg.engine
         gpus = self.pool.allocate(cl.tp, now)
-        if self.one_model_groups:
-            return self._add_instance(
-                GroupInstance(
-                    self._next_iid,
-                    model,
-                    self.specs[model],
-                    gpus,
-                    cl.tp,
-                    self.blocks[model],
-                    cl.block_size,
-                    self.costs[model],
-                    self.batching_name,
-                    self.clock,
-                    stats=self.group_stats.get(model),
-                    max_num_seqs=eng.max_num_seqs,
-                    max_batched_tokens=eng.max_batched_tokens,
-                    watermark=eng.watermark,
-                    macro_steps=self.cfg.macro_steps,
-                    chunked_prefill=eng.chunked_prefill,
-                    prefix_caching=eng.prefix_caching,
-                    prefix_stats=self.prefix_stats,
-                ),
-                now,
-                load,
-            )
-        inst = Instance(
+        inst = GroupInstance(
             self._next_iid,
             model,
+            self.specs[model],
             gpus,
             cl.tp,
             self.blocks[model],
             cl.block_size,
             self.costs[model],
-            instance_batching(self.batching_name),
+            self.batching_name,
             self.clock,
+            stats=self.group_stats.get(model),
             max_num_seqs=eng.max_num_seqs,
             max_batched_tokens=eng.max_batched_tokens,
             watermark=eng.watermark,
@@ -337,11 +303,6 @@ class Simulator:
             prefix_caching=eng.prefix_caching,
             prefix_stats=self.prefix_stats,
         )
-        return self._add_instance(inst, now, load)
-
-    def _add_instance(self, inst: Any, now: float, load: bool) -> Instance:
-        cl = self.cfg.cluster
-        model = inst.model
         self._next_iid += 1
         if load and cl.activation_s > 0:
             inst.ready_s = now + cl.activation_s
@@ -393,13 +354,13 @@ class Simulator:
         return self.kernel.n_events
 
     # ---------------------------------------------------------------- events
-    def _ev_iter_end(self, payload: tuple[Instance, int], now: float) -> list[Event] | None:
+    def _ev_iter_end(self, payload: tuple[GroupInstance, int], now: float) -> list[Event] | None:
         inst, version = payload
         if inst.version != version or inst.id not in self.instances:
             return None  # superseded by a truncation
         return self._on_iteration_end(inst, now)
 
-    def _ev_ready(self, inst: Instance, now: float) -> list[Event]:
+    def _ev_ready(self, inst: GroupInstance, now: float) -> list[Event]:
         """An activated instance's weights are in: its first iteration starts."""
         if self.instances.get(inst.id) is not inst:
             return []
@@ -471,7 +432,7 @@ class Simulator:
             return self._loaded() + self._enqueue(seq, inst, now)
         return self._enqueue(seq, inst, now)
 
-    def _enqueue(self, seq: Seq, inst: Instance, now: float) -> list[Event]:
+    def _enqueue(self, seq: Seq, inst: GroupInstance, now: float) -> list[Event]:
         if inst.model != seq.model:
             raise RuntimeError(f"dispatched a {seq.model} request to a {inst.model} instance")
         seq.record.instance = inst.id
@@ -483,7 +444,7 @@ class Simulator:
         rec.reason = reason
         self.n_done += 1
 
-    def _on_iteration_end(self, inst: Instance, now: float) -> list[Event]:
+    def _on_iteration_end(self, inst: GroupInstance, now: float) -> list[Event]:
         done = inst.complete(now)
         if done:
             self.n_done += len(done)
@@ -498,7 +459,7 @@ class Simulator:
             self._observe_iteration(inst, now)
         return caused
 
-    def _schedule(self, inst: Instance, now: float) -> list[Event]:
+    def _schedule(self, inst: GroupInstance, now: float) -> list[Event]:
         """Plan ``inst``'s next iteration at a boundary (or while it sits idle);
         abort moves of requests it preempted; consult the memory policy when
         it is idle."""
@@ -511,7 +472,7 @@ class Simulator:
                 self._apply_release(action, now)
         return caused
 
-    def _settle(self, now: float, exclude: Instance | None = None) -> list[Event]:
+    def _settle(self, now: float, exclude: GroupInstance | None = None) -> list[Event]:
         """Re-plan instances a migration changed while they sat idle (phase IDLE):
         memory freed may admit their queue, a request attached starts decoding,
         and one left idle is offered to the memory policy. ``exclude`` is the
@@ -565,7 +526,7 @@ class Simulator:
         return caused
 
     def _apply_plan_action(self, action: Any, refs: dict[int, int], now: float) -> list[Event]:
-        def inst_of(iid: int) -> Instance:
+        def inst_of(iid: int) -> GroupInstance:
             iid = refs.get(iid, iid)
             inst = self.instances.get(iid)
             if inst is None:

@@ -5,7 +5,7 @@ capacity, the demand (used plus the waiting prompts' blocks), the queued and
 the running requests of the whole cluster. Summing them over every instance
 per sample costs the number of instances each time, busy or not.
 :class:`UsageTotals` keeps the sums instead: an instance that reports a
-change (:meth:`~fleetserve.sim.instance.Instance.track`) is re-read at the next
+change (:meth:`~fleetserve.sim.group_instance.ChangeReports.track`) is re-read at the next
 sample, so a sample costs the instances that changed since the previous one.
 
 The one quantity that moves without a change report is the KV in use of an
@@ -29,11 +29,13 @@ at the next grid sample when the cluster is large again.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fleetserve.sim.instance import DECODE, Instance
+if TYPE_CHECKING:
+    from fleetserve.sim.group_instance import GroupInstance
+
 
 TOTALS_FROM = 16
 """Instances from which samples use the kept totals (below half of it they
@@ -67,9 +69,9 @@ class UsageTotals:
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self.members: dict[int, tuple[Instance, int]] = {}  # id -> (instance, bytes per block)
+        self.members: dict[int, tuple[GroupInstance, int]] = {}  # id -> (instance, bytes per block)
         self.active = False
-        self.log: dict[int, Instance] = {}
+        self.log: dict[int, GroupInstance] = {}
         self.snaps: dict[int, _Snap] = {}
         self.next_t: float | None = None  # when the next grid sample is due
         self.used = self.reserved = self.cap = self.queued = self.running = 0
@@ -79,7 +81,7 @@ class UsageTotals:
         self.delta = np.zeros(0, dtype=np.int64)  # summed growth deltas, per grid index - g0
 
     # ------------------------------------------------------------ members
-    def add(self, inst: Instance, bytes_per_block: int) -> None:
+    def add(self, inst: GroupInstance, bytes_per_block: int) -> None:
         """A newly active instance."""
         self.members[inst.id] = (inst, bytes_per_block)
         if self.active:
@@ -162,33 +164,9 @@ class UsageTotals:
         self._cover(len(times) - 1)
         return self.g0 + bisect_left(times, t, self.cur - self.g0)
 
-    def _snap(self, inst: Instance, bb: int) -> None:
-        if not isinstance(inst, Instance):
-            self._snap_group(inst, bb)
-            return
-        s = _Snap()
-        used = inst.used
-        if inst.phase >= DECODE:
-            batch = inst.batch
-            ends = batch.ends
-            n1 = batch.n - 1
-            end_growth = batch.grown(n1)
-            used += end_growth
-            stop = self._grid_until(float(ends[n1])) if n1 else self.cur
-            if stop > self.cur:  # grid times before the segment's end: growth still to come
-                a, b = self.cur - self.g0, stop - self.g0
-                k = np.searchsorted(ends, self.times[a:b], side="right")
-                np.minimum(k, n1, out=k)
-                d = (batch.grown_at(k) - end_growth) * bb
-                self.delta[a:b] += d
-                s.start, s.delta = self.cur, d
-        s.running = len(inst.running) + len(inst._prefill) + len(inst._prefilling)
-        self._add_snap(inst, s, used * bb, bb)
-
-    def _snap_group(self, inst: Any, bb: int) -> None:
-        """A one-model group's snapshot (:class:`~fleetserve.sim.group_instance.GroupInstance`):
-        the blocks at its job's end, less those held ahead of each grid time
-        before it."""
+    def _snap(self, inst: GroupInstance, bb: int) -> None:
+        """An instance's snapshot: the blocks at the end of its job in flight,
+        less those held ahead of each grid time before it."""
         s = _Snap()
         used, end, ahead = inst.usage_segment()
         if end is not None:
@@ -199,10 +177,7 @@ class UsageTotals:
                 self.delta[a:b] += d
                 s.start, s.delta = self.cur, d
         s.running = inst.num_running + inst.num_prefilling
-        self._add_snap(inst, s, used * bb, bb)
-
-    def _add_snap(self, inst: Any, s: _Snap, used: int, bb: int) -> None:
-        s.used = used
+        s.used = used * bb
         s.reserved = inst.reserved_blocks * bb
         s.cap = inst.total_blocks * bb
         s.queued = len(inst.waiting)
