@@ -405,14 +405,17 @@ class Simulator:
             )
             return []
         action = self.dispatcher.dispatch(self.state, req, now, self.rng)
-        if isinstance(action, Reject):
+        dispatched = type(action) is Dispatch  # the common case: one check
+        if not dispatched and isinstance(action, Reject):
             self._reject(rec, action.reason)
             return []
         if action.request_id != req.id:
             raise RuntimeError(f"dispatch returned {action} for request {req.id}")
         seq = Seq(req, rec)
         self.seqs[req.id] = seq
-        if isinstance(action, Defer):
+        if dispatched:
+            inst = self.instances[action.instance_id]  # type: ignore[union-attr]
+        elif isinstance(action, Defer):
             if self.migration.interval_s is None:
                 raise RuntimeError(
                     f"dispatch deferred request {req.id}, but migration policy "
@@ -420,11 +423,11 @@ class Simulator:
                 )
             self.held[req.id] = seq
             return []
-        if isinstance(action, ActivateGpu):
+        elif isinstance(action, ActivateGpu):
             if action.model != req.model:
                 raise RuntimeError(f"dispatch returned {action} for request {req.id}")
             inst = self._start_instance(req.model, now, load=True)
-        elif isinstance(action, Dispatch):
+        elif isinstance(action, Dispatch):  # a subclass of it
             inst = self.instances[action.instance_id]
         else:  # pragma: no cover - the type admits nothing else
             raise RuntimeError(f"unexpected dispatch action {action!r}")
