@@ -239,3 +239,49 @@ def test_a_request_moves_out_and_in_at_its_batchs_boundary_only() -> None:
         explicit.reserve("a", 1)
     with pytest.raises(RuntimeError, match="bound batches only"):
         explicit.add_copy_load(0.1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+    held=st.integers(0, 20_000),
+    kv_gib=st.sampled_from([0.5, 2.0]),
+    chunked=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.01, 0.2]),
+)
+def test_a_one_service_groups_free_count_admits_what_the_layout_admits(
+    prompts: list[int], held: int, kv_gib: float, chunked: bool, watermark: float
+) -> None:
+    """A one-service group admits against its free token-blocks counted once
+    per round (``_FreeBudget``); the general budget asks the layout for every
+    prompt. The same queue on the same memory: the same prompts admitted,
+    and the layouts hold the same afterwards."""
+    from fleetserve.policy.sharing import admit_in_order
+    from fleetserve.sim.group import _FreeBudget, _GroupBudget
+
+    spec = {"a": SPECS["a"]}
+    out = []
+    for budget in (_FreeBudget, _GroupBudget):
+        sched = BATCHING.get("fcfs")()
+        sched.setup({}, int(kv_gib * GIB))
+        g = SharingGroup(
+            0,
+            (0,),
+            1,
+            {"a": CostModel().bind(spec["a"], get_gpu("a100-80gb"), 1)},
+            make_layout("partitioned", int(kv_gib * GIB), spec),
+            sched,
+            watermark=watermark,
+            chunked_prefill=chunked,
+            max_batched_tokens=4096,
+            bound=True,
+            clock=SimClock(),
+        )
+        assert g._budget is _FreeBudget  # what the group itself uses
+        free = g.layout.max_tokens("a")
+        g.layout.grow(-1, "a", min(held, free))  # memory some other request holds
+        reqs = [Request(i, "a", float(i), p, 8) for i, p in enumerate(prompts)]
+        q = [_seq(r) for r in reqs]
+        got = admit_in_order(q, budget(g))
+        out.append(([s.id for s in got], g.layout.free_token_blocks("a")))
+    assert out[0] == out[1]

@@ -17,7 +17,7 @@ from typing import Any, Self
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.cluster.state import ClusterState, blocks_for
@@ -252,6 +252,23 @@ def test_invariants_with_migrations(
     seed=st.integers(0, 2**16),
     bs=st.sampled_from([16, 24]),
     size=st.sampled_from([40, 64, 512]),
+)
+@example(  # a segment past a preemption must stop when a cached prompt could be admitted
+    items=[
+        (0.0, 0, 0, 1, 1),
+        (0.6, 0, 4, 242, 120),
+        (0.125, 0, 0, 1, 4),
+        (0.34375, 0, 2, 1, 147),
+        (0.375, 0, 0, 1, 69),
+        (0.5, 2, 4, 3, 86),
+        (0.34375, 1, 3, 174, 69),
+        (0.46875, 1, 4, 241, 33),
+    ],
+    chunked=False,
+    migrate=True,
+    seed=39999,
+    bs=16,
+    size=64,
 )
 def test_macro_steps_exact_with_prefix_caching(
     items: list[tuple[float, int, int, int, int]],
