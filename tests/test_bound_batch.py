@@ -114,3 +114,8 @@ def test_ahead_is_the_growth_past_the_iteration_in_flight(
     b.begin([float(i) for i in range(1, n + 1)], n, C)
     in_flight = min(int(np.searchsorted(b.ends, now, side="right")), n - 1)
     assert b.ahead(now) == b.grown(n - 1) - b.grown(in_flight)
+    # at several times at once (the usage totals' grid), as one array: the same
+    times = np.array([now, now / 2, now + 0.5, 0.0])
+    assert b.ahead_at(times).tolist() == [b.ahead(float(t)) for t in times]
+    b.cut(max(1, n // 2))  # a segment cut short: its first iterations only
+    assert b.ahead_at(times).tolist() == [b.ahead(float(t)) for t in times]

@@ -160,6 +160,14 @@ class BoundBatch:
         done = steps - 1
         return (j // bs - done // bs) * self._B + C[j % bs] - C[done % bs]
 
+    def ahead_at(self, times: np.ndarray) -> np.ndarray:
+        """:meth:`ahead` at each of ``times`` (one array operation each)."""
+        n = self.n
+        if n <= 1:
+            return np.zeros(len(times), dtype=np.int64)
+        steps = np.minimum(np.searchsorted(self.ends, times, side="right") + 1, n)
+        return self.grown(n - 1) - self.grown_at(steps - 1)
+
     def grown_at(self, j: np.ndarray) -> np.ndarray:
         """:meth:`grown` of each iteration index of ``j`` (each ``< n``)."""
         bs = self._bs

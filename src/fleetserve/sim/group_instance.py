@@ -314,8 +314,17 @@ class GroupInstance(HostView, ChangeReports):
         job), and ``ahead(times)``, the blocks held ahead of each time before it."""
         g = self.group
         m = self.model
-        blocks = g.layout.used_bytes(m) // g.layout.bytes_per_token_block(m)
-        return blocks, g.macro_end(m), lambda times: g.ahead_blocks_at(m, times)
+        b = self._batch
+        if b is None:  # explicit counts (MLFQ, DB): the group's macro jobs
+            blocks = g.layout.used_bytes(m) // g.layout.bytes_per_token_block(m)
+            return blocks, g.macro_end(m), lambda times: g.ahead_blocks_at(m, times)
+        # a bound batch: its segment in flight is the one macro job (its
+        # partition's used blocks are what is not free of it)
+        blocks = self.total_blocks - g.layout.free_token_blocks(m)
+        n = b.n
+        if n <= 1:  # no blocks ahead of any time
+            return blocks, None, b.ahead_at
+        return blocks, float(b.ends[n - 1]), b.ahead_at
 
     def _started(self, evs: list[tuple[float, int]]) -> float | None:
         """The end of the job ``evs`` started (one at most: a temporal one-model
