@@ -97,7 +97,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -189,10 +189,7 @@ class _GroupBudget:
         g = self.group
         m = seq.model
         if self.model is None:
-            self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
-            self.reserve = g.admission_reserve(m)
-            if g.chunked:  # the mixed iteration's decodes and partial prompts come first
-                self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
+            self._open(m)
         elif m != self.model:
             return False  # one service per job
         n = seq.prompt_tokens + seq.gen_saved
@@ -207,7 +204,19 @@ class _GroupBudget:
                 return False
         elif self.taken and seq.prompt_tokens + seq.gen_saved - hit > self.tokens_left:
             return False
-        return g.can_admit(seq, n, self.reserve)
+        return self._room(seq, n)
+
+    def _open(self, m: str) -> None:
+        """The round's limits, at its first prompt (of service ``m``)."""
+        g = self.group
+        self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
+        self.reserve = g.admission_reserve(m)
+        if g.chunked:  # the mixed iteration's decodes and partial prompts come first
+            self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
+
+    def _room(self, seq: Seq, n: int) -> bool:
+        """Whether the pool (and quota) can give ``seq`` ``n`` tokens of KV now."""
+        return self.group.can_admit(seq, n, self.reserve)
 
     def take(self, s: GroupSeq) -> None:
         seq: Seq = s  # type: ignore[assignment]
@@ -246,24 +255,13 @@ class _FreeBudget(_GroupBudget):
     reserve is whole blocks, and a queued request holds no KV (checked: one
     that did is an error)."""
 
-    def fits(self, s: GroupSeq) -> bool:
-        seq: Seq = s  # type: ignore[assignment]  # the scheduler got it from this group
+    def _open(self, m: str) -> None:
+        super()._open(m)
         g = self.group
-        if self.model is None:
-            m = seq.model
-            self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
-            self.reserve = g.admission_reserve(m)
-            if g.chunked:  # the mixed iteration's decodes and partial prompts come first
-                self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
-            self.free = g.layout.free_token_blocks(m) - self.reserve // g._bs
-        n = seq.prompt_tokens + seq.gen_saved
-        if seq.in_job or self.seqs_left <= 0:
-            return False
-        if g.chunked:  # a prompt needs one token of the budget to start
-            if self.tokens_left <= 0:
-                return False
-        elif self.taken and n > self.tokens_left:
-            return False
+        self.free = g.layout.free_token_blocks(m) - self.reserve // g._bs
+
+    def _room(self, seq: Seq, n: int) -> bool:
+        g = self.group
         if g.layout.holds(seq.id):  # pragma: no cover - an invariant
             raise RuntimeError(f"group {g.id}: queued request {seq.id} holds KV")
         return -(-n // g._bs) <= self.free
@@ -573,20 +571,23 @@ class SharingGroup:
         """Requests of ``model`` admitted whose prefill has not completed:
         partly prefilled (chunked prefill), or in a prefill job."""
         out = list(self.partial[model])
+        for seqs in self._prefill_jobs(model):
+            out += seqs
+        return out
+
+    def _prefill_jobs(self, model: str) -> Iterator[list[Seq]]:
+        """The requests of each of ``model``'s prefill jobs in flight (not
+        mixed iterations, whose chunks' prompts are in ``partial``)."""
+        if (model, PREFILL) not in self._busy:
+            return
         for token, (job, seqs, _, _) in self.jobs.items():
             if job.model == model and job.phase == PREFILL and token not in self._chunks:
-                out += seqs
-        return out
+                yield seqs
 
     def num_prefilling(self, model: str) -> int:
         """``len(prefilling(model))``, without the list (the time series
         count them at every sample)."""
-        n = len(self.partial[model])
-        if (model, PREFILL) in self._busy:
-            for token, (job, seqs, _, _) in self.jobs.items():
-                if job.model == model and job.phase == PREFILL and token not in self._chunks:
-                    n += len(seqs)
-        return n
+        return len(self.partial[model]) + sum(map(len, self._prefill_jobs(model)))
 
     def request_ids(self) -> list[int]:
         """Every request here, once: queued, prefilling and running."""

@@ -321,22 +321,24 @@ class GroupInstance(HostView, ChangeReports):
         # a bound batch: its segment in flight is the one macro job (its
         # partition's used blocks are what is not free of it)
         blocks = self.total_blocks - g.layout.free_token_blocks(m)
-        n = b.n
-        if n <= 1:  # no blocks ahead of any time
-            return blocks, None, b.ahead_at
-        return blocks, float(b.ends[n - 1]), b.ahead_at
+        end = float(b.ends[b.n - 1]) if b.n > 1 else None  # (one iteration: none ahead)
+        return blocks, end, b.ahead_at
 
     def _started(self, evs: list[tuple[float, int]]) -> float | None:
         """The end of the job ``evs`` started (one at most: a temporal one-model
         group runs one job at a time); it becomes the instance's version."""
-        if self._logs:
-            self._changed()
-        if not evs:
-            return None
         if len(evs) > 1:  # pragma: no cover - a one-model temporal group
             raise RuntimeError(f"instance {self.id}: {len(evs)} jobs started at once")
-        end, token = evs[0]
-        self.version = token
+        return self._began(evs[0] if evs else None)
+
+    def _began(self, got: tuple[float, int] | None) -> float | None:
+        """A change report, and the end of the job ``got`` started, if any
+        (its token becomes the instance's version)."""
+        if self._logs:
+            self._changed()
+        if got is None:
+            return None
+        end, self.version = got
         return end
 
     # -------------------------------------------------------------- actions
@@ -354,13 +356,7 @@ class GroupInstance(HostView, ChangeReports):
             g.state = "live"
         if g._one is None:  # MLFQ, DB: the scheduler's jobs
             return self._started(g.schedule(now))
-        if self._logs:  # FCFS, RR: the one-model case (one call less per job)
-            self._changed()
-        got = g.schedule_one(now)
-        if got is None:
-            return None
-        self.version = got[1]
-        return got[0]
+        return self._began(g.schedule_one(now))  # FCFS, RR: the one-model case
 
     # ------------------------------------------------------------- migration
     # The instance's actions for sim/migration.py, on the group ("Moving a

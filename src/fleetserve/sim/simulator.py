@@ -405,7 +405,7 @@ class Simulator:
             )
             return []
         action = self.dispatcher.dispatch(self.state, req, now, self.rng)
-        dispatched = type(action) is Dispatch  # the common case: one check
+        dispatched = isinstance(action, Dispatch)  # the common case first
         if not dispatched and isinstance(action, Reject):
             self._reject(rec, action.reason)
             return []
@@ -413,8 +413,8 @@ class Simulator:
             raise RuntimeError(f"dispatch returned {action} for request {req.id}")
         seq = Seq(req, rec)
         self.seqs[req.id] = seq
-        if dispatched:
-            inst = self.instances[action.instance_id]  # type: ignore[union-attr]
+        if isinstance(action, Dispatch):
+            inst = self.instances[action.instance_id]
         elif isinstance(action, Defer):
             if self.migration.interval_s is None:
                 raise RuntimeError(
@@ -427,8 +427,6 @@ class Simulator:
             if action.model != req.model:
                 raise RuntimeError(f"dispatch returned {action} for request {req.id}")
             inst = self._start_instance(req.model, now, load=True)
-        elif isinstance(action, Dispatch):  # a subclass of it
-            inst = self.instances[action.instance_id]
         else:  # pragma: no cover - the type admits nothing else
             raise RuntimeError(f"unexpected dispatch action {action!r}")
         if self._loading:
