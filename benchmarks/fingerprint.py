@@ -160,14 +160,19 @@ def save(fp: dict[str, Any], path: Path) -> None:
     path.write_bytes(gzip.compress(blob, 9, mtime=0) if path.suffix == ".gz" else blob)
 
 
-def simulate(out: Path, jobs: int) -> None:
+def simulate(out: Path, jobs: int, only: tuple[str, ...] = ()) -> None:
+    """Run every grid (or only the ``only`` experiments') into ``out``."""
     exe = Path(sys.executable).with_name("fleetserve")
     for exp in EXPERIMENTS:
+        if only and exp not in only:
+            continue
         cmd = [str(exe), "reproduce", exp, "--quick", "--out", str(out / exp)]
         cmd += ["--jobs", str(jobs), "--no-progress"]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
     for i, args in enumerate(SINGLE):
+        if only and "single" not in only:
+            continue
         cmd = [str(exe), *args, "--out", str(out / f"single-{i}"), "--no-progress"]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -178,6 +183,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="simulate every grid into this folder")
     p.add_argument("--from-runs", type=Path, help="fingerprint this folder, do not simulate")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=[*EXPERIMENTS, "single"],
+        help="simulate and compare only this experiment's runs (repeatable; default: all)",
+    )
     p.add_argument("--write", type=Path, help="write the fingerprints here")
     p.add_argument("--check", type=Path, help="baseline fingerprints to compare with")
     p.add_argument("--against", type=Path, help="fingerprints to compare (with --check)")
@@ -197,8 +208,16 @@ def main() -> int:
             p.error(f"--rename {r!r}: expected REGEX=REPLACEMENT")
         renames.append((re.compile(pat), repl))
 
+    only = tuple(a.only or ())
+
+    def picked(fp: dict[str, Any]) -> dict[str, Any]:
+        """The runs of the ``--only`` experiments (all without it)."""
+        if not only:
+            return fp
+        return {run: v for run, v in fp.items() if run.split("/", 1)[0].split("-", 1)[0] in only}
+
     def baseline() -> dict[str, Any]:
-        return rename(load(a.check), renames)
+        return picked(rename(load(a.check), renames))
 
     if a.check is not None and a.against is not None:
         report = check(baseline(), load(a.against))
@@ -208,9 +227,9 @@ def main() -> int:
     if folder is None:
         if a.out is None:
             p.error("give --out (simulate), --from-runs, or --check with --against")
-        simulate(a.out, a.jobs)
+        simulate(a.out, a.jobs, only)
         folder = a.out
-    fp = fingerprint(folder)
+    fp = picked(fingerprint(folder))
     print(f"{len(fp)} runs fingerprinted under {folder}")
     if a.write is not None:
         save(fp, a.write)

@@ -138,12 +138,12 @@ def test_burst_triggers_a_drop_then_a_restore_and_one_copy_holds() -> None:
     assert kinds.index("drop") < kinds.index("restore")
     # everything restored at the end: replicas holding every layer again
     assert all(e.k == 1 for e in sim.execs.values())
-    assert all(sim.held[m] == (0, sim.L) for m in range(sim.n))
+    assert all(sim.mem.held[m] == (0, sim.L) for m in range(sim.n))
 
 
 def test_drop_frees_memory_into_the_kv_pool_at_once() -> None:
     sim = _sim(_burst(), "kunserve")
-    cap_before = [sim.cap_tl(m) for m in range(sim.n)]
+    cap_before = [sim.mem.cap_tl(m) for m in range(sim.n)]
     sim.run()
     drop_t = next(e["t"] for e in sim.mem_events if e["event"] == "drop")
     assert drop_t > 0
@@ -151,7 +151,7 @@ def test_drop_frees_memory_into_the_kv_pool_at_once() -> None:
     # re-run to the drop and compare
     sim2 = _sim(_burst(), "kunserve", max_time_s=drop_t)
     sim2.run()
-    grown = [sim2.cap_tl(m) - cap_before[m] for m in range(sim2.n)]
+    grown = [sim2.mem.cap_tl(m) - cap_before[m] for m in range(sim2.n)]
     per_layer = get_model(MODEL).weight_bytes_per_layer // sim2.kvpl
     assert all(g >= 24 * per_layer - 1 for g in grown), grown
 

@@ -55,7 +55,10 @@ compute-bound) that cut the ``kunserve`` stack's throughput 5.5x below
 ``vllm``'s. The simplification: a stage's time is shared as a fluid, not
 micro-batch by micro-batch in arrival order.
 
-Memory (per instance, in token-layers, see :mod:`fleetserve.sim.kun_parts`)::
+Memory (per instance, in token-layers; the books are
+:class:`~fleetserve.sim.staged_layout.StageMemory`, and each executor counts
+its requests' KV through its own KV layout over its members,
+:class:`~fleetserve.sim.staged_layout.StagedLayout`)::
 
     capacity_i = (hbm x mem_util x tp - weights_i) / kv_bytes_per_token_per_layer
     weights_i  = non-layer weights + layers held x layer bytes (+ a reload in flight)
@@ -140,7 +143,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +197,7 @@ from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Eve
 from fleetserve.sim.kernel import Kernel, ProgressFn
 from fleetserve.sim.kun_parts import Channel, Piece, Transfer, WaitQueue
 from fleetserve.sim.seq import DONE, HOST, PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
+from fleetserve.sim.staged_layout import StagedLayout, StageMemory
 from fleetserve.spec import GpuSpec, get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
@@ -274,8 +278,11 @@ class Executor:
         self.swapped: deque[Seq] = deque()
         self.swap_out_busy = False
         self.swap_in_busy = False
-        self.static = 0  # KV tokens of requests not running (prefill, stalled, reserved in)
-        self.inflight = 0  # tokens the decode iteration in flight is adding
+        # the KV of its requests: the running batch's as a bound batch, the
+        # rest (prefills, stalled or incoming requests, the decode iteration
+        # in flight) as tokens held by no running request
+        self.layout = StagedLayout(sim.mem, self.layers, sim.model.name, sim.model)
+        self.inflight = 0  # tokens the decode iteration in flight is adding (held)
         self.phase = IDLE
         self.version = 0
         self.frozen = False
@@ -290,44 +297,35 @@ class Executor:
         self.last_prefill = False  # the last iteration was a prefill (interleaving)
         self.max_batch = sim.max_num_seqs
         self.last_end = now
-        self._replica_kv = tuple(sim.cap_b[m] - sim.full_w for m in members)
-        self._mem_v = -1  # memory version of the two floors below
-        self._room0 = 0
-        self._cap0 = 0
+        mem = sim.mem
+        self._replica_kv = tuple(mem.cap_b[m] - mem.full_w for m in members)
 
     # ---------------------------------------------------------------- memory
     def T(self) -> int:
         """KV tokens this executor's requests hold (see the module docstring)."""
-        return self.batch.tokens + self.static + self.inflight
-
-    def _mem_floors(self) -> None:
-        """Bring ``_room0`` and ``_cap0`` up to the simulator's memory version:
-        ``min_m (avail_m + n_m T) // n_m`` (room before this executor's own
-        tokens; ``(A - n T) // n = A // n - T`` for integers) and the capacity."""
-        sim = self.sim
-        cap_b, weights, corr, pend, kvpl = sim.cap_b, sim.weights, sim.corr, sim.pend_in, sim.kvpl
-        room = cap = None
-        for m, n in self.layers.items():
-            c = (cap_b[m] - weights[m]) // kvpl
-            r = (c - corr[m] - pend[m]) // n
-            c //= n
-            room = r if room is None or r < room else room
-            cap = c if cap is None or c < cap else cap
-        assert room is not None and cap is not None
-        self._room0, self._cap0 = room, cap
-        self._mem_v = sim.mem_version
+        return self.layout.tokens()
 
     def room_tokens(self) -> int:
         """KV tokens every stage can still take (``min_m avail_tl(m) // n_m``)."""
-        if self._mem_v != self.sim.mem_version:
-            self._mem_floors()
-        return self._room0 - self.T()
+        return self.layout.room_tokens()
 
     def capacity_tokens(self) -> int:
         """KV tokens the executor holds when full (all settled)."""
-        if self._mem_v != self.sim.mem_version:
-            self._mem_floors()
-        return self._cap0
+        return self.layout.capacity_tokens()
+
+    def hold(self, tokens: int) -> None:
+        """``tokens`` more KV tokens of requests not running (prefilling,
+        reserved for a copy in); :class:`PoolFull` when they do not fit."""
+        self.layout.hold(self.layout.service, tokens)
+
+    def adopt(self, tokens: int) -> None:
+        """Hold ``tokens`` of KV already resident (a request stalled or
+        moved here): counted, not allocated (:meth:`StagedLayout.adopt`)."""
+        self.layout.adopt(tokens)
+
+    def release(self, tokens: int) -> None:
+        """Give back ``tokens`` of the KV tokens :meth:`hold` took."""
+        self.layout.unhold(self.layout.service, tokens)
 
     def waiting_tokens(self) -> int:
         return self.waiting.tokens
@@ -428,7 +426,7 @@ class Executor:
 
     @property
     def held_layers(self) -> tuple[tuple[int, int], ...]:
-        held = self.sim.held
+        held = self.sim.mem.held
         return tuple(held[m] for m in self.members)
 
     @property
@@ -461,12 +459,31 @@ class Executor:
         """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
         s.inst = self
         self.batch.run(s, kv)
+        self.layout.join(1, kv)
 
     def unrun(self, s: Seq) -> int:
         """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
         kv = self.batch.unrun(s)
         s.kv_saved = kv
+        self.layout.bulk_change(self.layout.service, -1, -kv, -kv)
         return kv
+
+    def start_iteration(self) -> None:
+        """A decode iteration of every running request starts: its tokens are held."""
+        self.inflight = B = len(self.running)
+        self.hold(B)
+
+    def end_iteration(self) -> Iterator[tuple[Seq, int]]:
+        """The decode iteration in flight ended: its tokens join the running
+        batch, whose finished requests are yielded (taken out, with the KV
+        tokens each held)."""
+        B, self.inflight = self.inflight, 0
+        self.release(B)
+        self.layout.join(0, B)
+        self.batch.steps += 1
+        for s, kv in self.batch.due():
+            self.layout.bulk_change(self.layout.service, -1, -kv, -kv)
+            yield s, kv
 
 
 @dataclass(slots=True, eq=False)
@@ -624,9 +641,6 @@ class KunSimulator:
         self.kvpl = spec.kv_bytes_per_token_per_layer
         self.kv_tok_bytes = spec.kv_bytes_per_token
         self.layer_b = spec.weight_bytes_per_layer
-        self.mem_version = 0  # bumped whenever weights, corr or pend_in change
-        self.full_w = spec.weight_bytes  # one replica's weights
-        self.base_w = spec.weight_bytes - self.L * self.layer_b
         cap = int(self.gpu.hbm_bytes * mem_util) * tp
         if spec.weight_bytes >= cap:
             raise ConfigError(
@@ -646,12 +660,9 @@ class KunSimulator:
             cap = want
         n = self.n
         self.replica_tokens = (cap - spec.weight_bytes) // spec.kv_bytes_per_token
-        self.cap_b = [cap] * n
-        self.weights = [spec.weight_bytes] * n
-        self.held: list[tuple[int, int]] = [(0, self.L)] * n
-        self.reloading = [0] * n  # bytes of a reload in flight
-        self.corr = [0] * n
-        self.pend_in = [0] * n  # token-layers committed to pieces not reserved yet
+        # every instance's weights, held layers and KV corrections
+        # (sim/staged_layout.py); each executor's KV layout reads them
+        self.mem = StageMemory(n, cap, spec)
         # live pieces by source instance: the remote attention each instance runs
         # for requests decoding elsewhere (an instance with none has no entry)
         self.live_src: dict[int, dict[Piece, None]] = {}
@@ -752,22 +763,19 @@ class KunSimulator:
         self._update_pipe_clock(0.0)
 
     # ------------------------------------------------------------- memory
-    def cap_tl(self, m: int) -> int:
-        """KV capacity of instance ``m`` in token-layers."""
-        return (self.cap_b[m] - self.weights[m]) // self.kvpl
-
     def used_tl(self, m: int) -> int:
+        """Token-layers instance ``m`` holds (through its executor's layout)."""
         exe = self.exe_of[m]
         assert exe is not None
-        return exe.layers[m] * exe.T() + self.corr[m]
+        return exe.layout.used_tl(m)
 
     def free_tl(self, m: int) -> int:
         """Token-layers of instance ``m`` not holding anything."""
-        return self.cap_tl(m) - self.used_tl(m)
+        return self.mem.cap_tl(m) - self.used_tl(m)
 
     def avail_tl(self, m: int) -> int:
         """Free token-layers not committed to KV pieces still to arrive."""
-        return self.cap_tl(m) - self.used_tl(m) - self.pend_in[m]
+        return self.free_tl(m) - self.mem.pend_in[m]
 
     def _link(self, a: int, b: int) -> Link:
         return self.nvlink if self.node_of[a] == self.node_of[b] else self.net_link
@@ -793,15 +801,7 @@ class KunSimulator:
         exe = Executor(self._next_eid, members, ranges, pcost, self, now)
         self._next_eid += 1
         for m, (lo, hi) in zip(members, ranges, strict=True):
-            old = self.held[m]
-            if (old[1] - old[0]) > (hi - lo):  # drop what the stage does not need
-                dropped = (old[1] - old[0] - (hi - lo)) * self.layer_b
-                self.weights[m] -= dropped
-                self.mem_version += 1
-                self.bytes_freed += dropped
-                self.held[m] = (lo, hi)
-            if not old[0] <= lo < hi <= old[1]:
-                raise RuntimeError(f"instance {m} holds {old}, cannot serve stage {(lo, hi)}")
+            self.bytes_freed += self.mem.keep_layers(m, lo, hi)  # drop what it does not need
             self.exe_of[m] = exe
         exe.max_batch = self._batch_cap(exe)
         self.execs[exe.id] = exe
@@ -1053,7 +1053,7 @@ class KunSimulator:
             self._attach_pending(exe)
             for s in exe.prefilled:
                 n = s.prefill_tokens
-                exe.static -= n
+                exe.release(n)
                 exe.run(s, n)
             exe.prefilled.clear()
         if exe.frozen:
@@ -1090,7 +1090,7 @@ class KunSimulator:
     def _attach_pending(self, exe: Executor) -> None:
         """At a boundary: requests whose KV has arrived join the running batch."""
         for s in exe.pending_attach:
-            exe.static -= s.kv_saved
+            exe.release(s.kv_saved)
             exe.run(s, s.kv_saved)
         exe.pending_attach.clear()
 
@@ -1103,7 +1103,7 @@ class KunSimulator:
         lens = []
         for s in admitted:
             n = s.prefill_tokens
-            exe.static += n
+            exe.hold(n)
             s.state = PREFILLING
             s.kv_saved = n
             lens.append(n)
@@ -1118,7 +1118,7 @@ class KunSimulator:
         s.last_tok_s = now
         if s.gen_saved + 1 < s.output_tokens:
             return False
-        exe.static -= s.prefill_tokens
+        exe.release(s.prefill_tokens)
         s.gen_saved = s.output_tokens
         self._finish(exe, s, now)
         return True
@@ -1244,7 +1244,7 @@ class KunSimulator:
         if B == 0:
             exe.phase = IDLE
             return
-        exe.inflight = B
+        exe.start_iteration()
         ctx = exe.batch.tokens + B
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
         moved = self._moved_kv(exe) if self.live_src and self.remote_reads else None
@@ -1332,7 +1332,7 @@ class KunSimulator:
             for s in exe.prefill:
                 if not self._first_token(exe, s, now):
                     n = s.prefill_tokens
-                    exe.static -= n
+                    exe.release(n)
                     exe.run(s, n)
             exe.prefill = []
         else:
@@ -1340,9 +1340,7 @@ class KunSimulator:
                 # re-timed below: the next round usually starts at this instant
                 exe.stage.remove(_DECODE_JOB)
                 exe.retime_due = True
-            exe.inflight = 0
-            exe.batch.steps += 1
-            for fin, kv in exe.batch.due():
+            for fin, kv in exe.end_iteration():
                 fin.kv_saved = kv
                 self._finish(exe, fin, now)
             if exe.tracked:
@@ -1402,16 +1400,16 @@ class KunSimulator:
     def _add_pieces(self, s: Seq, exe: Executor, pieces: list[Piece], now: float) -> None:
         """Register ``s``'s pieces (proportional accounting corrected) and queue
         them on their sources' links."""
-        self.mem_version += 1
+        mem = self.mem
         for p in pieces:
             tl = p.token_layers
-            self.corr[p.src] += tl
-            self.corr[p.dst] -= tl
+            mem.correct(p.src, tl)
+            mem.correct(p.dst, -tl)
             if self.free_tl(p.dst) >= tl:  # reserve the destination now if it has room
-                self.corr[p.dst] += tl
+                mem.correct(p.dst, tl)
                 p.started = True
             else:  # commit it: admissions must not take this room
-                self.pend_in[p.dst] += tl
+                mem.commit_in(p.dst, tl)
             s.pieces.append(p)
             if p.live:
                 exe.live_pieces[p] = None
@@ -1425,15 +1423,13 @@ class KunSimulator:
         def on_start(now: float) -> None:
             if not p.cancelled and not p.started:
                 p.started = True
-                self.mem_version += 1
-                self.corr[p.dst] += p.token_layers
-                self.pend_in[p.dst] -= p.token_layers
+                self.mem.correct(p.dst, p.token_layers)
+                self.mem.commit_in(p.dst, -p.token_layers)
 
         def on_done(now: float) -> None:
             if p.cancelled:
                 return
-            self.mem_version += 1
-            self.corr[p.src] -= p.token_layers
+            self.mem.correct(p.src, -p.token_layers)
             s = p.seq
             s.pieces.remove(p)
             exe.live_pieces.pop(p, None)
@@ -1455,13 +1451,12 @@ class KunSimulator:
         # (and commitment); a reserved one is net zero there. Either way the
         # source no longer holds it. A copy in flight runs to its end.
         exe = s.inst
-        if s.pieces:
-            self.mem_version += 1
+        mem = self.mem
         for p in s.pieces:
-            self.corr[p.src] -= p.token_layers
+            mem.correct(p.src, -p.token_layers)
             if not p.started:
-                self.corr[p.dst] += p.token_layers
-                self.pend_in[p.dst] -= p.token_layers
+                mem.correct(p.dst, p.token_layers)
+                mem.commit_in(p.dst, -p.token_layers)
             p.cancelled = True
             if p.transfer is not None:
                 p.transfer.cancelled = True
@@ -1640,7 +1635,7 @@ class KunSimulator:
                 s.state = STALLED
                 s.inst = new
                 s.kv_saved = kv
-                new.static += kv
+                new.adopt(kv)
                 new.stalled[s.id] = s
             if pieces:
                 self._track(new, s, now, last_end, "exchange")
@@ -1689,13 +1684,10 @@ class KunSimulator:
             return self.free_tl(m) * self.kvpl >= need
 
         def on_start(now: float) -> None:
-            self.weights[m] += need
-            self.mem_version += 1
-            self.reloading[m] += need
+            self.mem.reload_start(m, need)
 
         def on_done(now: float) -> None:
-            self.reloading[m] -= need
-            self.held[m] = (0, self.L)
+            self.mem.reload_done(m, need)
             e.reload_left.discard(m)
             if not e.reload_left:
                 if self.settings.live_restore:
@@ -1716,7 +1708,7 @@ class KunSimulator:
         ):
             return
         # assign running requests: largest KV first, to the member with most room
-        room = {m: self.cap_tl(m) // self.L for m in e.members}
+        room = {m: self.mem.cap_tl(m) // self.L for m in e.members}
         wm = {m: int(self.watermark * room[m]) for m in e.members}
         take: dict[int, list[tuple[Seq, int]]] = {m: [] for m in e.members}
         for s in sorted(e.running.values(), key=lambda s: (-s.kv_tokens, s.id)):
@@ -1792,13 +1784,13 @@ class KunSimulator:
         kv = exe.unrun(s)
         s.state = STALLED
         exe.stalled[s.id] = s
-        exe.static += kv
+        exe.adopt(kv)
         exe.swap_out_busy = True
         s.record.preemptions += 1
 
         def on_done(t: float) -> None:
             exe.stalled.pop(s.id)
-            exe.static -= kv
+            exe.release(kv)
             s.state = HOST
             exe.swapped.append(s)
             exe.swap_out_busy = False
@@ -1816,7 +1808,7 @@ class KunSimulator:
         s = exe.swapped.popleft()
         assert s.id == action.request_id, (s.id, action)
         kv = s.kv_saved
-        exe.static += kv
+        exe.hold(kv)
         s.state = TRANSIT
         exe.swap_in_busy = True
 
@@ -1846,7 +1838,7 @@ class KunSimulator:
                 self.llumnix.on_move_aborted(action.request_id)
                 self.aborted += 1
                 continue
-            dst.static += kv
+            dst.hold(kv)
             mig = _Migration(src, dst, kv)
             s.mig = mig
 
@@ -1882,7 +1874,7 @@ class KunSimulator:
                 self.aborted += 1
                 continue
             exe.unrun(s)
-            dst.static += delta
+            dst.hold(delta)
             s.state = TRANSIT
             s.inst = dst
             s.mig = None
@@ -1898,7 +1890,7 @@ class KunSimulator:
         mig = s.mig
         if mig is None:
             return
-        mig.dst.static -= mig.tokens
+        mig.dst.release(mig.tokens)
         s.mig = None
         if self.llumnix is not None:
             self.llumnix.on_move_aborted(s.id)
@@ -1915,7 +1907,7 @@ class KunSimulator:
         for m in range(self.n):
             if self.active[m]:
                 used += self.used_tl(m)
-                cap += self.cap_tl(m)
+                cap += self.mem.cap_tl(m)
                 active += 1
         for e in self.execs.values():
             queued += len(e.waiting) + len(e.swapped)
@@ -1933,7 +1925,8 @@ class KunSimulator:
         )
         self.tl_t.append(now)
         self.tl_groups.append(sum(1 for e in self.execs.values() if e.k > 1))
-        self.tl_dropped.append(sum(self.full_w - w for w in self.weights))
+        full = self.mem.full_w
+        self.tl_dropped.append(sum(full - w for w in self.mem.weights))
 
     # --------------------------------------------------------------- results
     def _result(self, end_s: float, wall_s: float) -> RunResult:
@@ -1963,7 +1956,7 @@ class KunSimulator:
             "restore_moves": len(self.victim_records) - len(exch),
             "kv_chunk_bytes_mean": self._chunk_sum / self._chunk_n if self._chunk_n else None,
         }
-        kv_per_gpu = (self.cap_b[0] - self.model.weight_bytes) // self.tp
+        kv_per_gpu = (self.mem.cap_b[0] - self.model.weight_bytes) // self.tp
         extra = {
             "memory": {
                 "drops": self.drops,
@@ -2038,10 +2031,13 @@ class KunSimulator:
                 assert m not in members_seen, f"instance {m} in two executors"
                 members_seen.add(m)
                 assert self.exe_of[m] is e
-                h = self.held[m]
+                h = self.mem.held[m]
                 assert h[0] <= lo and hi <= h[1], (m, h, (lo, hi))
             assert e.room_tokens() == min(self.avail_tl(m) // n for m, n in e.layers.items())
-            assert e.capacity_tokens() == min(self.cap_tl(m) // n for m, n in e.layers.items())
+            cap_tl = self.mem.cap_tl
+            assert e.capacity_tokens() == min(cap_tl(m) // n for m, n in e.layers.items())
+            assert e.layout.bulk(self.model.name)[1] == e.batch.tokens, e.id
+            e.layout.check_integrity()
             t = 0
             for s in e.running.values():
                 place(s, f"running on {e.id}")
@@ -2102,19 +2098,16 @@ class KunSimulator:
         live = {p for e in self.execs.values() for p in e.live_pieces}
         assert {p for at in self.live_src.values() for p in at} == live, "live pieces by source"
         assert all(self.live_src.values()), "an instance without live pieces has an entry"
-        assert corr == self.corr, (corr, self.corr)
-        assert pend == self.pend_in, (pend, self.pend_in)
+        mem = self.mem
+        assert corr == mem.corr, (corr, mem.corr)
+        assert pend == mem.pend_in, (pend, mem.pend_in)
         for m in range(self.n):
             if not self.active[m]:
-                assert self.exe_of[m] is None and self.corr[m] == 0 and self.pend_in[m] == 0
+                assert self.exe_of[m] is None and mem.corr[m] == 0 and mem.pend_in[m] == 0
                 continue
-            lo, hi = self.held[m]
-            assert self.weights[m] == self.base_w + (hi - lo) * self.layer_b + self.reloading[m]
             used = self.used_tl(m)
             assert used >= 0, (m, used)
-            assert self.weights[m] + used * self.kvpl <= self.cap_b[m], (
-                f"instance {m} over-committed"
-            )
+            mem.check_instance(m, used)
         for rec in self.records[:arrived]:
             in_flight = rec.id in seen
             terminal = rec.status in ("finished", "rejected")
