@@ -14,6 +14,7 @@ event.
 from __future__ import annotations
 
 import heapq
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.costmodel import CostModel
+from fleetserve.costmodel.pipeline import PipelineCost, StagedCost
+from fleetserve.costmodel.transfer import Link
 from fleetserve.errors import ConfigError
 from fleetserve.metrics.records import RequestRecord
 from fleetserve.policy.sharing import BATCHING, ServiceStats
@@ -42,7 +45,11 @@ def _group(
     kv_gib: float,
     clock: SimClock,
     chunked: bool = False,
+    stages: int = 1,
 ) -> Any:
+    """A group hosting both services of :data:`SPECS` on A100-80GB; with
+    ``stages`` > 1 a pipeline as KunServe's drop makes it (prefill lanes
+    beside the decode round)."""
     gpu = get_gpu("a100-80gb")
     cap = int(kv_gib * GIB)
     sched = BATCHING.get(scheduler)()
@@ -50,10 +57,15 @@ def _group(
         {m: ServiceStats(1.0, 1.0, 0.1, s.kv_bytes_per_token, 1e-4) for m, s in SPECS.items()},
         cap,
     )
-    costs = {m: CostModel().bind(s, gpu, 1) for m, s in SPECS.items()}
+    costs: dict[str, Any] = {m: CostModel().bind(s, gpu, 1) for m, s in SPECS.items()}
+    if stages > 1:
+        link = Link(25e9, 30e-6)
+        for m, spec in SPECS.items():
+            cut = [spec.num_layers * i // stages for i in range(stages + 1)]
+            costs[m] = StagedCost(PipelineCost(costs[m], [b - a for a, b in pairwise(cut)], link))
     return SharingGroup(
         0,
-        (0,),
+        tuple(range(stages)),
         1,
         costs,
         make_layout(layout, cap, SPECS),
@@ -78,13 +90,14 @@ def _drive(
     chunked: bool,
     reqs: list[Request],
     moves: list[tuple[Request, int]],
+    stages: int = 1,
 ) -> dict[int, tuple[float | None, int]]:
     """Run ``reqs`` (queued at arrival) and ``moves`` (adopted at arrival
     holding ``(prompt + generated)`` tokens of KV, generated given) through
     one group, its integrity checked after every event; each request's
     (finish time, preemptions)."""
     clock = SimClock()
-    g = _group(bound, scheduler, layout, kv_gib, clock, chunked)
+    g = _group(bound, scheduler, layout, kv_gib, clock, chunked, stages)
     heap: list[tuple[float, int, int, Any]] = []
     n = 0
     for r in reqs:
@@ -174,6 +187,59 @@ def test_a_bound_group_runs_the_explicit_groups_run(
     ]
     a = _drive(False, scheduler, layout, kv_gib, chunked, rs, mv)
     b = _drive(True, scheduler, layout, kv_gib, chunked, rs, mv)
+    assert a == b
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scheduler=st.sampled_from(["fcfs", "rr"]),
+    layout=st.sampled_from(["partitioned", "headwise"]),
+    kv_gib=st.sampled_from([0.5, 1.0, 4.0]),
+    stages=st.integers(2, 4),
+    reqs=st.lists(
+        st.tuples(
+            st.floats(0, 4, allow_nan=False),
+            st.sampled_from(["a", "b"]),
+            st.integers(1, 2000),
+            st.integers(1, 120),
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    moves=st.lists(
+        st.tuples(
+            st.floats(0, 4, allow_nan=False),
+            st.sampled_from(["a", "b"]),
+            st.integers(1, 300),
+            st.integers(1, 20),
+            st.integers(2, 80),
+        ),
+        max_size=6,
+    ),
+)
+def test_a_bound_pipeline_runs_the_explicit_pipelines_run(
+    scheduler: str,
+    layout: str,
+    kv_gib: float,
+    stages: int,
+    reqs: list[tuple[float, str, int, int]],
+    moves: list[tuple[float, str, int, int, int]],
+) -> None:
+    """A pipelined group (prefill lanes beside the decode round, the stages'
+    time divided among them) with its running requests bound: the same
+    finish times and preemptions as with explicit counts, prompts prefilled
+    during a round joining the batch at its end."""
+    probe = _group(False, scheduler, layout, kv_gib, SimClock(), stages=stages)
+    assert probe.lanes
+    fit = [(t, m, p, o) for t, m, p, o in sorted(reqs) if p + o <= probe.max_request_tokens(m)]
+    rs = [Request(i, m, t, p, o) for i, (t, m, p, o) in enumerate(fit)]
+    mv = [
+        (Request(len(rs) + i, m, t, p, gen + more), gen)
+        for i, (t, m, p, gen, more) in enumerate(sorted(moves))
+        if p + gen + more <= probe.max_request_tokens(m)
+    ]
+    a = _drive(False, scheduler, layout, kv_gib, False, rs, mv, stages)
+    b = _drive(True, scheduler, layout, kv_gib, False, rs, mv, stages)
     assert a == b
 
 

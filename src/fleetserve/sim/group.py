@@ -56,7 +56,11 @@ in flight divide the stages' time (:class:`~fleetserve.sim.contention.BandwidthS
 weighted: each lane one, the decode round the stages not prefilling,
 :func:`~fleetserve.sim.contention.decode_weight`), re-timed at every start
 and end. Before session 23 such a group prefilled as a round of its own (a
-decode waited for it), as a replica does.
+decode waited for it), as a replica does. With bound running batches (FCFS,
+RR, a count-only layout; since session 30) a round is its batch's segment of
+one iteration, and a prompt whose lane ends during a round joins the batch at
+the round's end, as the KunServe world's executors run it; the records equal
+the explicit counts' (``tests/test_bound_groups.py``).
 
 Moving a request (the single-model world's live KV migration: Llumnix, Mell;
 :mod:`fleetserve.sim.migration` drives it, as it drives an instance). The
@@ -299,9 +303,9 @@ class SharingGroup:
             tokens at every job: a decode job then costs O(block size +
             finishes), not O(requests). Needs a scheduler whose decode job
             takes every running request of its service (the one-model
-            schedulers, FCFS and RR), one job at a time (temporal, not
-            pipelined), a count-only KV layout and
-            ``clock`` (the counts as of now). The records are the explicit
+            schedulers, FCFS and RR), one job at a time (temporal; a
+            pipelined group's decode round beside its prefill lanes), a
+            count-only KV layout and ``clock`` (the counts as of now). The records are the explicit
             path's (``tests/test_group_instance.py``).
         clock: the simulation clock (for ``bound``).
         prefix_caching: share the KV of cached prompt prefixes within each
@@ -418,7 +422,6 @@ class SharingGroup:
                         "a scheduler whose decode job takes every running request (fcfs, rr)",
                         not scheduler.one_model or scheduler.spatial,
                     ),
-                    ("no pipelined group", self.lanes),
                     ("a count-only KV layout (partitioned, headwise)", not layout.counts_only),
                     ("the simulation clock", clock is None),
                 )
@@ -766,6 +769,12 @@ class SharingGroup:
             return started
         new = {tok for _, tok in started}
         out = [(moved.get(tok, end), tok) for end, tok in started]
+        if self._bound:  # a bound decode round's end moved: the batch's as-of-now counts
+            for tok, end in moved.items():
+                job = self.jobs[tok][0]
+                b = self._bound.get(job.model) if job.phase == DECODE else None
+                if b is not None and b.n:
+                    b.ends = [end]
         for tok, end in moved.items():
             if tok in new:
                 continue
@@ -998,6 +1007,9 @@ class SharingGroup:
             alone, busy = cost.prefill_lane([s.prompt_tokens + s.gen_saved for s in seqs])
             weight = 1.0
         else:
+            b = self._bound.get(m)
+            if b is not None:
+                return self._start_bound_round(job, b, cost, now)
             seqs = self._grow_decode(m, self._decode_seqs(job))
             if not seqs:
                 return None
@@ -1008,6 +1020,31 @@ class SharingGroup:
         self._bw.add(token, now, alone, busy, weight)
         self._reweigh()
         return (now + alone, token)
+
+    def _start_bound_round(
+        self, job: Job, b: BoundBatch, cost: StagedCost, now: float
+    ) -> tuple[float, int] | None:
+        """A pipelined group's decode round of a bound batch: one iteration
+        (victims preempted while it does not fit, as :meth:`_start_bound`),
+        beside the prefill lanes in flight."""
+        assert self._bw is not None
+        m = job.model
+        C, n_fit = self._bound_boundary(m, b)
+        if job is not self._decode_job and len(job.seqs) != len(b):
+            raise RuntimeError(
+                f"group {self.id}: a decode job of {m} names {len(job.seqs)} of its "
+                f"{len(b)} running requests; a bound batch decodes as a whole"
+            )
+        if n_fit == 0:
+            C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
+            if not b.running:
+                return None
+        B = len(b)
+        alone, busy = cost.decode_round(B, float(b.tokens + B))
+        end, token = self._begin_bound(job, b, [now + alone], C, now, share=0.0)
+        self._bw.add(token, now, alone, busy, decode_weight(self.stages, self.lanes_in_flight()))
+        self._reweigh()
+        return (end, token)
 
     def _take_prefill(self, job: Job) -> list[Seq]:
         """A prefill job's requests (admitted through the budget), out of the queue."""
@@ -1148,23 +1185,25 @@ class SharingGroup:
         return False
 
     def _begin_bound(
-        self, job: Job, b: BoundBatch, ends: Ends, C: list[int], now: float
+        self, job: Job, b: BoundBatch, ends: Ends, C: list[int], now: float, share: float = 1.0
     ) -> tuple[float, int]:
         """Start a bound batch's decode segment of ``len(ends)`` iterations:
-        its KV allocated ahead (as a macro job's), one job."""
+        its KV allocated ahead (as a macro job's), one job holding ``share``
+        of the group (a temporal job the whole group; a pipeline's round
+        none, its stages' time is divided by weight)."""
         k = len(ends)
         m = job.model
         b.begin(ends, k, C)
         self.layout.bulk_change(m, 0, len(b.running) * k, b.grown(k - 1))
-        if job.share != 1.0:  # a temporal job holds the whole group
+        if job.share != 1.0:  # a job of the whole batch (its share is the group's)
             job = Job(m, DECODE, job.seqs, 1.0)
         # :meth:`_register`, inlined (no request is marked: the batch runs)
         token = self._next_token
         self._next_token = token + 1
-        self.jobs[token] = (job, [], now, 1.0)
+        self.jobs[token] = (job, [], now, share)
         key = (m, DECODE)
         self._busy[key] = self._busy.get(key, 0) + 1
-        self.held_share += 1.0
+        self.held_share += share
         if k > 1:
             self._ends[token] = ends
         return (float(ends[-1]), token)
@@ -1468,10 +1507,14 @@ class SharingGroup:
             self._finished(s, now)
             done.append(s)
             return
-        self.layout.bind(s.id)
-        b.run(s, s.kv_saved)
         self.running[s.model][s.id] = s
         live.append(s)
+        if b.n:  # a pipeline's lane ended during the decode round: it joins at its end
+            s.state = RUNNING
+            self._joining[s.model].append(s)
+            return
+        self.layout.bind(s.id)
+        b.run(s, s.kv_saved)
 
     def _mixed_done(
         self, job: Job, seqs: list[Seq], chunks: list[tuple[Seq, int]], start: float, now: float
@@ -1874,6 +1917,10 @@ class SharingGroup:
             assert sum(n for (_, ph), n in self._busy.items() if ph == DECODE) <= 1
         if self._bw is not None:
             assert self._bw.tokens() == set(self.jobs), (self._bw.tokens(), set(self.jobs))
+            for token, (job, _, _, _) in self.jobs.items():
+                b = self._bound.get(job.model) if job.phase == DECODE else None
+                if b is not None and b.n:  # a bound round's as-of-now counts read its end
+                    assert b.ends[-1] == self._bw.end_of(token), (token, b.ends, job)
         for m in self._models:
             # within the quota, or one request alone past it (GroupScheduler.kv_allows)
             limit = self.scheduler.kv_limit(m)

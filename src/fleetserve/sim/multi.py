@@ -483,12 +483,7 @@ class MultiSimulator:
             chunked_prefill=cfg.chunked_prefill,
             # the running requests bound to a step counter where the group's
             # scheduler, layout and shape allow it (SharingGroup's ``bound``)
-            bound=(
-                sched.one_model
-                and not sched.spatial
-                and layout.counts_only
-                and all(getattr(c, "stages", 1) == 1 for c in costs.values())
-            ),
+            bound=sched.one_model and not sched.spatial and layout.counts_only,
             clock=self.clock,
         )
         self.groups.append(g)
