@@ -124,14 +124,14 @@ def test_resident_kv_is_counted_without_a_check_and_the_check_catches_over_commi
     assert lay.room_tokens() == 0
     with pytest.raises(PoolFull):
         lay.hold(MODEL, 1)
-    lay.adopt(1)  # KV that moved here: counted, not allocated
+    lay.hold(MODEL, 1, check=False)  # KV that moved here: counted, not allocated
     assert lay.tokens() == KV_TOKENS + 1
     with pytest.raises(AssertionError, match="over-committed"):
         lay.check_integrity()
     lay.unhold(MODEL, 1)
     lay.check_integrity()
     lay.unhold(MODEL, KV_TOKENS)
-    lay.join(1, 10)  # a request moved in, running
+    lay.bulk_change(MODEL, 1, 10, 10, check=False)  # a request moved in, running
     assert lay.bulk(MODEL) == (1, 10, 10)
     lay.check_integrity()
 

@@ -321,7 +321,7 @@ class Executor:
     def adopt(self, tokens: int) -> None:
         """Hold ``tokens`` of KV already resident (a request stalled or
         moved here): counted, not allocated (:meth:`StagedLayout.adopt`)."""
-        self.layout.adopt(tokens)
+        self.layout.hold(self.layout.service, tokens, check=False)
 
     def release(self, tokens: int) -> None:
         """Give back ``tokens`` of the KV tokens :meth:`hold` took."""
@@ -459,7 +459,7 @@ class Executor:
         """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
         s.inst = self
         self.batch.run(s, kv)
-        self.layout.join(1, kv)
+        self.layout.bulk_change(self.layout.service, 1, kv, kv, check=False)
 
     def unrun(self, s: Seq) -> int:
         """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
@@ -479,7 +479,7 @@ class Executor:
         tokens each held)."""
         B, self.inflight = self.inflight, 0
         self.release(B)
-        self.layout.join(0, B)
+        self.layout.bulk_change(self.layout.service, 0, B, B, check=False)
         self.batch.steps += 1
         for s, kv in self.batch.due():
             self.layout.bulk_change(self.layout.service, -1, -kv, -kv)

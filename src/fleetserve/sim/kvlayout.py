@@ -189,6 +189,10 @@ class KVLayout(ABC):
     """Whether the layout keeps counts only (partitioned, head-wise), so a
     service's bound batch can be one set of totals (:meth:`bind`); the merged
     layout names every slot."""
+    capacity_changes: ClassVar[bool] = False
+    """Whether :meth:`max_tokens` may change while the layout is in use (the
+    staged layout's, as its members drop or reload layers); its holder then
+    refreshes what it derives from it."""
 
     def __init__(
         self, capacity_bytes: int, models: Mapping[str, ModelSpec], block_size: int = 16
@@ -488,15 +492,20 @@ class KVLayout(ABC):
         b[1] += self._rtokens.pop(rid)
         b[2] += self._rblocks.pop(rid)
 
-    def bulk_change(self, model: str, requests: int, tokens: int, blocks: int) -> None:
+    def bulk_change(
+        self, model: str, requests: int, tokens: int, blocks: int, *, check: bool = True
+    ) -> None:
         """``model``'s bound batch changes by ``requests`` requests, ``tokens``
         tokens and ``blocks`` token-blocks (each signed: a decode segment
         grows it, a request that finishes or is preempted leaves it with its
         tokens and blocks, an interrupted segment gives back what it did not
-        use).
+        use). ``check=False``: KV that is already resident joins (a request
+        moved in whose blocks were just freed or held here; in a staged
+        layout, KV whose place the corrections track), not checked against
+        the free blocks.
 
         Raises:
-            PoolFull: the new token-blocks do not fit; nothing changed.
+            PoolFull: the new token-blocks do not fit (with ``check``); nothing changed.
             ValueError: the batch would hold a negative count.
         """
         b = self._bulk.get(model)
@@ -511,7 +520,7 @@ class KVLayout(ABC):
                 f"({requests}, {tokens}, {blocks})"
             )
         if blocks > 0:
-            if not self._fits(model, blocks):
+            if check and not self._fits(model, blocks):
                 raise PoolFull(
                     f"{self.name} KV layout: the bound batch of {model!r} needs {blocks} more "
                     f"token-block(s); {self.free_bytes_for(model)} bytes free"
@@ -531,15 +540,16 @@ class KVLayout(ABC):
         return n, t, b
 
     # --- blocks held by no request (count-only layouts) -----------------------
-    def hold(self, model: str, blocks: int) -> None:
+    def hold(self, model: str, blocks: int, *, check: bool = True) -> None:
         """Take ``blocks`` token-blocks of ``model`` that no request holds: a
         KV migration's reservation for a request being copied in, or the
         blocks of a request that left while a copy still reads them. They
         count as used (and as ``model``'s) until :meth:`unhold`. Count-only
-        layouts only (:attr:`counts_only`).
+        layouts only (:attr:`counts_only`). ``check=False``: the blocks are
+        already resident (as :meth:`bulk_change`'s).
 
         Raises:
-            PoolFull: they do not fit; nothing changed.
+            PoolFull: they do not fit (with ``check``); nothing changed.
             ValueError: ``blocks`` is negative.
             NotImplementedError: the merged layout, which names every slot.
         """
@@ -548,7 +558,7 @@ class KVLayout(ABC):
         self._check_model(model)
         if blocks < 0:
             raise ValueError(f"{self.name} KV layout: cannot hold {blocks} token-blocks")
-        if blocks and not self._fits(model, blocks):
+        if blocks and check and not self._fits(model, blocks):
             raise PoolFull(
                 f"{self.name} KV layout: {model!r} cannot hold {blocks} more token-block(s); "
                 f"{self.free_bytes_for(model)} bytes free"

@@ -23,8 +23,8 @@ Two objects keep these books:
   stalled or incoming requests, the decode iteration in flight). New KV is
   checked against the room; KV that is already resident and only changes
   hands (a request moved from another executor, a prefill joining the
-  batch) is counted without a check (:meth:`StagedLayout.join`,
-  :meth:`StagedLayout.adopt`), since the corrections say where it is. A token
+  batch) is counted without a check (``check=False``), since the
+  corrections say where it is. A token
   costs member ``m`` its ``layers_m`` token-layers: a settled request's KV is
   spread over the stages in proportion to their layers.
 
@@ -161,6 +161,7 @@ class StagedLayout(KVLayout):
 
     name: ClassVar[str] = "staged"
     _tracks_alloc: ClassVar[bool] = False
+    capacity_changes: ClassVar[bool] = True
 
     def __init__(
         self, memory: StageMemory, layers: Mapping[int, int], service: str, spec: ModelSpec
@@ -216,31 +217,6 @@ class StagedLayout(KVLayout):
     def used_tl(self, m: int) -> int:
         """Token-layers member ``m`` holds."""
         return self.layers[m] * self._mblocks[self.service] + self.memory.corr[m]
-
-    # --- resident KV: counted, not allocated ----------------------------------
-    def join(self, requests: int, tokens: int) -> None:
-        """``requests`` join the bound batch with ``tokens`` of KV that is
-        already resident on the members (moved from another executor, or
-        held here until now). Not checked against the room: nothing new is
-        allocated, and where the KV physically is, the corrections say; the
-        members' books are checked by :meth:`check_integrity`."""
-        svc = self.service
-        b = self._bulk[svc]
-        b[0] += requests
-        b[1] += tokens
-        b[2] += tokens
-        self._mreqs[svc] += requests
-        self._mtokens[svc] += tokens
-        self._mblocks[svc] += tokens
-
-    def adopt(self, tokens: int) -> None:
-        """Hold ``tokens`` of resident KV (a request moved here that does not
-        run yet): as :meth:`join`, for blocks held by no running request."""
-        if tokens < 0:
-            raise ValueError(f"staged KV layout: cannot adopt {tokens} tokens")
-        svc = self.service
-        self._held[svc] += tokens
-        self._mblocks[svc] += tokens
 
     # --- KVLayout -------------------------------------------------------------
     @property
