@@ -77,6 +77,34 @@ iterations (``copy_load``,
 starts. Bound batches only (FCFS, RR: a request leaves or joins at a
 boundary of its batch), a count-only layout, and a replica (not a pipeline).
 
+KunServe's executors (:mod:`fleetserve.sim.kun`; since session 30). The
+KunServe world's replicas and pipelines are one-service groups with bound
+batches, one iteration per job, and a staged KV layout over their members
+(:class:`~fleetserve.sim.staged_layout.StagedLayout`, whose capacity changes
+as members drop or reload layers: :meth:`SharingGroup.refresh_limits`). What
+they add, each off by default:
+
+* ``alternate``: in the one-model case, after a prefill job a decode of the
+  running requests comes next when there are any;
+* ``pressure`` (:class:`~fleetserve.policy.pressure.PressureReaction`): when a
+  decode does not fit, the reaction's step (preempt or swap out its victim,
+  or wait for a swap-out in flight); when the queue's head has a batch slot
+  but not the memory, its steps (``kv-drop`` drops running requests' KV to
+  the queue's tail, ``kv-swap`` swaps one out); before a decode, a swap-in.
+  A swap is the world's copy (``on_swap``); the request is *stalled* (its KV
+  held, counted in the batch slots) until :meth:`SharingGroup.swapped_out`,
+  then in host memory until a swap-in brings it back;
+* requests that arrive with their KV (a Llumnix move, a swap-in, a blocking
+  exchange's victim once its pieces are in: :meth:`SharingGroup.arrive`,
+  :meth:`SharingGroup.unstall`) join the batch at its next boundary, their KV
+  reserved until then; a merge's or split's requests whose KV is resident
+  join at once (:meth:`SharingGroup.adopt_resident`, not checked against the
+  free blocks: the staged layout's corrections say where the KV is);
+* ``admitting`` False: the group admits nothing (a restored group drains);
+* ``round_cost``: the world's time of a decode round (remote attention of
+  the KV exchange), ``on_evicted``: the world's books of a request whose KV
+  a preemption or a drop freed (its KV pieces, its move).
+
 Prefix caching (``prefix_caching``; :mod:`fleetserve.sim.prefix_cache`, the
 single-model instance's model of vLLM's automatic prefix caching, one cache
 per service). A request's KV is then its private blocks (the layout holds

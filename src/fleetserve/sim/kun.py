@@ -10,9 +10,14 @@ cost model and the memory accounting, so they differ only in that reaction.
 Executors. An *executor* is what runs batches: a replica (one instance,
 every layer) or a buddy group of ``k`` instances running as a ``k``-stage
 pipeline (:class:`~fleetserve.costmodel.pipeline.PipelineCost`). Each
-instance belongs to exactly one executor. An executor schedules like a vLLM
-instance: FCFS admission while the prompts fit (prefill-only iterations),
-otherwise a decode iteration of every running request; when the next decode
+instance belongs to exactly one executor. Since session 30 an executor is a
+one-service sharing group (:class:`~fleetserve.sim.group.SharingGroup`, the
+instance type of every world) with a staged KV layout over its members; the
+group runs what follows, and this module keeps what the KunServe world adds
+beside it (layer ranges, KV pieces, the exchange, drops and restores). An
+executor schedules like a vLLM instance: FCFS admission while the prompts
+fit (prefill-only iterations), otherwise a decode iteration of every running
+request; when the next decode
 token does not fit, the newest running request is preempted (recomputed
 later; ``kv-swap`` swaps it to host instead). One choice differs from vLLM
 v0's prefill-first order: after a prefill iteration, a decode iteration of
