@@ -77,6 +77,34 @@ iterations (``copy_load``,
 starts. Bound batches only (FCFS, RR: a request leaves or joins at a
 boundary of its batch), a count-only layout, and a replica (not a pipeline).
 
+KunServe's executors (:mod:`fleetserve.sim.kun`; since session 30). The
+KunServe world's replicas and pipelines are one-service groups with bound
+batches, one iteration per job, and a staged KV layout over their members
+(:class:`~fleetserve.sim.staged_layout.StagedLayout`, whose capacity changes
+as members drop or reload layers: :meth:`SharingGroup.refresh_limits`). What
+they add, each off by default:
+
+* ``alternate``: in the one-model case, after a prefill job a decode of the
+  running requests comes next when there are any;
+* ``pressure`` (:class:`~fleetserve.policy.pressure.PressureReaction`): when a
+  decode does not fit, the reaction's step (preempt or swap out its victim,
+  or wait for a swap-out in flight); when the queue's head has a batch slot
+  but not the memory, its steps (``kv-drop`` drops running requests' KV to
+  the queue's tail, ``kv-swap`` swaps one out); before a decode, a swap-in.
+  A swap is the world's copy (``on_swap``); the request is *stalled* (its KV
+  held, counted in the batch slots) until :meth:`SharingGroup.swapped_out`,
+  then in host memory until a swap-in brings it back;
+* requests that arrive with their KV (a Llumnix move, a swap-in, a blocking
+  exchange's victim once its pieces are in: :meth:`SharingGroup.arrive`,
+  :meth:`SharingGroup.unstall`) join the batch at its next boundary, their KV
+  reserved until then; a merge's or split's requests whose KV is resident
+  join at once (:meth:`SharingGroup.adopt_resident`, not checked against the
+  free blocks: the staged layout's corrections say where the KV is);
+* ``admitting`` False: the group admits nothing (a restored group drains);
+* ``round_cost``: the world's time of a decode round (remote attention of
+  the KV exchange), ``on_evicted``: the world's books of a request whose KV
+  a preemption or a drop freed (its KV pieces, its move).
+
 Prefix caching (``prefix_caching``; :mod:`fleetserve.sim.prefix_cache`, the
 single-model instance's model of vLLM's automatic prefix caching, one cache
 per service). A request's KV is then its private blocks (the layout holds
@@ -101,13 +129,15 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from fleetserve.errors import ConfigError
+from fleetserve.policy.actions import DropKV, SwapOut
+from fleetserve.policy.pressure import PressureReaction, PressureView
 from fleetserve.policy.sharing import (
     DECODE,
     PREFILL,
@@ -120,7 +150,7 @@ from fleetserve.sim.batch import BoundBatch
 from fleetserve.sim.contention import BandwidthSharing, beside_copies, decode_weight
 from fleetserve.sim.kvlayout import HeadwiseLayout
 from fleetserve.sim.prefix_cache import PrefixCache, PrefixStats
-from fleetserve.sim.seq import DONE, PREFILLING, RUNNING, TRANSIT, WAITING, Seq
+from fleetserve.sim.seq import DONE, HOST, PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
 
 if TYPE_CHECKING:
     from fleetserve.costmodel import Ends, InstanceCost
@@ -213,7 +243,7 @@ class _GroupBudget:
     def _open(self, m: str) -> None:
         """The round's limits, at its first prompt (of service ``m``)."""
         g = self.group
-        self.seqs_left = g.max_num_seqs - len(g.running[m]) - len(g.partial[m])
+        self.seqs_left = g.max_num_seqs - g.num_running(m) if g.admitting else 0
         self.reserve = g.admission_reserve(m)
         if g.chunked:  # the mixed iteration's decodes and partial prompts come first
             self.tokens_left = g.max_batched_tokens - g.mixed_reserved_tokens(m)
@@ -334,6 +364,8 @@ class SharingGroup:
         clock: SimClock | None = None,
         prefix_caching: bool = False,
         prefix_stats: PrefixStats | None = None,
+        alternate: bool = False,
+        pressure: PressureReaction | None = None,
     ) -> None:
         self.id = gid
         self.gpus = gpus
@@ -345,9 +377,9 @@ class SharingGroup:
         self.max_batched_tokens = max_batched_tokens
         self._models = tuple(sorted(costs))
         self._bs = bs = layout.block_size
-        self.watermark_tokens = {
-            m: int(watermark * (layout.max_tokens(m) // bs)) * bs for m in self._models
-        }
+        self._watermark = watermark
+        self.watermark_tokens: dict[str, int] = {}
+        self.refresh_limits()
         self.waiting: dict[str, deque[Seq]] = {m: deque() for m in self._models}
         # blocks the queued prompts of each service need (the instance's
         # ``reserved_blocks``, which dispatch policies read as not available)
@@ -375,6 +407,9 @@ class SharingGroup:
         spatial_bw = contention and scheduler.spatial
         self._bw = BandwidthSharing() if spatial_bw or self.lanes else None
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
+        # a pipeline's jobs re-timed at a start or an end, not yet reported
+        # (:meth:`_retime_lanes`, :meth:`_retimed`)
+        self._moved: dict[int, float] = {}
         self._state = _StateView(self)  # what the scheduler reads
         self._hooks = scheduler.observes_jobs  # its job-end hooks do something
         # one service whose scheduler keeps every decode iteration offered
@@ -432,6 +467,35 @@ class SharingGroup:
             for m in self._models:
                 self._bound[m] = BoundBatch(bs, clock)
                 self._joining[m] = []
+        # KunServe's world (sim/kun.py) runs its executors as one-service groups:
+        # what they add (module docstring, "KunServe's executors")
+        self.alternate = alternate
+        self._after_prefill = False  # the last job started was a prefill
+        self.pressure = pressure
+        self.admitting = True  # False: admit nothing (a restored group draining)
+        # requests whose KV is held here that do not run: a swap-out in flight,
+        # a blocking exchange's victim waiting for its pieces
+        self.stalled: dict[str, dict[int, Seq]] = {m: {} for m in self._models}
+        self.swapped: dict[str, deque[Seq]] = {m: deque() for m in self._models}
+        self.swap_out_busy = False
+        self.swap_in_busy = False
+        # requests whose KV is in (reserved, ``mig_in``): they join the running
+        # batch at its next boundary
+        self.pending: dict[str, list[Seq]] = {m: [] for m in self._models}
+        # the world's hooks: a decode round's (time, busiest stage's busy time)
+        # of ``batch`` requests reading ``ctx`` tokens; a request whose KV a
+        # preemption or a drop freed; a swap to start (True: out, False: in)
+        self.round_cost: Callable[[str, int, int], tuple[float, float]] | None = None
+        self.on_evicted: Callable[[Seq], None] | None = None
+        self.on_swap: Callable[[Seq, bool], None] | None = None
+        if pressure is not None and not bound:
+            raise ConfigError(f"group {gid}: memory-pressure reactions need bound running batches")
+        reacting = pressure is not None and pressure.settings.pressure in ("kv-drop", "kv-swap")
+        if pressure is not None and self.lanes and reacting:
+            raise ConfigError(
+                f"group {gid}: pressure {pressure.settings.pressure!r} reacts on replicas, "
+                "not in a pipelined group"
+            )
         # one service under a scheduler with a one-model case, bound: that case
         # (:meth:`schedule_one`); its decode job takes the whole batch
         self._one: str | None = None
@@ -454,6 +518,16 @@ class SharingGroup:
                 )
             stats = prefix_stats or PrefixStats()
             self.pcache = {m: PrefixCache(bs, stats) for m in self._models}
+
+    def refresh_limits(self) -> None:
+        """Recompute what derives from the layout's capacity (the admission
+        watermark's tokens): at the start, and after a layout whose capacity
+        changes (:attr:`~fleetserve.sim.kvlayout.KVLayout.capacity_changes`)
+        changed it."""
+        bs = self._bs
+        wm, lay = self._watermark, self.layout
+        for m in self._models:
+            self.watermark_tokens[m] = int(wm * (lay.max_tokens(m) // bs)) * bs
 
     # ------------------------------------------------------------ GroupState
     @property
@@ -500,11 +574,24 @@ class SharingGroup:
             and not any(self.waiting.values())
             and not any(self.running.values())
             and not any(self.partial.values())
+            and not any(self.stalled.values())
+            and not any(self.pending.values())
+            and not any(self.swapped.values())
         )
 
     def outstanding(self, model: str) -> int:
         """Requests of ``model`` here (queued, partly prefilled or running)."""
         return len(self.waiting[model]) + len(self.running[model]) + len(self.partial[model])
+
+    def num_running(self, model: str) -> int:
+        """Requests of ``model`` that take a batch slot (``max_num_seqs``):
+        running (joining included), partly prefilled, stalled, and in a
+        pipeline the prompts its prefill lanes carry (vLLM counts a
+        sequence from its admission)."""
+        n = len(self.running[model]) + len(self.partial[model]) + len(self.stalled[model])
+        if self.lanes and (model, PREFILL) in self._busy:
+            n += sum(map(len, self._prefill_jobs(model)))
+        return n
 
     def ahead_blocks(self, model: str, now: float) -> int:
         """Token-blocks ``model``'s macro decode jobs hold ahead of ``now``: a
@@ -657,8 +744,11 @@ class SharingGroup:
         return self.scheduler.kv_allows(m, used, extra, others)
 
     # -------------------------------------------------------------- actions
-    def enqueue(self, seq: Seq, now: float, *, head: bool = False) -> list[tuple[float, int]]:
-        """Queue an arriving request; returns ``(end time, token)`` of started jobs."""
+    def enqueue(
+        self, seq: Seq, now: float, *, head: bool = False, start: bool = True
+    ) -> list[tuple[float, int]]:
+        """Queue an arriving request; returns ``(end time, token)`` of started
+        jobs (none without ``start``: the caller schedules later)."""
         seq.inst = self.host
         seq.state = WAITING
         self.queued_blocks[seq.model] += -(-seq.prefill_tokens // self._bs)
@@ -668,6 +758,8 @@ class SharingGroup:
             self.waiting[seq.model].append(seq)
             if self._on_arrival:
                 self.scheduler.on_arrival(seq, now)
+        if not start:
+            return []
         if self.jobs and self._one is not None:  # busy: the next boundary decides
             return self.truncate(now)
         return self.truncate(now) + self.schedule(now)
@@ -684,6 +776,9 @@ class SharingGroup:
             return self._retimed(now, [])
         if self.pcache and self.chunked:
             self._fit_before_admission()
+        for m, pend in self.pending.items():  # at the batch's boundary: arrived KV joins
+            if pend and not self._bound[m].n:
+                self._attach_pending(m, now)
         started: list[tuple[float, int]] = []
         while True:
             jobs = sched.schedule(self._state, _GroupBudget(self), now)
@@ -726,12 +821,23 @@ class SharingGroup:
         if self.pcache and self.chunked:
             self._fit_before_admission()
         b = self._bound[m]
+        if self.pending[m]:  # at the batch's boundary: the requests whose KV is in join
+            self._attach_pending(m, now)
         while True:
             q = self.waiting[m]
             got = None
-            if q:
+            if q and self.admitting and not (self.alternate and self._after_prefill and b.running):
                 admitted = admit_in_order(q, self._budget(self))
+                if (
+                    not admitted
+                    and self.pressure is not None
+                    and b.running
+                    and self._head_blocked(m)
+                    and self._react_blocked(m)
+                ):
+                    admitted = admit_in_order(q, self._budget(self))
                 if admitted:
+                    self._after_prefill = True
                     job = Job(m, PREFILL, tuple([s.id for s in admitted]), 1.0)
                     if self.chunked:
                         got = self._start_mixed(job, now)
@@ -744,6 +850,9 @@ class SharingGroup:
                     if got is None:  # pragma: no cover - a prefill job always starts
                         raise RuntimeError(f"group {self.id}: a prefill job did not start")
             if got is None:
+                self._after_prefill = False
+                if self.swapped[m]:
+                    self._swap_in(m)
                 if self.chunked and self.partial[m]:
                     got = self._start_mixed(Job(m, DECODE, (), 1.0), now)
                 elif b.running or self._joining[m]:
@@ -754,6 +863,8 @@ class SharingGroup:
                 if self._busy_since is None:
                     self._busy_since = now
                 return got
+            if self.pressure is not None:  # the reactions chose to wait (KunServe's executors)
+                return None
             # every running request was preempted: the queue again (a round
             # preempts a request each time, so this ends)
 
@@ -762,9 +873,16 @@ class SharingGroup:
         a new job's end as re-timed, and each other job whose end moved under
         a new token (the old one is superseded: :meth:`stale`)."""
         bw = self._bw
-        if bw is None or not bw:
+        if bw is None:
+            return started
+        if not bw:
+            self._moved.clear()
             return started
         moved = bw.retime(now)
+        if self._moved:  # a pipeline's re-timings since the last report
+            pending, self._moved = self._moved, {}
+            pending.update(moved)
+            moved = {tok: end for tok, end in pending.items() if tok in self.jobs}
         if not moved:
             return started
         new = {tok for _, tok in started}
@@ -801,6 +919,14 @@ class SharingGroup:
     def lanes_in_flight(self) -> int:
         """Prefill jobs in flight (a pipelined group's lanes)."""
         return sum(n for (_, ph), n in self._busy.items() if ph == PREFILL)
+
+    def _retime_lanes(self, now: float) -> None:
+        """A pipelined group's stages are divided anew at every start and end
+        of a job (a decode round's end: at the next start, or at the report),
+        as the KunServe world's executors did before they became groups; the
+        ends that moved are reported by :meth:`_retimed`."""
+        assert self._bw is not None
+        self._moved.update(self._bw.retime(now))
 
     def _reweigh(self) -> None:
         """A pipelined group's decode round: its weight for the lanes now in flight."""
@@ -983,13 +1109,26 @@ class SharingGroup:
     ) -> tuple[list[int], int]:
         """While the next iteration of ``m``'s bound batch does not fit
         (``n_fit`` 0), preempt the scheduler's victim among it (as
-        :meth:`_grow_decode`); the growth then (an empty batch fits)."""
+        :meth:`_grow_decode`); the growth then (an empty batch fits). With
+        memory-pressure reactions (:attr:`pressure`), their step each time:
+        preempt or swap out the victim, or wait (``n_fit`` -1: no decode
+        now, a swap-out in flight frees memory)."""
         while n_fit == 0:
             cands = list(b.running.values())
-            victim = self.scheduler.victim(self._state, m, cands)
-            if victim not in cands:
-                raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
-            self._preempt(cast("Seq", victim))
+            if self.pressure is not None:
+                action = self.pressure.decode_short(self._pview(m), self._victim_of(m))
+                if action is None:
+                    return C, -1
+                s = b.running[action.request_id]
+                if isinstance(action, SwapOut):
+                    self._swap_out(s)
+                else:
+                    self._preempt(s)
+            else:
+                victim = self.scheduler.victim(self._state, m, cands)
+                if victim not in cands:
+                    raise RuntimeError(f"group {self.id}: victim {victim.id} is not preemptible")
+                self._preempt(cast("Seq", victim))
             C, n_fit = b.growth(self.layout.free_token_blocks(m))
         return C, n_fit
 
@@ -1019,6 +1158,7 @@ class SharingGroup:
         token = self._register(Job(m, job.phase, tuple(x.id for x in seqs), 1.0), seqs, now, 0.0)
         self._bw.add(token, now, alone, busy, weight)
         self._reweigh()
+        self._retime_lanes(now)
         return (now + alone, token)
 
     def _start_bound_round(
@@ -1037,13 +1177,17 @@ class SharingGroup:
             )
         if n_fit == 0:
             C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
-            if not b.running:
+            if n_fit < 0 or not b.running:
                 return None
         B = len(b)
-        alone, busy = cost.decode_round(B, float(b.tokens + B))
+        if self.round_cost is not None:  # the world's (KunServe: remote attention)
+            alone, busy = self.round_cost(m, B, b.tokens + B)
+        else:
+            alone, busy = cost.decode_round(B, float(b.tokens + B))
         end, token = self._begin_bound(job, b, [now + alone], C, now, share=0.0)
         self._bw.add(token, now, alone, busy, decode_weight(self.stages, self.lanes_in_flight()))
         self._reweigh()
+        self._retime_lanes(now)
         return (end, token)
 
     def _take_prefill(self, job: Job) -> list[Seq]:
@@ -1055,8 +1199,10 @@ class SharingGroup:
         q = self.waiting[job.model]
         if len(ids) == len(q):
             q.clear()
-        else:
-            self.waiting[job.model] = deque(s for s in q if s.id not in ids)
+        else:  # in place: the deque is the group's own, never rebound
+            keep = [s for s in q if s.id not in ids]
+            q.clear()
+            q.extend(keep)
         return seqs
 
     def _take_head(self, m: str, admitted: list[Seq]) -> None:
@@ -1124,14 +1270,16 @@ class SharingGroup:
                 return got
         if n_fit == 0:
             C, n_fit = self._preempt_to_fit(m, b, C, n_fit)
-            if not b.running:
+            if n_fit < 0 or not b.running:
                 return None
             if macro and n_fit > 1 and not self._may_admit():
                 got = self._bound_segment(job, b, C, n_fit, now)
                 if got is not None:
                     return got
-        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
         B = len(b.running)
+        if self.round_cost is not None:  # the world's (KunServe: remote attention)
+            return self._begin_bound(job, b, [now + self.round_cost(m, B, b.tokens + B)[0]], C, now)
+        cost: InstanceCost = self.costs[m]  # type: ignore[assignment]  # a replica's
         t1 = cost.decode_time_scalar(B, float(b.tokens + B), job.share)
         if self.copy_load:
             mem = cost.decode_memory_s(B, float(b.tokens + B))
@@ -1369,7 +1517,8 @@ class SharingGroup:
                     i -= 1
         return job
 
-    def _preempt(self, s: Seq) -> None:
+    def _evict(self, s: Seq) -> None:
+        """Free running ``s``'s KV (it will be recomputed); the caller queues it."""
         if s.bound:
             self._unbind(s)
         else:
@@ -1379,10 +1528,172 @@ class SharingGroup:
         s.state = WAITING
         s.record.preemptions += 1
         self.preemptions += 1
-        if s.mig is not None:  # its move aborts (sim/migration.py)
+        if self.on_evicted is not None:  # the world keeps the request's other state
+            self.on_evicted(s)
+        elif s.mig is not None:  # its move aborts (sim/migration.py)
             self.preempted_migrating.append(s)
+
+    def _preempt(self, s: Seq) -> None:
+        """Recompute-preempt ``s``: its KV freed, back to the head of its queue."""
+        self._evict(s)
         self.queued_blocks[s.model] += -(-s.prefill_tokens // self._bs)
         self.waiting[s.model].appendleft(s)
+
+    # ------------------------------------------- memory-pressure reactions
+    def _victim_of(self, m: str) -> Callable[[list[Any]], Any]:
+        """The scheduler's victim among candidates of service ``m``."""
+        return lambda among: self.scheduler.victim(self._state, m, among)
+
+    def _pview(self, m: str) -> PressureView:
+        """Service ``m`` as the pressure reaction reads it (KV in tokens)."""
+        q = self.waiting[m]
+        sw = self.swapped[m]
+        return PressureView(
+            room_tokens=self.layout.free_token_blocks(m) * self._bs - self.watermark_tokens[m],
+            head_tokens=q[0].prefill_tokens if q else 0,
+            running=list(self._bound[m].running.values()),
+            swapped=tuple(x.id for x in sw),
+            swapped_tokens=tuple(x.kv_saved for x in sw),
+            swap_out_busy=self.swap_out_busy,
+            swap_in_busy=self.swap_in_busy,
+        )
+
+    def _head_blocked(self, m: str) -> bool:
+        """The head of ``m``'s queue has a batch slot but not the memory."""
+        bs = self._bs
+        slots = self.max_num_seqs - self.num_running(m)
+        room = self.layout.free_token_blocks(m) - self.watermark_tokens[m] // bs
+        return slots > 0 and -(-self.waiting[m][0].prefill_tokens // bs) > room
+
+    def _react_blocked(self, m: str) -> bool:
+        """The queue's head does not fit: the reaction's steps
+        (:meth:`~fleetserve.policy.pressure.PressureReaction.head_blocked`);
+        whether KV was dropped. Requests whose KV was dropped go to the
+        tail of the queue, newest last."""
+        assert self.pressure is not None
+        dropped: list[Seq] = []
+        run = self.running[m]
+        while True:
+            action = self.pressure.head_blocked(self._pview(m), self._victim_of(m))
+            if action is None:
+                break
+            s = run[action.request_id]
+            if isinstance(action, DropKV):
+                self._evict(s)
+                dropped.append(s)
+                continue
+            self._swap_out(s)
+            break
+        bs = self._bs
+        for s in reversed(dropped):
+            self.queued_blocks[m] += -(-s.prefill_tokens // bs)
+            self.waiting[m].append(s)
+        return bool(dropped)
+
+    def _swap_out(self, s: Seq) -> None:
+        """Swap running ``s`` out to host memory: its KV stays held (stalled)
+        until the world's copy ends (:meth:`swapped_out`)."""
+        m = s.model
+        kv = self._unbind(s)
+        s.kv_saved = kv
+        self.layout.hold(m, -(-kv // self._bs), check=False)  # the blocks just freed
+        s.state = STALLED
+        self.stalled[m][s.id] = s
+        self.swap_out_busy = True
+        s.record.preemptions += 1
+        if self.on_swap is None:
+            raise RuntimeError(f"group {self.id}: a swap-out needs the world's on_swap hook")
+        self.on_swap(s, True)
+
+    def swapped_out(self, s: Seq) -> None:
+        """``s``'s swap-out copy ended: its KV leaves the pool; it waits in host memory."""
+        m = s.model
+        del self.stalled[m][s.id]
+        self.layout.unhold(m, -(-s.kv_saved // self._bs))
+        s.state = HOST
+        self.swapped[m].append(s)
+        self.swap_out_busy = False
+
+    def _swap_in(self, m: str) -> None:
+        """Before a decode: the reaction may bring the oldest swapped-out
+        request back (its KV reserved now, copied in by the world)."""
+        if self.pressure is None:
+            return
+        action = self.pressure.swap_in(self._pview(m))
+        if action is None:
+            return
+        s = self.swapped[m].popleft()
+        if s.id != action.request_id:
+            raise RuntimeError(f"group {self.id}: swap-in of {action.request_id}, oldest is {s.id}")
+        self.reserve(m, -(-s.kv_saved // self._bs))
+        s.state = TRANSIT
+        self.swap_in_busy = True
+        if self.on_swap is None:
+            raise RuntimeError(f"group {self.id}: a swap-in needs the world's on_swap hook")
+        self.on_swap(s, False)
+
+    def swapped_in(self, s: Seq) -> None:
+        """``s``'s swap-in copy ended: it joins the batch at its next boundary."""
+        self.swap_in_busy = False
+        self.pending[s.model].append(s)
+
+    def arrive(self, s: Seq) -> None:
+        """``s``'s KV, reserved here (:meth:`reserve`), has been copied in: it
+        joins the running batch at its next boundary."""
+        self.pending[s.model].append(s)
+
+    def stall(self, s: Seq, kv: int) -> None:
+        """``s`` holds ``kv`` tokens of KV here (resident, not checked) but
+        does not run yet (a blocking exchange's victim waiting for its
+        pieces); :meth:`unstall` when it may."""
+        m = s.model
+        self.layout.hold(m, -(-kv // self._bs), check=False)
+        s.state = STALLED
+        s.inst = self.host
+        s.kv_saved = kv
+        self.stalled[m][s.id] = s
+
+    def unstall(self, s: Seq) -> None:
+        """Stalled ``s`` may run: it joins the batch at its next boundary
+        (its held blocks count as a reservation until then)."""
+        m = s.model
+        del self.stalled[m][s.id]
+        self.mig_in[m] += -(-s.kv_saved // self._bs)
+        s.state = TRANSIT
+        self.pending[m].append(s)
+
+    def _attach_pending(self, m: str, now: float) -> None:
+        """At a boundary of ``m``'s batch: the pending requests join it."""
+        bs = self._bs
+        for s in self.pending[m]:
+            self.attach(s, s.kv_saved, -(-s.kv_saved // bs), now)
+        self.pending[m].clear()
+
+    def settle(self, now: float) -> None:
+        """At a boundary of every batch (no decode in flight): the pending
+        requests and those joining bind to their batch (a group about to
+        hand its requests over, KunServe's merge)."""
+        for m, b in self._bound.items():
+            if b.n:
+                raise RuntimeError(f"group {self.id}: a segment of {m!r} is in flight")
+            if self.pending[m]:
+                self._attach_pending(m, now)
+            if self._joining[m]:
+                self._bound_boundary(m, b)
+
+    def adopt_resident(self, s: Seq, kv: int) -> None:
+        """``s`` runs here from now on with ``kv`` tokens of KV that is already
+        resident (KunServe's merge and split: the corrections of the staged
+        layout say where it is), not checked against the free blocks; at its
+        batch's boundary."""
+        m = s.model
+        b = self._moving(m)
+        if b.n:
+            raise RuntimeError(f"group {self.id}: a segment of {m!r} is in flight")
+        self.layout.bulk_change(m, 1, kv, -(-kv // self._bs), check=False)
+        s.inst = self.host
+        b.run(s, kv)
+        self.running[m][s.id] = s
 
     def complete(self, token: int, now: float) -> list[Seq]:
         """End job ``token`` at ``now``; returns the requests that finished
@@ -1411,8 +1722,11 @@ class SharingGroup:
             del busy[key]
         if self._bw is not None:
             self._bw.remove(token)
+            self._moved.pop(token, None)
             if self.lanes:
                 self._reweigh()
+                if job.phase != DECODE:  # (a round's end: at the next start, or the report)
+                    self._retime_lanes(now)
         held = self.held_share - share
         self.held_share = held if held > 0.0 else 0.0
         if not self.jobs and self._busy_since is not None:
@@ -1762,8 +2076,9 @@ class SharingGroup:
         if seq.refs is not None or seq.shared:  # pragma: no cover - copied KV is private
             raise RuntimeError(f"group {self.id}: request {seq.id} arrives with cache references")
         self.unreserve(m, blocks)
-        self.layout.grow(seq.id, m, kv)  # into the blocks just given back
-        self.layout.bind(seq.id)
+        # into the blocks just given back (resident: in a staged layout a
+        # correction may have taken the room meanwhile)
+        self.layout.bulk_change(m, 1, kv, blocks, check=False)
         seq.inst = self.host
         b.run(seq, kv)
         self.running[m][seq.id] = seq
@@ -1870,6 +2185,16 @@ class SharingGroup:
                 got = lay.bulk(m)
                 bulk = (len(b), b.tokens + len(b) * n - shared * bs, want_blocks - shared)
                 assert got == bulk, (m, got, bulk)
+            for s in self.stalled[m].values():  # KV held, not running (swap-out, exchange)
+                assert s.id not in seen and s.state == STALLED and s.inst is self.host, s.id
+                assert not lay.holds(s.id) and s.kv_saved > 0, s.id
+                seen.add(s.id)
+            for s in self.pending[m]:  # KV in (reserved): joins at the next boundary
+                assert s.id not in seen and s.state == TRANSIT and s.inst is self.host, s.id
+                seen.add(s.id)
+            for s in self.swapped[m]:  # in host memory: no KV here
+                assert s.id not in seen and s.state == HOST and s.inst is self.host, s.id
+                seen.add(s.id)
             for s in self.partial[m]:  # admitted, partly prefilled: KV held in full
                 assert s.id not in seen and s.state == PREFILLING and s.inst is self.host, s.id
                 assert s.kv_saved == s.prompt_tokens + s.gen_saved, s.id
@@ -1888,6 +2213,7 @@ class SharingGroup:
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
+        bs = lay.block_size
         for m in self._models:  # the layout's held blocks: the moves' and the cache's
             assert self.mig_in[m] >= 0 and self.mig_out[m] >= 0, m
             referenced = 0
@@ -1903,7 +2229,8 @@ class SharingGroup:
             else:
                 for x in (*self.running[m].values(), *self.prefilling(m)):
                     assert x.refs is None and x.shared == 0, x.id
-            want_held = self.mig_in[m] + self.mig_out[m] + referenced
+            stalled = sum(-(-x.kv_saved // bs) for x in self.stalled[m].values())
+            want_held = self.mig_in[m] + self.mig_out[m] + referenced + stalled
             assert lay.held(m) == want_held, (m, lay.held(m), want_held)
         if not self.pcache:
             assert not self._holding

@@ -10,9 +10,14 @@ cost model and the memory accounting, so they differ only in that reaction.
 Executors. An *executor* is what runs batches: a replica (one instance,
 every layer) or a buddy group of ``k`` instances running as a ``k``-stage
 pipeline (:class:`~fleetserve.costmodel.pipeline.PipelineCost`). Each
-instance belongs to exactly one executor. An executor schedules like a vLLM
-instance: FCFS admission while the prompts fit (prefill-only iterations),
-otherwise a decode iteration of every running request; when the next decode
+instance belongs to exactly one executor. Since session 30 an executor is a
+one-service sharing group (:class:`~fleetserve.sim.group.SharingGroup`, the
+instance type of every world) with a staged KV layout over its members; the
+group runs what follows, and this module keeps what the KunServe world adds
+beside it (layer ranges, KV pieces, the exchange, drops and restores). An
+executor schedules like a vLLM instance: FCFS admission while the prompts
+fit (prefill-only iterations), otherwise a decode iteration of every running
+request; when the next decode
 token does not fit, the newest running request is preempted (recomputed
 later; ``kv-swap`` swaps it to host instead). One choice differs from vLLM
 v0's prefill-first order: after a prefill iteration, a decode iteration of
@@ -142,16 +147,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from fleetserve.cluster.state import ClusterState, SeqView
 from fleetserve.costmodel import CostModel
-from fleetserve.costmodel.pipeline import PipelineCost
+from fleetserve.costmodel.pipeline import PipelineCost, StagedCost
 from fleetserve.costmodel.transfer import (
     NETWORK_LATENCY_S,
     Link,
@@ -170,15 +173,13 @@ from fleetserve.metrics.records import (
 from fleetserve.policy.actions import (
     ActivateSpare,
     Dispatch,
-    DropKV,
     DropLayers,
     KunAction,
     Migrate,
     Reject,
     Restore,
-    SwapOut,
 )
-from fleetserve.policy.base import DISPATCH, AdmissionBudget
+from fleetserve.policy.base import DISPATCH
 from fleetserve.policy.batching import instance_batching
 from fleetserve.policy.kunserve import (
     ExecutorLoad,
@@ -189,60 +190,46 @@ from fleetserve.policy.kunserve import (
     split_layers,
 )
 from fleetserve.policy.llumnix import Llumnix
-from fleetserve.policy.pressure import KunSettings, PressureReaction, PressureView, Victim
+from fleetserve.policy.pressure import KunSettings, PressureReaction
+from fleetserve.policy.sharing import BATCHING, DECODE
 from fleetserve.sim.admission import context_note, context_reason
-from fleetserve.sim.batch import BoundBatch
-from fleetserve.sim.contention import BandwidthSharing, decode_weight
+from fleetserve.sim.batch import SimClock
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
+from fleetserve.sim.group import SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kun_parts import Channel, Piece, Transfer, WaitQueue
-from fleetserve.sim.seq import DONE, HOST, PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
+from fleetserve.sim.kun_parts import Channel, Piece, Transfer
+from fleetserve.sim.seq import PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
 from fleetserve.sim.staged_layout import StagedLayout, StageMemory
 from fleetserve.spec import GpuSpec, get_gpu, get_model
 from fleetserve.workload.request import Request, check_run_order
 
 logger = logging.getLogger(__name__)
 
-IDLE, PREFILL, DECODE = 0, 1, 2
-_DECODE_JOB = 0  # a pipeline's decode round in its stage sharing (lanes are 1, 2, ...)
 VIEW_BLOCK = 16  # block size of the InstanceView the shared policies read (vLLM's 16)
 
 
-class _KunBudget(AdmissionBudget):
-    """An executor's limits for one prefill iteration: KV tokens above the
-    watermark, batch slots, and the token budget (a lone prompt may exceed
-    the latter, so a long prompt is never stuck)."""
-
-    __slots__ = ("room", "slots", "taken", "tokens_left")
-
-    def __init__(self, room: int, slots: int, tokens: int) -> None:
-        self.room = room
-        self.slots = slots
-        self.tokens_left = tokens
-        self.taken = 0
-
-    def fits(self, seq: Seq) -> bool:  # type: ignore[override]
-        need = seq.prefill_tokens
-        return need <= self.room and self.slots > 0 and (not self.taken or need <= self.tokens_left)
-
-    def take(self, seq: Seq) -> None:  # type: ignore[override]
-        need = seq.prefill_tokens
-        self.room -= need
-        self.slots -= 1
-        self.tokens_left -= need
-        self.taken += 1
-
-
 class Executor:
-    """A replica or a pipelined buddy group (implements ``InstanceView`` and
+    """A replica or a pipelined buddy group: a one-service sharing group
+    (:class:`~fleetserve.sim.group.SharingGroup`) over its members, and what
+    the KunServe world keeps beside it (implements ``InstanceView`` and
     :class:`~fleetserve.policy.kunserve.KunExecutorView`).
 
+    The group runs the batches: admission in queue order (the ``alternate``
+    rule on a replica), prefill lanes beside the decode round on a pipeline,
+    the memory-pressure reactions (:class:`PressureReaction`), one iteration
+    per job (no macro-steps: the monitor and the KV exchange read every
+    iteration). Its KV layout is a
+    :class:`~fleetserve.sim.staged_layout.StagedLayout` over the members'
+    memory, its job times the pipeline's (:class:`StagedCost`), a decode
+    round's through :meth:`KunSimulator._round_cost` (remote attention).
+
     Args:
-        eid: executor id (never reused).
+        eid: executor id (never reused; its group's id).
         members: instance ids, in stage order.
         stage_layers: ``(lo, hi)`` layer range of each member's stage.
         pcost: round times of this pipeline.
         sim: the simulator (for the memory of its members).
+        now: when it starts.
     """
 
     def __init__(
@@ -261,31 +248,42 @@ class Executor:
         self.pcost = pcost
         self.sim = sim
         self.created_s = now
-        self.waiting = WaitQueue()
-        # the running requests, bound to its step counter (sim/batch.py); the
-        # dict is the batch's own, never rebound
-        self.batch = BoundBatch()
+        svc = sim.model.name
+        self.svc = svc
+        self.layout = StagedLayout(sim.mem, self.layers, svc, sim.model)
+        sched = BATCHING.get(sim.batching_name)(**sim.batching_params)
+        sched.setup({}, self.layout.capacity_bytes)
+        tp = sim.tp
+        g = SharingGroup(
+            eid,
+            tuple(x for m in members for x in range(m * tp, (m + 1) * tp)),
+            tp,
+            {svc: StagedCost(pcost)},
+            self.layout,
+            sched,
+            max_num_seqs=sim.max_num_seqs * len(members),
+            max_batched_tokens=sim.max_batched_tokens,
+            macro_steps=False,
+            watermark=sim.watermark,
+            bound=True,
+            clock=sim.clock,
+            alternate=sim.alternate,
+            pressure=sim.reaction,
+        )
+        g.host = self  # what a request's ``inst`` names
+        g.round_cost = self._round_cost
+        g.on_evicted = sim._on_evicted
+        g.on_swap = self._on_swap
+        self.group = g
+        self.batch = g._bound[svc]
+        # the running requests (bound to the batch's step counter); the dict
+        # is the batch's own, never rebound
         self.running: dict[int, Seq] = self.batch.running
-        self.stalled: dict[int, Seq] = {}
-        self.prefill: list[Seq] = []  # being prefilled (every lane's, on a pipeline)
-        self.pending_attach: list[Seq] = []
-        self.lanes: dict[int, _Lane] = {}  # prefill micro-batches in flight (k > 1)
-        self.prefilled: list[Seq] = []  # prefilled during a decode round; join after it
-        self.stage = BandwidthSharing()  # the stages' time among the jobs in flight (k > 1)
-        self.next_lane = 1
-        self.timers: dict[int, float] = {}  # job -> time of its end event (k > 1)
-        self.retime_due = False  # a job ended and the others are not re-timed yet
-        self.swapped: deque[Seq] = deque()
-        self.swap_out_busy = False
-        self.swap_in_busy = False
-        # the KV of its requests: the running batch's as a bound batch, the
-        # rest (prefills, stalled or incoming requests, the decode iteration
-        # in flight) as tokens held by no running request
-        self.layout = StagedLayout(sim.mem, self.layers, sim.model.name, sim.model)
-        self.inflight = 0  # tokens the decode iteration in flight is adding (held)
-        self.phase = IDLE
-        self.version = 0
-        self.frozen = False
+        self.waiting = g.waiting[svc]
+        self.stalled = g.stalled[svc]
+        self.swapped = g.swapped[svc]
+        self.pending_attach = g.pending[svc]
+        self.prefilled = g._joining[svc]  # prefilled during a decode round; join after it
         self.accepting = True
         self.restoring = False
         self.reload_left: set[int] = set()
@@ -294,11 +292,16 @@ class Executor:
         self.live_pieces: dict[Piece, None] = {}
         self.tracked: dict[int, Seq] = {}
         self.mig_ready: list[Seq] = []
-        self.last_prefill = False  # the last iteration was a prefill (interleaving)
         self.max_batch = sim.max_num_seqs
         self.last_end = now
         mem = sim.mem
         self._replica_kv = tuple(mem.cap_b[m] - mem.full_w for m in members)
+
+    def _round_cost(self, svc: str, batch: int, ctx: int) -> tuple[float, float]:
+        return self.sim._round_cost(self, batch, ctx)
+
+    def _on_swap(self, s: Seq, out: bool) -> None:
+        self.sim._start_swap(self, s, out)
 
     # ---------------------------------------------------------------- memory
     def T(self) -> int:
@@ -313,43 +316,49 @@ class Executor:
         """KV tokens the executor holds when full (all settled)."""
         return self.layout.capacity_tokens()
 
-    def hold(self, tokens: int) -> None:
-        """``tokens`` more KV tokens of requests not running (prefilling,
-        reserved for a copy in); :class:`PoolFull` when they do not fit."""
-        self.layout.hold(self.layout.service, tokens)
-
-    def adopt(self, tokens: int) -> None:
-        """Hold ``tokens`` of KV already resident (a request stalled or
-        moved here): counted, not allocated (:meth:`StagedLayout.adopt`)."""
-        self.layout.hold(self.layout.service, tokens, check=False)
-
-    def release(self, tokens: int) -> None:
-        """Give back ``tokens`` of the KV tokens :meth:`hold` took."""
-        self.layout.unhold(self.layout.service, tokens)
-
     def waiting_tokens(self) -> int:
-        return self.waiting.tokens
+        return self.group.queued_blocks[self.svc]
 
     @property
     def k(self) -> int:
         return len(self.members)
 
     @property
+    def frozen(self) -> bool:
+        """Starts no iteration (merging into a group, or splitting)."""
+        return self.group.state == "merging"
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self.group.state = "merging" if value else "live"
+
+    @property
     def at_boundary(self) -> bool:
         """No iteration (decode round or prefill micro-batch) in flight."""
-        return self.phase == IDLE and not self.lanes
+        return not self.group.jobs
+
+    @property
+    def decoding(self) -> bool:
+        """A decode iteration (round) is in flight."""
+        return self.group.busy(self.svc, DECODE)
+
+    @property
+    def prefill(self) -> list[Seq]:
+        """Requests in a prefill iteration (every lane's, on a pipeline)."""
+        return self.group.prefilling(self.svc)
 
     @property
     def stable(self) -> bool:
         """No merge, restore, KV piece, swap or migration in progress."""
+        g = self.group
         return (
             not self.frozen
             and not self.restoring
             and not self.live_pieces
             and not self.stalled
             and not self.pending_attach
-            and not self.swap_in_busy
-            and not self.swap_out_busy
+            and not g.swap_in_busy
+            and not g.swap_out_busy
             and (
                 self.sim.llumnix is None
                 or not any(s.mig is not None for s in self.running.values())
@@ -359,12 +368,11 @@ class Executor:
     # -------------------------------------------------------- InstanceView
     @property
     def model(self) -> str:
-        return self.sim.model.name
+        return self.svc
 
     @property
     def gpus(self) -> tuple[int, ...]:
-        tp = self.sim.tp
-        return tuple(g for m in self.members for g in range(m * tp, (m + 1) * tp))
+        return self.group.gpus
 
     @property
     def tp(self) -> int:
@@ -397,7 +405,8 @@ class Executor:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.stalled) + len(self.prefill) + len(self.prefilled)
+        g, svc = self.group, self.svc
+        return len(g.running[svc]) + len(self.stalled) + g.num_prefilling(svc)
 
     @property
     def num_waiting(self) -> int:
@@ -414,7 +423,7 @@ class Executor:
 
     @property
     def idle(self) -> bool:
-        return self.phase == IDLE and not self.waiting and not self.num_running
+        return not self.decoding and not self.waiting and not self.num_running
 
     def seqs(self) -> list[SeqView]:
         return [*self.running.values(), *self.prefill, *self.prefilled, *self.waiting]
@@ -452,45 +461,7 @@ class Executor:
     # -------------------------------------------------------------- requests
     def kv_steps(self) -> int:
         """A bound request holds ``base + kv_steps()`` KV tokens."""
-        return self.batch.steps
-
-    # -------------------------------------------------------------- requests
-    def run(self, s: Seq, kv: int) -> None:
-        """Start ``s`` decoding holding ``kv`` tokens (at a boundary)."""
-        s.inst = self
-        self.batch.run(s, kv)
-        self.layout.bulk_change(self.layout.service, 1, kv, kv, check=False)
-
-    def unrun(self, s: Seq) -> int:
-        """Take ``s`` out of the running batch (at a boundary); its KV tokens."""
-        kv = self.batch.unrun(s)
-        s.kv_saved = kv
-        self.layout.bulk_change(self.layout.service, -1, -kv, -kv)
-        return kv
-
-    def start_iteration(self) -> None:
-        """A decode iteration of every running request starts: its tokens are held."""
-        self.inflight = B = len(self.running)
-        self.hold(B)
-
-    def end_iteration(self) -> Iterator[tuple[Seq, int]]:
-        """The decode iteration in flight ended: its tokens join the running
-        batch, whose finished requests are yielded (taken out, with the KV
-        tokens each held)."""
-        B, self.inflight = self.inflight, 0
-        self.release(B)
-        self.layout.bulk_change(self.layout.service, 0, B, B, check=False)
-        self.batch.steps += 1
-        for s, kv in self.batch.due():
-            self.layout.bulk_change(self.layout.service, -1, -kv, -kv)
-            yield s, kv
-
-
-@dataclass(slots=True, eq=False)
-class _Lane:
-    """A prefill micro-batch in flight on a pipelined executor."""
-
-    seqs: list[Seq]
+        return self.batch.kv_steps()
 
 
 class _Merge:
@@ -716,7 +687,10 @@ class KunSimulator:
             block_size=VIEW_BLOCK,
         )
         self.dispatcher = DISPATCH.get(dispatch)()
-        self.batching = instance_batching(batching)
+        self.batching = instance_batching(batching)  # (refuses one that needs statistics)
+        self.batching_name = batching
+        self.batching_params: dict[str, Any] = {}
+        self.clock = SimClock()
         self.reaction = PressureReaction(st)
         self.llumnix = Llumnix(interval_s=None) if st.pressure == "llumnix" else None
         self.policy = st.policy(spec)
@@ -738,6 +712,7 @@ class KunSimulator:
             check=self.check,
             progress=self.progress,
             progress_every=self.progress_every,
+            clock=self.clock,
         )
         self.n_done = 0
         self.timeseries = TimeSeries(sample_interval_s)
@@ -803,7 +778,9 @@ class KunSimulator:
         for m, (lo, hi) in zip(members, ranges, strict=True):
             self.bytes_freed += self.mem.keep_layers(m, lo, hi)  # drop what it does not need
             self.exe_of[m] = exe
+        exe.group.refresh_limits()  # its capacity after the drops
         exe.max_batch = self._batch_cap(exe)
+        exe.group.max_num_seqs = self._cap(exe)
         self.execs[exe.id] = exe
         self.state.add(exe)
         return exe
@@ -845,6 +822,10 @@ class KunSimulator:
         elif not grouped and self._pipe_since is not None:
             self.time_in_pipeline_s += now - self._pipe_since
             self._pipe_since = None
+        else:
+            return
+        for e in self.execs.values():  # the batch cap holds while groups exist
+            e.group.max_num_seqs = self._cap(e)
 
     @property
     def grouped(self) -> bool:
@@ -875,28 +856,19 @@ class KunSimulator:
         out, self._out = self._out, []
         return out
 
-    def _ev_iter_end(self, payload: tuple[Executor, int, int], now: float) -> list[Event] | None:
-        exe, version, job = payload
+    def _ev_iter_end(self, payload: tuple[Executor, int], now: float) -> list[Event] | None:
+        exe, token = payload
         if exe.id not in self.execs:
             return None  # retired
-        if exe.k == 1:
-            if exe.version != version:
-                return None  # superseded
-            self._on_iter_end(exe, now)
-            return self._caused()
-        # a pipeline's job: its timer is the earliest end it was given
-        if exe.timers.get(job) != now:
-            return None  # a later timer of a job whose end moved earlier
-        end = exe.stage.end_of(job)
-        if now < end - 1e-12 * max(1.0, end):  # its end moved later: wait again
-            exe.timers[job] = end
-            self._out.append((end, ITER_END, (exe, 0, job)))
-            return self._caused()
-        del exe.timers[job]
-        if job == _DECODE_JOB:
-            self._on_iter_end(exe, now)
-        else:
-            self._on_lane_end(exe, job, now)
+        g = exe.group
+        if g.stale(token):
+            return None  # re-timed: a later event ends the job
+        entry = g.jobs.get(token)
+        if entry is None:
+            return None
+        phase = entry[0].phase
+        done = g.complete(token, now)
+        self._on_job_end(exe, phase, done, now)
         return self._caused()
 
     def _ev_xfer_end(self, payload: tuple[Channel, int], now: float) -> list[Event] | None:
@@ -918,25 +890,10 @@ class KunSimulator:
         self._on_sample(now, self.kernel.arrivals_left)
         return self._caused()
 
-    def _push_iter(self, exe: Executor, end: float) -> None:
-        self._out.append((end, ITER_END, (exe, exe.version, 0)))
-
-    def _retime(self, exe: Executor, now: float, new: int | None = None) -> None:
-        """Re-divide a pipeline's stage time among its jobs in flight (a job
-        started or ended) and push the end events of the jobs whose end moved,
-        and of the job ``new`` just added. A job keeps one timer, its earliest
-        end: an end that moves later leaves the timer, which then waits again
-        (:meth:`_ev_iter_end`); one that moves earlier gets a new timer."""
-        exe.retime_due = False
-        changed = exe.stage.retime(now)
-        if new is not None and new not in changed:
-            changed[new] = exe.stage.end_of(new)
-        timers = exe.timers
-        for job, end in changed.items():
-            timer = timers.get(job)
-            if timer is None or end < timer:
-                timers[job] = end
-                self._out.append((end, ITER_END, (exe, 0, job)))
+    def _push_jobs(self, exe: Executor, started: list[tuple[float, int]]) -> None:
+        """The end events of the jobs ``exe``'s group started or re-timed."""
+        for end, token in started:
+            self._out.append((end, ITER_END, (exe, token)))
 
     def _push_xfer(self, ch: Channel, end: float | None) -> None:
         if end is not None:
@@ -947,7 +904,7 @@ class KunSimulator:
         return (
             arrivals_left
             or any(
-                e.waiting or e.num_running or e.swapped or e.pending_attach
+                e.waiting or e.num_running or e.swapped or e.pending_attach or e.group.jobs
                 for e in self.execs.values()
             )
             or any(ch.busy for ch in self.channels)
@@ -1005,157 +962,24 @@ class KunSimulator:
         raise RuntimeError(f"unexpected dispatch action {action!r}")
 
     def _enqueue(self, s: Seq, exe: Executor, now: float) -> None:
-        s.state = WAITING
-        s.inst = exe
-        exe.waiting.append(s)
+        exe.group.enqueue(s, now, start=False)
         self._schedule(exe, now)
 
-    # ----------------------------------------------------------- iterations
     def _schedule(self, exe: Executor, now: float) -> None:
-        """Plan ``exe``'s next iteration at a boundary (or while it sits idle)."""
-        if exe.k > 1:
-            self._schedule_pipeline(exe, now)
-            return
-        if exe.phase != IDLE:
-            return
+        """Let ``exe``'s group start what it can now (it decides while no
+        iteration, or on a pipeline no decode round, is in flight); a frozen
+        executor at a boundary merges or splits."""
+        g = exe.group
+        self._push_jobs(exe, g.schedule(now))
         if exe.frozen:
-            self._try_merges(now)
-            self._try_split(exe, now)
-            return
-        self._attach_pending(exe)
-        draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
-        after_prefill = self.alternate and exe.last_prefill and exe.running
-        if exe.waiting and not draining and not after_prefill:
-            admitted = self._admit(exe)
-            blocked = not admitted and exe.running and self._head_blocked_by_memory(exe)
-            if blocked and self._react_blocked(exe, now):
-                admitted = self._admit(exe)
-            if admitted:
-                exe.last_prefill = True
-                self._start_prefill(exe, admitted, now)
-                return
-        exe.last_prefill = False
-        if exe.swapped:
-            self._swap_in(exe, now)
-        if exe.running:
-            self._start_decode(exe, now)
-        else:
-            exe.phase = IDLE
-            if exe.restoring and not self.settings.live_restore:
-                self._try_split(exe, now)
-
-    def _schedule_pipeline(self, exe: Executor, now: float) -> None:
-        """A pipelined executor's next steps (module docstring, "Pipelines"):
-        at the decode round's boundary (or while no round runs), prefill
-        micro-batches start on the free lanes, then the next decode round;
-        lanes run on across rounds."""
-        if exe.phase == IDLE:
-            self._attach_pending(exe)
-            for s in exe.prefilled:
-                n = s.prefill_tokens
-                exe.release(n)
-                exe.run(s, n)
-            exe.prefilled.clear()
-        if exe.frozen:
+            if exe.k > 1 and not exe.decoding:  # at the round's boundary: joiners join
+                g.settle(now)
             if exe.at_boundary:
                 self._try_merges(now)
                 self._try_split(exe, now)
             return
-        draining = exe.restoring and not exe.reload_left  # restored: admit nothing more
-        reacted = False
-        while (  # a virtual engine takes a prompt at its boundary: the decode round's end
-            exe.phase == IDLE
-            and exe.waiting
-            and not draining
-            and len(exe.lanes) < exe.k
-            and self._cap(exe) > exe.num_running  # else nothing fits and nothing reacts
-        ):
-            admitted = self._admit(exe)
-            if not admitted and not reacted and exe.running and self._head_blocked_by_memory(exe):
-                reacted = True
-                if self._react_blocked(exe, now):
-                    admitted = self._admit(exe)
-            if not admitted:
-                break
-            self._start_lane(exe, admitted, now)
-        if exe.phase != IDLE:
-            return
-        if exe.swapped:
-            self._swap_in(exe, now)
-        if exe.running:
-            self._start_decode(exe, now)
-        elif not exe.lanes and exe.restoring and not self.settings.live_restore:
+        if exe.at_boundary and not exe.running and exe.restoring and not self.settings.live_restore:
             self._try_split(exe, now)
-
-    def _attach_pending(self, exe: Executor) -> None:
-        """At a boundary: requests whose KV has arrived join the running batch."""
-        for s in exe.pending_attach:
-            exe.release(s.kv_saved)
-            exe.run(s, s.kv_saved)
-        exe.pending_attach.clear()
-
-    @staticmethod
-    def _take_admitted(exe: Executor, admitted: list[Seq]) -> list[int]:
-        """Take ``admitted`` (the head of the queue) into prefill, holding
-        their KV; the tokens each prefills."""
-        for _ in admitted:
-            exe.waiting.popleft()
-        lens = []
-        for s in admitted:
-            n = s.prefill_tokens
-            exe.hold(n)
-            s.state = PREFILLING
-            s.kv_saved = n
-            lens.append(n)
-        return lens
-
-    def _first_token(self, exe: Executor, s: Seq, now: float) -> bool:
-        """``s``'s prefill ended: its first token; a request of one output
-        token finishes (its KV freed). Whether it finished."""
-        rec = s.record
-        if rec.first_token_s is None:
-            rec.first_token_s = now
-        s.last_tok_s = now
-        if s.gen_saved + 1 < s.output_tokens:
-            return False
-        exe.release(s.prefill_tokens)
-        s.gen_saved = s.output_tokens
-        self._finish(exe, s, now)
-        return True
-
-    def _start_lane(self, exe: Executor, admitted: list[Seq], now: float) -> None:
-        """Start one prefill micro-batch of ``admitted`` on a pipeline."""
-        lens = self._take_admitted(exe, admitted)
-        exe.prefill.extend(admitted)
-        latency, busy = exe.pcost.prefill_micro_batch(lens)
-        job = exe.next_lane
-        exe.next_lane += 1
-        exe.lanes[job] = _Lane(admitted)
-        exe.stage.add(job, now, latency, busy)
-        if exe.phase == DECODE:
-            exe.stage.set_weight(_DECODE_JOB, self._decode_weight(exe))
-        self._retime(exe, now, job)
-
-    @staticmethod
-    def _decode_weight(exe: Executor) -> float:
-        """The decode round's weight in the stages' division
-        (:func:`~fleetserve.sim.contention.decode_weight`)."""
-        return decode_weight(exe.k, len(exe.lanes))
-
-    def _on_lane_end(self, exe: Executor, job: int, now: float) -> None:
-        """A pipeline's prefill micro-batch ends: first tokens; the requests
-        join the running batch at the decode round's next boundary."""
-        lane = exe.lanes.pop(job)
-        exe.stage.remove(job)
-        if exe.phase == DECODE:
-            exe.stage.set_weight(_DECODE_JOB, self._decode_weight(exe))
-        self._retime(exe, now)
-        done = set(map(id, lane.seqs))
-        exe.prefill = [s for s in exe.prefill if id(s) not in done]
-        for s in lane.seqs:
-            if not self._first_token(exe, s, now):
-                exe.prefilled.append(s)
-        self._schedule(exe, now)
 
     def _cap(self, exe: Executor) -> int:
         """Batch slots: ``max_num_seqs`` per stage (a pipeline keeps one
@@ -1166,86 +990,12 @@ class KunSimulator:
             return min(cap, exe.max_batch)
         return cap
 
-    def _head_blocked_by_memory(self, exe: Executor) -> bool:
-        """The head of the queue has a batch slot but not the memory."""
-        room = exe.room_tokens() - int(self.watermark * exe.capacity_tokens())
-        slots = self._cap(exe) - exe.num_running
-        return slots > 0 and exe.waiting[0].prefill_tokens > room
-
-    def _admit(self, exe: Executor) -> list[Seq]:
-        """The batching policy's admissions from the queue, within the
-        executor's limits (:class:`_KunBudget`)."""
-        budget = _KunBudget(
-            exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
-            self._cap(exe) - exe.num_running,
-            self.max_batched_tokens,
-        )
-        return self.batching.admit(exe, exe.waiting, budget)  # type: ignore[return-value]
-
-    def _start_prefill(self, exe: Executor, admitted: list[Seq], now: float) -> None:
-        lens = self._take_admitted(exe, admitted)
-        exe.prefill = admitted
-        exe.phase = PREFILL
-        exe.version += 1
-        self._push_iter(exe, now + exe.pcost.prefill_time(lens))
-
-    def _pview(self, exe: Executor) -> PressureView:
-        """``exe`` as the pressure reaction reads it."""
-        return PressureView(
-            room_tokens=exe.room_tokens() - int(self.watermark * exe.capacity_tokens()),
-            head_tokens=exe.waiting[0].prefill_tokens if exe.waiting else 0,
-            running=list(exe.running.values()),
-            swapped=tuple(s.id for s in exe.swapped),
-            swapped_tokens=tuple(s.kv_saved for s in exe.swapped),
-            swap_out_busy=exe.swap_out_busy,
-            swap_in_busy=exe.swap_in_busy,
-        )
-
-    def _victim_of(self, exe: Executor) -> Victim:
-        """The batching policy's victim choice on ``exe``."""
-        return lambda among: self.batching.victim(exe, among)
-
-    def _seq(self, rid: int) -> Seq:
-        s = self.seqs[rid]
-        assert s is not None, rid
-        return s
-
-    def _react_blocked(self, exe: Executor, now: float) -> bool:
-        """The queue's head does not fit: apply the pressure reaction's steps
-        (:meth:`PressureReaction.head_blocked`); whether it freed KV. Requests
-        whose KV was dropped go to the tail of the queue, newest last."""
-        dropped: list[Seq] = []
-        while True:
-            action = self.reaction.head_blocked(self._pview(exe), self._victim_of(exe))
-            if action is None:
-                break
-            s = self._seq(action.request_id)
-            if isinstance(action, DropKV):
-                self._evict(exe, s, now)
-                dropped.append(s)
-                continue
-            self._swap_out(exe, s, now)
-            break
-        exe.waiting.extend(reversed(dropped))
-        return bool(dropped)
-
-    def _start_decode(self, exe: Executor, now: float) -> None:
-        while exe.running and exe.room_tokens() < len(exe.running):
-            action = self.reaction.decode_short(self._pview(exe), self._victim_of(exe))
-            if action is None:
-                exe.phase = IDLE  # wait for the swap-out in flight to free memory
-                return
-            s = self._seq(action.request_id)
-            if isinstance(action, SwapOut):
-                self._swap_out(exe, s, now)
-            else:
-                self._preempt(exe, s, now)
-        B = len(exe.running)
-        if B == 0:
-            exe.phase = IDLE
-            return
-        exe.start_iteration()
-        ctx = exe.batch.tokens + B
+    def _round_cost(self, exe: Executor, B: int, ctx: int) -> tuple[float, float]:
+        """A decode round of ``exe``'s ``B`` running requests reading ``ctx``
+        tokens (its group's ``round_cost``): ``(time, busiest stage's busy
+        time)`` with the remote attention of its live pieces; the pieces'
+        links get the gaps between its activation transfers."""
+        now = self.clock.now
         extra = self._remote_overhead(exe) if exe.live_pieces else 0.0
         moved = self._moved_kv(exe) if self.live_src and self.remote_reads else None
         t, busy = exe.pcost.decode_round(B, ctx, extra, moved_kv=moved)
@@ -1257,13 +1007,7 @@ class KunSimulator:
             self._chunk_n += 1
             for ch in dict.fromkeys(self._chan(p.src, p.dst) for p in exe.live_pieces):
                 self._push_xfer(ch, ch.set_share(share, now))
-        exe.phase = DECODE
-        exe.version += 1
-        if exe.k > 1:
-            exe.stage.add(_DECODE_JOB, now, t, busy, self._decode_weight(exe))
-            self._retime(exe, now, _DECODE_JOB)
-        else:
-            self._push_iter(exe, now + t)
+        return t, busy
 
     def _moved_kv(self, exe: Executor) -> list[float] | None:
         """Per stage of ``exe``, the KV (tokens of the whole model) its GPU reads
@@ -1311,70 +1055,45 @@ class KunSimulator:
             )
         return total
 
-    def _evict(self, exe: Executor, s: Seq, now: float) -> None:
-        """Free running ``s``'s KV (it will be recomputed); the caller queues it."""
-        self._cancel_pieces(s)
-        self._cancel_migration(s)
-        exe.unrun(s)
-        s.kv_saved = 0
-        s.state = WAITING
-        s.record.preemptions += 1
-        self._untrack(exe, s, now)
-
-    def _preempt(self, exe: Executor, s: Seq, now: float) -> None:
-        """Recompute-preempt ``s``: free its KV, back to the head of the queue."""
-        self._evict(exe, s, now)
-        exe.waiting.appendleft(s)
-
-    def _on_iter_end(self, exe: Executor, now: float) -> None:
-        exe.last_end = now
-        if exe.phase == PREFILL:
-            for s in exe.prefill:
-                if not self._first_token(exe, s, now):
-                    n = s.prefill_tokens
-                    exe.release(n)
-                    exe.run(s, n)
-            exe.prefill = []
-        else:
-            if exe.k > 1:
-                # re-timed below: the next round usually starts at this instant
-                exe.stage.remove(_DECODE_JOB)
-                exe.retime_due = True
-            for fin, kv in exe.end_iteration():
-                fin.kv_saved = kv
-                self._finish(exe, fin, now)
-            if exe.tracked:
-                for s in list(exe.tracked.values()):
-                    if s.state == RUNNING:
-                        gap = now - s.last_tok_s
-                        if gap > s.max_gap_s:
-                            s.max_gap_s = gap
-                        s.sum_gap_s += gap
-                        s.n_gaps += 1
-                        s.last_tok_s = now
-                        if not s.pieces:
-                            self._untrack(exe, s, now)
-        exe.phase = IDLE
-        if exe.mig_ready:
+    def _on_job_end(self, exe: Executor, phase: str, done: list[Seq], now: float) -> None:
+        """A job of ``exe``'s group ended (its group already recorded the
+        tokens): the finished requests leave the world's books, a decode
+        round's victims count their gaps, migrations ready at this boundary
+        move, and the group starts what it can."""
+        if phase == DECODE or exe.k == 1:
+            exe.last_end = now
+        for s in done:
+            self._finish(exe, s, now)
+        if phase == DECODE and exe.tracked:
+            for s in list(exe.tracked.values()):
+                if s.state == RUNNING:
+                    gap = now - s.last_tok_s
+                    if gap > s.max_gap_s:
+                        s.max_gap_s = gap
+                    s.sum_gap_s += gap
+                    s.n_gaps += 1
+                    s.last_tok_s = now
+                    if not s.pieces:
+                        self._untrack(exe, s, now)
+        if exe.mig_ready and not exe.decoding:
             self._migrations_at_boundary(exe, now)
         self._schedule(exe, now)
-        if exe.retime_due and exe.id in self.execs:
-            self._retime(exe, now)
 
     def _finish(self, exe: Executor, s: Seq, now: float) -> None:
+        """``s`` finished (its group recorded it and freed its KV)."""
         self._cancel_pieces(s)
         self._cancel_migration(s)
-        s.state = DONE
-        s.kv_saved = 0
-        rec = s.record
-        rec.finish_s = now
-        rec.generated = s.output_tokens
-        rec.status = "finished"
-        rec.instance = exe.id
         self._untrack(exe, s, now)
         self.n_done += 1
 
-    # ------------------------------------------------------------ transfers
+    def _on_evicted(self, s: Seq) -> None:
+        """A group preempted ``s`` or dropped its KV (its group's ``on_evicted``)."""
+        self._cancel_pieces(s)
+        self._cancel_migration(s)
+        exe = s.inst
+        assert isinstance(exe, Executor)
+        self._untrack(exe, s, self.clock.now)
+
     def _enqueue_transfer(self, ch: Channel, tr: Transfer, now: float) -> None:
         ch.queue.append(tr)
         self._push_xfer(ch, ch.try_start(now))
@@ -1392,8 +1111,8 @@ class KunSimulator:
 
     def _on_attach(self, s: Seq, now: float) -> None:
         exe = s.inst
-        assert exe is not None
-        exe.pending_attach.append(s)
+        assert isinstance(exe, Executor)
+        exe.group.arrive(s)
         self._schedule(exe, now)
 
     # ------------------------------------------------------------- KV pieces
@@ -1435,9 +1154,7 @@ class KunSimulator:
             exe.live_pieces.pop(p, None)
             self._unlive(p)
             if not s.pieces and s.state == STALLED:
-                exe.stalled.pop(s.id)
-                s.state = TRANSIT
-                exe.pending_attach.append(s)
+                exe.group.unstall(s)
                 self._schedule(exe, now)
 
         nbytes = float(p.token_layers * self.kvpl) / self.tp
@@ -1611,32 +1328,26 @@ class KunSimulator:
         waiting: list[Seq] = []
         victims: list[tuple[Seq, int, dict[tuple[int, int], int], float]] = []
         for e in mg.olds:
-            waiting.extend(e.waiting)
+            assert not e.stalled and not e.prefill and not e.pending_attach and not e.prefilled
+            waiting.extend(e.group.take_waiting())
             owner = old_owner[e.id]
             moves: dict[tuple[int, int], int] = {}
             for layer in range(self.L):
                 a, b = owner[layer], new_owner[layer]
                 if a != b:
                     moves[(a, b)] = moves.get((a, b), 0) + 1
-            for s in list(e.running.values()):
-                kv = e.unrun(s)
-                victims.append((s, kv, moves, e.last_end))
-            assert not e.stalled and not e.prefill and not e.pending_attach and not e.prefilled
+            for s in e.group.take_running():
+                victims.append((s, s.kv_saved, moves, e.last_end))
         waiting.sort(key=lambda s: (s.arrival_s, s.id))
         for s in waiting:
-            s.inst = new
-            new.waiting.append(s)
+            new.group.enqueue(s, now, start=False)
         victims.sort(key=lambda v: (v[0].arrival_s, v[0].id))
         for s, kv, moves, last_end in victims:
             pieces = [Piece(s, a, b, n, kv, live) for (a, b), n in sorted(moves.items())]
             if live or not pieces:
-                new.run(s, kv)
+                new.group.adopt_resident(s, kv)
             else:
-                s.state = STALLED
-                s.inst = new
-                s.kv_saved = kv
-                new.adopt(kv)
-                new.stalled[s.id] = s
+                new.group.stall(s, kv)
             if pieces:
                 self._track(new, s, now, last_end, "exchange")
                 self._add_pieces(s, new, pieces, now)
@@ -1659,7 +1370,7 @@ class KunSimulator:
         for e in list(self.execs.values()):
             if e.restoring and not e.reload_left and live and not e.frozen:
                 e.frozen = True  # a split that found no room earlier: try again
-                if e.phase == IDLE:
+                if not e.decoding:
                     self._try_split(e, now)
                 continue
             action = self.policy.decide_restore(now, e)
@@ -1685,16 +1396,19 @@ class KunSimulator:
 
         def on_start(now: float) -> None:
             self.mem.reload_start(m, need)
+            e.group.refresh_limits()  # its capacity (and watermark) shrank
 
         def on_done(now: float) -> None:
             self.mem.reload_done(m, need)
             e.reload_left.discard(m)
+            if not e.reload_left:  # restored: it drains, admitting nothing more
+                e.group.admitting = False
             if not e.reload_left:
                 if self.settings.live_restore:
                     e.frozen = True
-                    if e.phase == IDLE:
+                    if not e.decoding:
                         self._try_split(e, now)
-                elif e.phase == IDLE:
+                elif not e.decoding:
                     self._try_split(e, now)
 
         return Transfer("reload", float(need) / self.tp, on_done, ready=ready, on_start=on_start)
@@ -1707,6 +1421,7 @@ class KunSimulator:
             e.running or e.stalled or e.prefill or e.pending_attach or e.prefilled
         ):
             return
+        e.group.settle(now)  # prefilled and arrived requests join the batch first
         # assign running requests: largest KV first, to the member with most room
         room = {m: self.mem.cap_tl(m) // self.L for m in e.members}
         wm = {m: int(self.watermark * room[m]) for m in e.members}
@@ -1720,16 +1435,15 @@ class KunSimulator:
                 return
             room[m] -= kv
             take[m].append((s, kv))
-        waiting = list(e.waiting)
+        waiting = e.group.take_waiting()
         old_ranges = dict(e.ranges)
-        for s in list(e.running.values()):
-            e.unrun(s)
+        e.group.take_running()
         self._retire(e, now)
         news = {m: self._new_executor((m,), now) for m in e.members}
         for m, items in take.items():
             new = news[m]
             for s, kv in items:
-                new.run(s, kv)
+                new.group.adopt_resident(s, kv)
                 pieces = [
                     Piece(s, src, m, hi - lo, kv, True)
                     for src, (lo, hi) in sorted(old_ranges.items())
@@ -1771,54 +1485,31 @@ class KunSimulator:
             s = self.seqs[rid]
             assert s is not None and s.state == WAITING
             a, b = self.execs[src], self.execs[dst]
-            a.waiting.remove(s)
-            s.inst = b
-            b.waiting.append(s)
+            a.group.remove_waiting(s)
+            b.group.enqueue(s, now, start=False)
             touched.add(dst)
         for eid in sorted(touched):
             e = self.execs[eid]
             self._schedule(e, now)
 
     # ------------------------------------------------------------------ swap
-    def _swap_out(self, exe: Executor, s: Seq, now: float) -> None:
-        kv = exe.unrun(s)
-        s.state = STALLED
-        exe.stalled[s.id] = s
-        exe.adopt(kv)
-        exe.swap_out_busy = True
-        s.record.preemptions += 1
+    def _start_swap(self, exe: Executor, s: Seq, out: bool) -> None:
+        """``exe``'s group swaps ``s`` out (or in): the copy crosses the first
+        member's host link; at its end the group takes it back."""
+        g = exe.group
 
         def on_done(t: float) -> None:
-            exe.stalled.pop(s.id)
-            exe.release(kv)
-            s.state = HOST
-            exe.swapped.append(s)
-            exe.swap_out_busy = False
+            if out:
+                g.swapped_out(s)
+            else:
+                g.swapped_in(s)
             self._schedule(exe, t)
 
-        nbytes = kv * self.kv_tok_bytes / self.tp
+        nbytes = s.kv_saved * self.kv_tok_bytes / self.tp
+        kind = "swap-out" if out else "swap-in"
         self._enqueue_transfer(
-            self.host[exe.members[0]], Transfer("swap-out", nbytes, on_done), now
+            self.host[exe.members[0]], Transfer(kind, nbytes, on_done), self.clock.now
         )
-
-    def _swap_in(self, exe: Executor, now: float) -> None:
-        action = self.reaction.swap_in(self._pview(exe))
-        if action is None:
-            return
-        s = exe.swapped.popleft()
-        assert s.id == action.request_id, (s.id, action)
-        kv = s.kv_saved
-        exe.hold(kv)
-        s.state = TRANSIT
-        exe.swap_in_busy = True
-
-        def on_done(t: float) -> None:
-            exe.swap_in_busy = False
-            exe.pending_attach.append(s)
-            self._schedule(exe, t)
-
-        nbytes = kv * self.kv_tok_bytes / self.tp
-        self._enqueue_transfer(self.host[exe.members[0]], Transfer("swap-in", nbytes, on_done), now)
 
     # --------------------------------------------------------------- llumnix
     def _llumnix_plan(self, now: float) -> None:
@@ -1838,7 +1529,7 @@ class KunSimulator:
                 self.llumnix.on_move_aborted(action.request_id)
                 self.aborted += 1
                 continue
-            dst.hold(kv)
+            dst.group.reserve(dst.svc, kv)
             mig = _Migration(src, dst, kv)
             s.mig = mig
 
@@ -1847,7 +1538,7 @@ class KunSimulator:
                     return
                 mig.ready = True
                 mig.src.mig_ready.append(s)
-                if mig.src.phase == IDLE:
+                if mig.src.at_boundary:
                     self._migrations_at_boundary(mig.src, t)
                     self._schedule(mig.src, t)
                 return
@@ -1873,8 +1564,9 @@ class KunSimulator:
                 self._cancel_migration(s)
                 self.aborted += 1
                 continue
-            exe.unrun(s)
-            dst.hold(delta)
+            exe.group.detach(s, keep_blocks=False)
+            s.kv_saved = kv
+            dst.group.reserve(dst.svc, delta)
             s.state = TRANSIT
             s.inst = dst
             s.mig = None
@@ -1890,7 +1582,7 @@ class KunSimulator:
         mig = s.mig
         if mig is None:
             return
-        mig.dst.release(mig.tokens)
+        mig.dst.group.unreserve(mig.dst.svc, mig.tokens)
         s.mig = None
         if self.llumnix is not None:
             self.llumnix.on_move_aborted(s.id)
@@ -2036,15 +1728,15 @@ class KunSimulator:
             assert e.room_tokens() == min(self.avail_tl(m) // n for m, n in e.layers.items())
             cap_tl = self.mem.cap_tl
             assert e.capacity_tokens() == min(cap_tl(m) // n for m, n in e.layers.items())
-            assert e.layout.bulk(self.model.name)[1] == e.batch.tokens, e.id
-            e.layout.check_integrity()
+            e.group.check_integrity()  # its requests, layout (members' bytes) and jobs
+            assert (e.group.state == "merging") == e.frozen
+            assert e.group.max_num_seqs == self._cap(e), (e.id, e.group.max_num_seqs)
             t = 0
             for s in e.running.values():
                 place(s, f"running on {e.id}")
                 assert s.state == RUNNING and s.bound and s.inst is e
-                kv = s.base + e.steps
-                assert kv <= s.prompt_tokens + s.output_tokens - 1
-                t += kv
+                assert s.base + e.steps <= s.prompt_tokens + s.output_tokens - 1
+                t += s.kv_tokens  # (with the token of a decode round in flight)
             for s in e.prefill:
                 place(s, f"prefill on {e.id}")
                 assert s.state == PREFILLING and s.kv_saved == s.prefill_tokens, s.id
@@ -2057,24 +1749,15 @@ class KunSimulator:
                 t += s.kv_saved
             for s in e.prefilled:
                 place(s, f"prefilled on {e.id}")
-                assert e.phase != IDLE, f"executor {e.id}: prefilled requests not joined"
-                assert s.state == PREFILLING and s.kv_saved == s.prefill_tokens, s.id
+                assert e.decoding, f"executor {e.id}: prefilled requests not joined"
+                assert s.kv_saved == s.prefill_tokens, s.id
                 t += s.prefill_tokens
-            assert sorted(id(s) for lane in e.lanes.values() for s in lane.seqs) == sorted(
-                map(id, e.prefill)
-            ) or (e.k == 1 and not e.lanes), f"executor {e.id}: lanes and prefill list differ"
-            assert e.k > 1 or not e.lanes, f"replica {e.id} has prefill lanes"
-            assert len(e.stage) == len(e.lanes) + (e.k > 1 and e.phase == DECODE)
-            assert set(e.timers) == e.stage.tokens(), (e.timers, e.stage.tokens())
+            assert e.k > 1 or e.group.lanes_in_flight() <= 1, f"replica {e.id} has lanes"
             for s in e.waiting:
                 place(s, f"waiting on {e.id}")
                 assert s.state == WAITING and not s.pieces and not s.bound and s.kv_saved == 0
-            assert e.waiting.tokens == sum(s.prefill_tokens for s in e.waiting), e.id
             for s in e.swapped:
                 place(s, f"swapped from {e.id}")
-            for s in e.running.values():
-                if s.mig is not None:
-                    t += 0  # reserved at the destination, counted there
             reserved = 0
             for s2 in self.seqs[:arrived]:
                 if s2 is None:
@@ -2083,7 +1766,7 @@ class KunSimulator:
                     reserved += s2.mig.tokens
                 if s2.state == TRANSIT and s2.inst is e and s2 not in e.pending_attach:
                     reserved += s2.kv_saved
-            assert e.T() == t + reserved + e.inflight, (e.id, e.T(), t, reserved, e.inflight)
+            assert e.T() == t + reserved, (e.id, e.T(), t, reserved)
             for s in [*e.running.values(), *e.stalled.values(), *e.pending_attach]:
                 for p in s.pieces:
                     assert not p.cancelled

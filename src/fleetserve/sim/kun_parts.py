@@ -19,7 +19,7 @@ join the KV pool exactly, without block rounding.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -138,60 +138,3 @@ class Channel:
         self.remaining = 0.0
         self.version += 1
         return tr
-
-
-class WaitQueue(deque["Seq"]):
-    """An executor's queue, and the KV tokens its requests need together
-    (:attr:`tokens`, what every monitor interval reads), kept as requests
-    come and go instead of summed again each time. A queued request's need
-    (``prompt + generated``) does not change while it waits; the simulator's
-    integrity check compares the total with the sum."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens = 0
-
-    def append(self, s: Seq) -> None:
-        super().append(s)
-        self.tokens += s.prefill_tokens
-
-    def appendleft(self, s: Seq) -> None:
-        super().appendleft(s)
-        self.tokens += s.prefill_tokens
-
-    def extend(self, items: Iterable[Seq]) -> None:
-        for s in items:
-            self.append(s)
-
-    def extendleft(self, items: Iterable[Seq]) -> None:
-        for s in items:
-            self.appendleft(s)
-
-    def pop(self, i: int = -1, /) -> Seq:
-        if i != -1:
-            raise TypeError("WaitQueue: pop takes the last request only")
-        s = super().pop()
-        self.tokens -= s.prefill_tokens
-        return s
-
-    def popleft(self) -> Seq:
-        s = super().popleft()
-        self.tokens -= s.prefill_tokens
-        return s
-
-    def remove(self, s: Seq) -> None:
-        super().remove(s)
-        self.tokens -= s.prefill_tokens
-
-    def clear(self) -> None:
-        super().clear()
-        self.tokens = 0
-
-    def __delitem__(self, i: object) -> None:
-        raise TypeError("WaitQueue: remove requests with popleft, pop or remove")
-
-    def __setitem__(self, i: object, s: object) -> None:
-        raise TypeError("WaitQueue: requests are not replaced in place")
-
-    def insert(self, i: int, s: Seq) -> None:
-        raise TypeError("WaitQueue: requests join at either end")
