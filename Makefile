@@ -65,6 +65,14 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session30.json.gz: against session29.json.gz, the KunServe world's executors
+# are one-service sharing groups (issue 21 item 2, step 3): 39 of its 63 runs
+# and every other run identical; 24 KunServe-world runs differ in the 7th digit
+# or beyond (means, kv_utilization), because a request's KV as of now counts
+# its in-flight iteration's token, as in every other world (read mid-iteration
+# by Llumnix's reservation and the remote attention's read volume; 20 runs),
+# and a pipeline's jobs are re-timed by the group's mechanism (4 runs: last
+# digits, sim.events -1.5% in two); docs/architecture.md "Session 30";
 # session29.json.gz: against session26.json.gz, the single-model simulator's
 # instances are one-model sharing groups (issue 21 item 2): its 45 runs are
 # identical, events included; a bound batch's decode segment is no longer cut
@@ -128,7 +136,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session29.json.gz
+	  --check benchmarks/fingerprints/session30.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
