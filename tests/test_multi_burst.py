@@ -98,6 +98,43 @@ def test_a_burst_merges_buddies_into_a_pipeline_and_low_load_restores_them() -> 
     assert groups[first["id"]]["busy_fraction"] > 0.5
 
 
+def test_a_live_exchange_serves_at_once_and_moves_the_kv_beside_the_rounds() -> None:
+    """``exchange: live`` (KunServe's): the pipelined group serves from the
+    merge on, its victims' KV crossing the links victim by victim in the gaps
+    between activations, so the exchange itself takes longer than at full
+    bandwidth (the blocking one, during which the group serves nothing); while
+    KV is on its way, decode rounds pay the remote attention. Everything
+    finishes, the invariants hold after every event."""
+    reqs = _burst()
+    sims = {}
+    for ex in ("blocking", "live"):
+        cfg = MultiConfig(
+            gpu="a100-80gb",
+            n_gpus=3,
+            scheduler="fcfs",
+            layout="merged",
+            mem_util=0.2,
+            burst=replace(KUN, exchange=ex),
+            check_integrity=True,
+        )
+        sim = MultiSimulator(cfg, SERVICES, PLAN, reqs)
+        res = sim.run()
+        _all_finish(res, len(reqs))
+        sims[ex] = (sim, res.extra["kunserve"])
+    (sb, kb), (sl, kl) = sims["blocking"], sims["live"]
+    assert kb["exchange"] == "blocking" and kl["exchange"] == "live"
+    pb, pl = kb["pipelines"][0], kl["pipelines"][0]
+    assert pb["start_s"] == pl["start_s"] and pb["exchange_bytes"] == pl["exchange_bytes"] > 0
+    # blocking: ready once the exchange is in; live: at once
+    assert sb._ready_at[pb["id"]] == pytest.approx(pb["start_s"] + pb["exchange_s"])
+    assert sl._ready_at[pl["id"]] == pl["start_s"]
+    # the live exchange shares the links with activations: slower than alone;
+    # the victims decoded meanwhile, paying the remote attention
+    assert pl["exchange_s"] > pb["exchange_s"] > 0
+    assert pl["remote_rounds"] >= 1 and "remote_rounds" not in pb
+    assert sl.burst is not None and not sl.burst.live  # every exchange ended
+
+
 def test_without_pressure_the_control_changes_nothing() -> None:
     """Ample memory: KunServe observes but never acts, and every request's
     timeline equals the run without it."""
@@ -139,16 +176,16 @@ streams = st.lists(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(items=streams, elastic=st.booleans())
+@given(items=streams, elastic=st.booleans(), exchange=st.sampled_from(["blocking", "live"]))
 def test_drop_and_restore_keep_every_invariant(
-    items: list[tuple[float, int, int, bool]], elastic: bool
+    items: list[tuple[float, int, int, bool]], elastic: bool, exchange: str
 ) -> None:
     t, reqs = 0.0, []
     for i, (gap, p, o, b) in enumerate(items):
         t += gap
         reqs.append(Request(i, "b" if b else "a", t, p, o))
     kw: dict[str, Any] = {"memory": "elastic", "keepalive_s": 0.5} if elastic else {}
-    res = _run(replace(KUN, restore_min_s=0.5), reqs, **kw)
+    res = _run(replace(KUN, restore_min_s=0.5, exchange=exchange), reqs, **kw)
     s = summarize(res)["requests"]
     assert s["finished"] + s["rejected"] == s["total"] == len(reqs)
     for r in res.records:
@@ -169,7 +206,6 @@ def test_the_fleet_stack_and_bad_settings() -> None:
     # what the multi-LLM world does not model is refused, not substituted
     for bad, words in (
         (KunSettings(pressure="kv-swap"), "kunserve world only"),
-        (KunSettings(pressure="kunserve"), "exchange 'live'"),
         (KunSettings(pressure="queue", static_stages=2), "static pipeline"),
         (
             KunSettings(pressure="kunserve", exchange="blocking", live_restore=False),

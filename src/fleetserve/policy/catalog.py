@@ -410,7 +410,7 @@ STACKS: dict[str, Stack] = _by_name(
         "every design at once: SeaLLM's placement, DB scheduler and adaptive "
         "replacement, on Mell's elastic pool with its adaptive KV/token migration, "
         "and KunServe's parameter drop/restore among buddy groups under bursts "
-        "(blocking KV exchange)",
+        "(live KV exchange)",
         _WM,
         placement="seallm",
         dispatch=_FR,
@@ -419,7 +419,7 @@ STACKS: dict[str, Stack] = _by_name(
         replacement=True,
         mechanism="adaptive",
         memory="elastic",
-        burst=KunSettings(pressure="kunserve", exchange="blocking"),
+        burst=KunSettings(pressure="kunserve"),
     ),
     # --- KunServe burst (KunServe's comparison) -----------------------------------
     Stack(

@@ -1153,7 +1153,10 @@ class SharingGroup:
             if not seqs:
                 return None
             ctx = sum(s.kv_saved for s in seqs)
-            alone, busy = cost.decode_round(len(seqs), float(ctx))
+            if self.round_cost is not None:  # the world's (KunServe: remote attention)
+                alone, busy = self.round_cost(m, len(seqs), ctx)
+            else:
+                alone, busy = cost.decode_round(len(seqs), float(ctx))
             weight = decode_weight(self.stages, self.lanes_in_flight())
         token = self._register(Job(m, job.phase, tuple(x.id for x in seqs), 1.0), seqs, now, 0.0)
         self._bw.add(token, now, alone, busy, weight)

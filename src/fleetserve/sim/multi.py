@@ -84,6 +84,7 @@ from fleetserve.sim.events import (
     KV_ARRIVED,
     REPLACE,
     SAMPLE,
+    TRANSFER,
     Event,
 )
 from fleetserve.sim.group import HostView, JobCost, SharingGroup
@@ -406,6 +407,7 @@ class MultiSimulator:
                 SAMPLE: self._ev_sample,
                 IDLE_CHECK: self._ev_idle_check,
                 EPOCH: self._ev_monitor,
+                TRANSFER: self._ev_link,
             },
             max_time_s=config.max_time_s,
             check=config.check_integrity,
@@ -543,6 +545,12 @@ class MultiSimulator:
     def _ev_migrated(self, payload: tuple[SharingGroup, Seq, str], now: float) -> list[Event]:
         dst, moved, mode = payload
         self._on_migrated(dst, moved, mode, now)
+        return self._caused()
+
+    def _ev_link(self, payload: Any, now: float) -> list[Event]:
+        """A transfer on a link ends (a live KV exchange's; sim/multi_burst.py)."""
+        assert self.burst is not None
+        self.burst.on_link(payload, now)
         return self._caused()
 
     def _ev_sample(self, payload: None, now: float) -> list[Event]:

@@ -31,10 +31,22 @@ assumed spread over the stages in proportion to their layers (it is, up to
 the rounding of the grid). Queues are merged in arrival order; running
 requests keep their KV. The members' moved KV (the part of each running
 request's KV whose layers another stage now owns) crosses the links, one
-copy per member in parallel, and the group serves once every copy is in:
-KunServe's *blocking* exchange. The live exchange with remote attention
-(:mod:`fleetserve.sim.kun`) is not modelled in this world; a stack asking for
-it is refused (:func:`check_burst`).
+copy per member in parallel. ``exchange: blocking``: the group serves once
+every copy is in. ``exchange: live`` (KunServe's, since session 30): the
+group serves at once; each member sends its victims' moved KV victim by
+victim (arrival order) on its link, in the gaps between the pipeline's
+activation transfers (the link's share is re-set at every decode round from
+the round's time, as the KunServe world does), and while a victim's KV is
+still on a member, its attention for those layers runs there: each decode
+round of its service pays, per member still sending, the queries and new
+K/V out and the attention outputs back per layer (the KunServe world's
+remote attention, :meth:`BurstControl._round_cost`). Simplifications,
+against :mod:`fleetserve.sim.kun`: the pool is one layout (where the KV is
+does not change what fits), the source GPUs' reads for remote attention are
+not moved between the stages' busy times, a victim that finishes or is
+preempted still has its KV moved, and a group that merges again or
+dissolves while exchanging stops its exchange (the next layout counts the
+KV where the last plan put it).
 
 Restore (:class:`~fleetserve.policy.actions.Restore`). The group stops taking
 requests (its queue is dispatched again), finishes its jobs in flight and
@@ -57,11 +69,14 @@ every request. ``extra["kunserve"]`` reports every pipeline and the counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
 
 from fleetserve.costmodel.pipeline import PipelineCost, StagedCost
 from fleetserve.costmodel.transfer import (
+    Link,
     host_link,
     intra_node_link,
     network_link,
@@ -71,7 +86,9 @@ from fleetserve.errors import ConfigError
 from fleetserve.policy.actions import ActivateSpare, DropLayers, Restore
 from fleetserve.policy.kunserve import ExecutorSnapshot, KunServePolicy
 from fleetserve.policy.pressure import KunSettings
-from fleetserve.sim.events import GROUP_READY
+from fleetserve.sim.events import GROUP_READY, TRANSFER
+from fleetserve.sim.kun_parts import Channel, Transfer
+from fleetserve.sim.seq import RUNNING
 
 if TYPE_CHECKING:
     from fleetserve.sim.group import JobCost, SharingGroup
@@ -91,7 +108,7 @@ def check_burst(settings: KunSettings) -> None:
 
     Raises:
         ConfigError: a pressure other than ``queue``/``kunserve``, a static
-            pipeline, the live exchange, or live restore turned off.
+            pipeline, or live restore turned off.
     """
     if settings.pressure not in MULTI_PRESSURES:
         raise ConfigError(
@@ -100,11 +117,6 @@ def check_burst(settings: KunSettings) -> None:
         )
     if settings.static_stages != 1:
         raise ConfigError("static pipeline stages run in the kunserve world only")
-    if settings.pressure == "kunserve" and settings.exchange != "blocking":
-        raise ConfigError(
-            f"exchange {settings.exchange!r}: a multi-LLM world exchanges KV blocking "
-            "(set kunserve.exchange: blocking; the live exchange runs in the kunserve world)"
-        )
     if settings.pressure == "kunserve" and not settings.live_restore:
         raise ConfigError(
             "live_restore false: a multi-LLM world restores by moving the group's running "
@@ -125,6 +137,24 @@ class _Pipeline:
     members: tuple[SharingGroup, ...]  # the replica groups merged, stage order
     held: tuple[tuple[int, int], ...]  # grid range each member holds
     record: dict[str, Any]
+
+
+@dataclass(slots=True, eq=False)
+class _LiveExchange:
+    """A pipelined group's live KV exchange in flight (module docstring):
+    per member, the victims whose moved KV it still sends (each one transfer
+    on its link, in arrival order) and, per service, the layers each of its
+    victims' attention still runs there (remote attention)."""
+
+    group: SharingGroup
+    link: Link
+    start_s: float
+    record: dict[str, Any]
+    # member id -> its channel, and its victims' transfers still in flight
+    sending: dict[int, tuple[Channel, dict[int, Transfer]]] = field(default_factory=dict)
+    # member id -> service -> model layers whose KV it sends (remote until sent)
+    layers: dict[int, dict[str, int]] = field(default_factory=dict)
+    victims: dict[int, Seq] = field(default_factory=dict)  # request id -> victim
 
 
 @dataclass(slots=True)
@@ -163,6 +193,9 @@ class BurstControl:
         self.pipes: dict[int, _Pipeline] = {}  # pipelined group id -> its bookkeeping
         self.merging: dict[int, _Merge] = {}  # source group id -> its merge
         self.counts = _Counts()
+        self.live: dict[int, _LiveExchange] = {}  # pipelined group id -> its live exchange
+        # (a member's first GPU, the link) -> the channel it sends KV on
+        self.channels: dict[tuple[int, Link], Channel] = {}
 
     # ------------------------------------------------------------ geometry
     def _grid(self, sig: Signature) -> int:
@@ -300,7 +333,9 @@ class BurstControl:
         kv_on: dict[int, float] = {}  # member id -> KV bytes of running requests it holds
         waiting: list[Seq] = []
         running: list[Seq] = []
+        victims_on: dict[int, list[Seq]] = {}  # member id -> the requests whose KV it holds
         for src in merge.sources:
+            self._end_live(src.id, now)  # (its moves are taken as done: held_before)
             pipe = self.pipes.pop(src.id, None)
             srcs = pipe.members if pipe is not None else (src,)
             ranges = pipe.held if pipe is not None else ((0, grid),)
@@ -309,6 +344,7 @@ class BurstControl:
             for mem, rng in zip(srcs, ranges, strict=True):
                 held_before[mem.id] = rng
                 kv_on[mem.id] = total * (rng[1] - rng[0]) / grid
+                victims_on[mem.id] = run
             waiting += src.take_waiting()
             running += run
             for m in src.models:
@@ -351,7 +387,8 @@ class BurstControl:
         sim._started[pipe_g.id] = now
         sim._active_since[pipe_g.id] = now
         pipe_g.state = "loading"
-        ready = now + exchange_s
+        live = self.settings.exchange == "live"
+        ready = now if live else now + exchange_s  # live: it serves while the KV moves
         sim._ready_at[pipe_g.id] = ready
         sim._out.append((ready, GROUP_READY, pipe_g))
         sim._host(pipe_g)
@@ -387,6 +424,141 @@ class BurstControl:
         self.counts.pipelines.append(record)
         self.counts.drops += 1
         self.pipes[pipe_g.id] = _Pipeline(pipe_g, tuple(members), tuple(a.keep), record)
+        if live:
+            record["exchange_s"] = None  # until its last transfer ends
+            record["remote_rounds"] = 0  # decode rounds that paid remote attention
+            self._start_live(pipe_g, members, a.keep, held_before, victims_on, grid, link, record)
+
+    # -------------------------------------------------------- live exchange
+    def _start_live(
+        self,
+        g: SharingGroup,
+        members: list[SharingGroup],
+        keep: Sequence[tuple[int, int]],
+        held_before: dict[int, tuple[int, int]],
+        victims_on: dict[int, list[Seq]],
+        grid: int,
+        link: Link,
+        record: dict[str, Any],
+    ) -> None:
+        """The live exchange of pipelined group ``g`` (module docstring): each
+        member sends, victim by victim in arrival order, the KV of the layers
+        it no longer keeps; until a victim's KV has left a member, its
+        attention for those layers runs there (:meth:`_round_cost`)."""
+        sim = self.sim
+        now = sim.clock.now
+        ex = _LiveExchange(g, link, now, record)
+        for mem, kp in zip(members, keep, strict=True):
+            rng = held_before[mem.id]
+            frac = ((rng[1] - rng[0]) - (kp[1] - kp[0])) / grid  # of each victim's KV
+            layers = {m: self._layers(m, grid, rng) - self._layers(m, grid, kp) for m in g.models}
+            ch = self._channel(mem, link)
+            trs: dict[int, Transfer] = {}
+            for s in sorted(victims_on.get(mem.id, ()), key=lambda x: (x.arrival_s, x.id)):
+                if s.inst is not g or s.state != RUNNING or frac <= 0:
+                    continue  # recomputed instead (not adopted)
+                kvb = sim.services[s.model].spec.kv_bytes_per_token
+                nbytes = s.kv_tokens * kvb * frac / mem.tp
+                tr = Transfer(
+                    "kv-exchange", nbytes, partial(self._sent, ex, mem.id, s.id), live=True
+                )
+                trs[s.id] = tr
+                ex.victims[s.id] = s
+                ch.queue.append(tr)
+            if trs:
+                ex.sending[mem.id] = (ch, trs)
+                ex.layers[mem.id] = layers
+                self._push_link(ch, ch.try_start(now))
+        if not ex.sending:
+            record["exchange_s"] = 0.0
+            return
+        self.live[g.id] = ex
+        g.round_cost = partial(self._round_cost, ex)
+
+    def _channel(self, mem: SharingGroup, link: Link) -> Channel:
+        """The ``link`` a member's GPUs send KV on (one transfer at a time)."""
+        key = (mem.gpus[0], link)
+        ch = self.channels.get(key)
+        if ch is None:
+            ch = self.channels[key] = Channel(f"gpu{mem.gpus[0]}", link)
+        return ch
+
+    def _push_link(self, ch: Channel, end: float | None) -> None:
+        if end is not None:
+            self.sim._out.append((end, TRANSFER, (ch, ch.version)))
+
+    def on_link(self, payload: tuple[Channel, int], now: float) -> None:
+        """A transfer on a member's link ended (a ``TRANSFER`` event)."""
+        ch, version = payload
+        if ch.version != version:
+            return  # re-timed: a later event ends it
+        tr = ch.finish()
+        if not tr.cancelled:
+            tr.on_done(now)
+        self._push_link(ch, ch.try_start(now))
+
+    def _sent(self, ex: _LiveExchange, mid: int, rid: int, now: float) -> None:
+        """Victim ``rid``'s KV has left member ``mid``."""
+        got = ex.sending.get(mid)
+        if got is None or self.live.get(ex.group.id) is not ex:
+            return
+        trs = got[1]
+        trs.pop(rid, None)
+        if not trs:
+            del ex.sending[mid]
+            del ex.layers[mid]
+        if not ex.sending:
+            ex.record["exchange_s"] = now - ex.start_s
+            ex.group.round_cost = None
+            del self.live[ex.group.id]
+
+    def _end_live(self, gid: int, now: float) -> None:
+        """Group ``gid`` merges again or dissolves: its exchange stops (the
+        transfers not started are cancelled; the next layout's exchange counts
+        the KV where the last plan put it)."""
+        ex = self.live.pop(gid, None)
+        if ex is None:
+            return
+        for _, trs in ex.sending.values():
+            for tr in trs.values():
+                tr.cancelled = True
+        ex.group.round_cost = None
+        ex.record["exchange_cut_s"] = now - ex.start_s
+
+    def _round_cost(self, ex: _LiveExchange, m: str, batch: int, ctx: int) -> tuple[float, float]:
+        """A decode round of service ``m`` on a group exchanging live: the
+        pipeline's round plus the remote attention of its victims whose KV
+        a member still sends (per such member, per layer: the queries and new
+        K/V out, the attention outputs back, as the KunServe world's
+        executors); the links carry the KV in the gaps between activations."""
+        g = ex.group
+        pl = cast("StagedCost", g.costs[m]).pipeline
+        spec = self.sim.services[m].spec
+        q_b = spec.num_heads * spec.head_dim * spec.dtype_bytes
+        kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+        extra = 0.0
+        for mid, (_, trs) in ex.sending.items():
+            n = ex.layers[mid].get(m, 0)
+            if not n:
+                continue
+            count = 0
+            for rid in trs:
+                v = ex.victims[rid]
+                if v.model == m and v.state == RUNNING and v.inst is g:
+                    count += 1
+            if count:
+                link = ex.link
+                extra += n * (
+                    transfer_time(count * (q_b + kv_b), link) + transfer_time(count * q_b, link)
+                )
+        if extra:
+            ex.record["remote_rounds"] += 1
+        t, busy = pl.decode_round(batch, ctx, extra)
+        share = 1.0 - min(0.95, (pl.hop_time(batch) + extra) / t)
+        now = self.sim.clock.now
+        for ch, _ in ex.sending.values():
+            self._push_link(ch, ch.set_share(share, now))
+        return t, busy
 
     # ------------------------------------------------------------- restore
     def _dissolve(self, g: SharingGroup, now: float, reason: str) -> None:
@@ -395,6 +567,7 @@ class BurstControl:
         sim = self.sim
         pipe = self.pipes.pop(g.id)
         grid = self._grid(signature(g))
+        self._end_live(g.id, now)
         g.state = "retiring"
         for m in g.models:
             sim.hosts[m].remove(g)
