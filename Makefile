@@ -72,7 +72,11 @@ bench-engine: $(STAMP)
 # its in-flight iteration's token, as in every other world (read mid-iteration
 # by Llumnix's reservation and the remote attention's read volume; 20 runs),
 # and a pipeline's jobs are re-timed by the group's mechanism (4 runs: last
-# digits, sim.events -1.5% in two); docs/architecture.md "Session 30";
+# digits, sim.events -1.5% in two); and the multi-LLM world's drops exchange
+# KV live, as KunServe does, which the fleet stack now uses: its two fleet
+# runs differ (description, kunserve.exchange; on bursty, whose one drop
+# exchanges live, P99 TPOT 1.31 -> 1.57 s, SLO attainment at 5x 80.9 ->
+# 81.6%); docs/architecture.md "Session 30";
 # session29.json.gz: against session26.json.gz, the single-model simulator's
 # instances are one-model sharing groups (issue 21 item 2): its 45 runs are
 # identical, events included; a bound batch's decode segment is no longer cut
