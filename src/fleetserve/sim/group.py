@@ -343,6 +343,14 @@ class SharingGroup:
             prefix caching, as the single-model instance models it; see
             "Prefix caching" in the module docstring). Needs ``bound``.
         prefix_stats: the run's prefix-cache counters (None: the group's own).
+        alternate: in the one-model case, a decode of the running requests
+            follows each prefill job while there are any (the KunServe
+            world's ``kunserve.alternate``; module docstring, "KunServe's
+            executors").
+        pressure: the memory-pressure reactions (preempt, ``kv-drop``,
+            ``kv-swap``) when a decode or the queue's head does not fit;
+            None: the scheduler's victim is preempted. Needs ``bound``; the
+            swaps need the world's ``on_swap`` hook.
     """
 
     def __init__(
