@@ -397,6 +397,8 @@ class SharingGroup:
         self._busy: dict[tuple[str, str], int] = {}  # (model, phase) -> jobs in flight
         self._next_token = 0
         self._taken: dict[int, Seq] = {}  # admitted by the budget, job not started yet
+        # requests in each service's prefill jobs in flight (mixed iterations not counted)
+        self._n_prefill: dict[str, int] = dict.fromkeys(self._models, 0)
         # a pipelined group under a temporal scheduler: prefill lanes (module docstring)
         self.stages = max((getattr(c, "stages", 1) for c in self.costs.values()), default=1)
         self.lanes = self.stages > 1 and not scheduler.spatial
@@ -418,6 +420,7 @@ class SharingGroup:
         # a pipeline's jobs re-timed at a start or an end, not yet reported
         # (:meth:`_retime_lanes`, :meth:`_retimed`)
         self._moved: dict[int, float] = {}
+        self._retimed_now = False  # a pipeline's jobs were re-timed since their last change
         self._state = _StateView(self)  # what the scheduler reads
         self._hooks = scheduler.observes_jobs  # its job-end hooks do something
         # one service whose scheduler keeps every decode iteration offered
@@ -510,9 +513,14 @@ class SharingGroup:
         self._decode_job = Job(self._models[0], DECODE, (), 1.0)
         if bound and len(self._models) == 1 and self._bw is None:
             self._one = self._models[0]
+        # a pipeline hosting one such service: its one-model case (:meth:`_schedule_lanes`)
+        self._one_lanes: str | None = None
+        if bound and len(self._models) == 1 and self.lanes and scheduler.one_model:
+            self._one_lanes = self._models[0]
         # the one-service admission budget (the linear one without quotas or a cache)
         self._budget: type[_GroupBudget] = _GroupBudget
-        if self._one is not None and not prefix_caching and not self._quotas and layout.counts_only:
+        one = self._one is not None or self._one_lanes is not None
+        if one and not prefix_caching and not self._quotas and layout.counts_only:
             self._budget = _FreeBudget
         # prefix caching: each service's cache; the requests detached for a KV
         # move's final copy that still reference entries (the copy reads them)
@@ -597,8 +605,8 @@ class SharingGroup:
         pipeline the prompts its prefill lanes carry (vLLM counts a
         sequence from its admission)."""
         n = len(self.running[model]) + len(self.partial[model]) + len(self.stalled[model])
-        if self.lanes and (model, PREFILL) in self._busy:
-            n += sum(map(len, self._prefill_jobs(model)))
+        if self.lanes:
+            n += self._n_prefill[model]
         return n
 
     def ahead_blocks(self, model: str, now: float) -> int:
@@ -685,7 +693,7 @@ class SharingGroup:
     def num_prefilling(self, model: str) -> int:
         """``len(prefilling(model))``, without the list (the time series
         count them at every sample)."""
-        return len(self.partial[model]) + sum(map(len, self._prefill_jobs(model)))
+        return len(self.partial[model]) + self._n_prefill[model]
 
     def request_ids(self) -> list[int]:
         """Every request here, once: queued, prefilling and running."""
@@ -788,6 +796,11 @@ class SharingGroup:
             if pend and not self._bound[m].n:
                 self._attach_pending(m, now)
         started: list[tuple[float, int]] = []
+        if self._one_lanes is not None:  # one service, a one-model scheduler
+            started = self._schedule_lanes(self._one_lanes, now)
+            if self.jobs and self._busy_since is None:
+                self._busy_since = now
+            return self._retimed(now, started)
         while True:
             jobs = sched.schedule(self._state, _GroupBudget(self), now)
             ran = False
@@ -876,6 +889,31 @@ class SharingGroup:
             # every running request was preempted: the queue again (a round
             # preempts a request each time, so this ends)
 
+    def _schedule_lanes(self, m: str, now: float) -> list[tuple[float, int]]:
+        """:meth:`schedule` of a pipelined group hosting one service, bound,
+        under a scheduler with a one-model case (FCFS, RR), at a decode
+        round's boundary: that case, as :meth:`schedule_one` is a replica's.
+        Prefill lanes of the prompts admitted in queue order, one lane per
+        stage at most, then the decode round of the running requests; what
+        the scheduler's :meth:`~GroupScheduler.schedule`, asked again after
+        each lane, decides (``tests/test_bound_groups.py`` drives both)."""
+        started: list[tuple[float, int]] = []
+        q = self.waiting[m]
+        while q and self.lanes_in_flight() < self.stages:
+            admitted = admit_in_order(q, self._budget(self))
+            if not admitted:
+                break
+            got = self._start_lane(Job(m, PREFILL, tuple([s.id for s in admitted]), 1.0), now)
+            if got is None or self._taken:  # pragma: no cover - a lane always starts
+                raise RuntimeError(f"group {self.id}: a prefill lane did not start")
+            started.append(got)
+        b = self._bound[m]
+        if b.running or self._joining[m]:
+            got = self._start_lane(self._decode_job, now)
+            if got is not None:
+                started.append(got)
+        return started
+
     def _retimed(self, now: float, started: list[tuple[float, int]]) -> list[tuple[float, int]]:
         """``started`` with the jobs that memory-bandwidth contention re-timed:
         a new job's end as re-timed, and each other job whose end moved under
@@ -886,7 +924,11 @@ class SharingGroup:
         if not bw:
             self._moved.clear()
             return started
-        moved = bw.retime(now)
+        if self._retimed_now:  # a pipeline re-timed at its last change: nothing moved since
+            moved: dict[int, float] = {}
+        else:
+            moved = bw.retime(now)
+            self._retimed_now = self.lanes  # (a spatial group re-times at every call)
         if self._moved:  # a pipeline's re-timings since the last report
             pending, self._moved = self._moved, {}
             pending.update(moved)
@@ -935,6 +977,7 @@ class SharingGroup:
         ends that moved are reported by :meth:`_retimed`."""
         assert self._bw is not None
         self._moved.update(self._bw.retime(now))
+        self._retimed_now = True
 
     def _reweigh(self) -> None:
         """A pipelined group's decode round: its weight for the lanes now in flight."""
@@ -991,6 +1034,7 @@ class SharingGroup:
         )
         if self._bw is not None:
             self._bw.add(token, now, cost, traffic)
+            self._retimed_now = False
         return (now + cost, token)
 
     def _prefill_time(self, m: str, seqs: list[Seq], share: float) -> float:
@@ -1042,7 +1086,9 @@ class SharingGroup:
         # a chunked group is never pipelined (refused in __init__): a replica's cost
         cost = cast("InstanceCost", self.costs[m]).mixed_time(work, len(decodes), ctx)
         seqs = decodes + [s for s, _ in chunks]
-        token = self._register(Job(m, PREFILL, tuple(x.id for x in seqs), 1.0), seqs, now, 1.0)
+        token = self._register(
+            Job(m, PREFILL, tuple(x.id for x in seqs), 1.0), seqs, now, 1.0, mixed=True
+        )
         self._chunks[token] = chunks
         return (now + cost, token)
 
@@ -1097,7 +1143,7 @@ class SharingGroup:
             return (end, token)
         seqs = [s for s, _ in chunks]
         ids = (*b.running, *(x.id for x in seqs))
-        token = self._register(Job(m, PREFILL, ids, 1.0), seqs, now, 1.0)
+        token = self._register(Job(m, PREFILL, ids, 1.0), seqs, now, 1.0, mixed=True)
         self._chunks[token] = chunks
         return (end, token)
 
@@ -1206,11 +1252,15 @@ class SharingGroup:
         seqs = self._admitted(job)
         bs = self._bs
         self.queued_blocks[job.model] -= sum(-(-s.prefill_tokens // bs) for s in seqs)
-        ids = set(job.seqs)
         q = self.waiting[job.model]
-        if len(ids) == len(q):
+        n = len(seqs)
+        if n == len(q):
             q.clear()
+        elif all(q[i] is s for i, s in enumerate(seqs)):  # the head, in order (FCFS, RR)
+            for _ in range(n):
+                q.popleft()
         else:  # in place: the deque is the group's own, never rebound
+            ids = set(job.seqs)
             keep = [s for s in q if s.id not in ids]
             q.clear()
             q.extend(keep)
@@ -1237,9 +1287,13 @@ class SharingGroup:
             raise RuntimeError(f"group {self.id}: a request of the decode job is busy")
         return seqs
 
-    def _register(self, job: Job, seqs: list[Seq], now: float, share: float) -> int:
+    def _register(
+        self, job: Job, seqs: list[Seq], now: float, share: float, *, mixed: bool = False
+    ) -> int:
         for s in seqs:
             s.in_job = True
+        if job.phase == PREFILL and not mixed:
+            self._n_prefill[job.model] += len(seqs)
         token = self._next_token
         self._next_token += 1
         self.jobs[token] = (job, seqs, now, share)
@@ -1713,6 +1767,8 @@ class SharingGroup:
         if entry is None:
             return []
         job, seqs, start, share = entry
+        if job.phase == PREFILL and not (self._chunks and token in self._chunks):
+            self._n_prefill[job.model] -= len(seqs)
         ends = self._ends.pop(token, None) if self._ends else None
         b = self._bound.get(job.model)
         if ends is not None and len(ends) > 1 and b is None:  # a macro job: all but its last
@@ -1734,6 +1790,7 @@ class SharingGroup:
         if self._bw is not None:
             self._bw.remove(token)
             self._moved.pop(token, None)
+            self._retimed_now = False
             if self.lanes:
                 self._reweigh()
                 if job.phase != DECODE:  # (a round's end: at the next start, or the report)
@@ -2224,6 +2281,9 @@ class SharingGroup:
                 else:
                     assert self.running[s.model].get(s.id) is s, s.id
         assert not self._taken
+        for m in self._models:
+            n_pre = sum(map(len, self._prefill_jobs(m)))
+            assert self._n_prefill[m] == n_pre, (m, self._n_prefill[m], n_pre)
         bs = lay.block_size
         for m in self._models:  # the layout's held blocks: the moves' and the cache's
             assert self.mig_in[m] >= 0 and self.mig_out[m] >= 0, m
