@@ -66,17 +66,17 @@ bench-engine: $(STAMP)
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
 # session30.json.gz: against session29.json.gz, the KunServe world's executors
-# are one-service sharing groups (issue 21 item 2, step 3): 39 of its 63 runs
-# and every other run identical; 24 KunServe-world runs differ in the 7th digit
-# or beyond (means, kv_utilization), because a request's KV as of now counts
-# its in-flight iteration's token, as in every other world (read mid-iteration
-# by Llumnix's reservation and the remote attention's read volume; 20 runs),
-# and a pipeline's jobs are re-timed by the group's mechanism (4 runs: last
-# digits, sim.events -1.5% in two); and the multi-LLM world's drops exchange
-# KV live, as KunServe does, which the fleet stack now uses: its two fleet
-# runs differ (description, kunserve.exchange; on bursty, whose one drop
-# exchanges live, P99 TPOT 1.31 -> 1.57 s, SLO attainment at 5x 80.9 ->
-# 81.6%); docs/architecture.md "Session 30";
+# are one-service sharing groups (issue 21 item 2, step 3): 40 of its 63 runs
+# and every single-model and multi-LLM run but two are identical; 23 KunServe
+# runs differ in the 7th digit or beyond, because a request's KV as of now
+# counts its in-flight iteration's token as in every other world (read
+# mid-iteration by Llumnix's reservation and by the remote attention's read
+# volume; with the old count, 61 are identical and 2 differ in sim.events
+# only, -1.5%: a pipeline's jobs re-timed by the group's mechanism); and the
+# multi-LLM world's drops exchange KV live, as KunServe does, which the fleet
+# stack now uses: its two fleet runs differ (description, kunserve.exchange;
+# on bursty, whose one drop exchanges live, P99 TPOT 1.31 -> 1.57 s, SLO
+# attainment at 5x 80.9 -> 81.6%); docs/architecture.md "Session 30";
 # session29.json.gz: against session26.json.gz, the single-model simulator's
 # instances are one-model sharing groups (issue 21 item 2): its 45 runs are
 # identical, events included; a bound batch's decode segment is no longer cut
