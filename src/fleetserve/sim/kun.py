@@ -197,7 +197,13 @@ from fleetserve.sim.batch import SimClock
 from fleetserve.sim.events import ATTACH, EPOCH, ITER_END, SAMPLE, TRANSFER, Event
 from fleetserve.sim.group import SharingGroup
 from fleetserve.sim.kernel import Kernel, ProgressFn
-from fleetserve.sim.kun_parts import Channel, Piece, Transfer
+from fleetserve.sim.kun_parts import (
+    Channel,
+    Piece,
+    Transfer,
+    activation_gap_share,
+    remote_attention_s,
+)
 from fleetserve.sim.seq import PREFILLING, RUNNING, STALLED, TRANSIT, WAITING, Seq
 from fleetserve.sim.staged_layout import StagedLayout, StageMemory
 from fleetserve.spec import GpuSpec, get_gpu, get_model
@@ -1000,8 +1006,7 @@ class KunSimulator:
         moved = self._moved_kv(exe) if self.live_src and self.remote_reads else None
         t, busy = exe.pcost.decode_round(B, ctx, extra, moved_kv=moved)
         if exe.live_pieces:
-            hop = exe.pcost.hop_time(B) if exe.k > 1 else 0.0
-            share = 1.0 - min(0.95, (hop + extra) / t)
+            share = activation_gap_share(t, exe.pcost.hop_time(B), extra)
             # KV chunk = what fits the gap between activation transfers
             self._chunk_sum += share * t * self.net_link.bandwidth_Bps
             self._chunk_n += 1
@@ -1035,9 +1040,6 @@ class KunSimulator:
         """Remote-attention round trips of live victims, per iteration: for each
         source, per layer not yet moved, the queries and new K/V of its victims
         go out and the attention outputs come back (sequential across layers)."""
-        spec = self.model
-        q_b = spec.num_heads * spec.head_dim * spec.dtype_bytes
-        kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
         per_src: dict[int, dict[int, int]] = {}
         for p in exe.live_pieces:
             if p.cancelled or p.seq.state != RUNNING:
@@ -1045,14 +1047,10 @@ class KunSimulator:
             d = per_src.setdefault(p.src, {})
             d[p.seq.id] = d.get(p.seq.id, 0) + p.layers
         total = 0.0
+        dst = exe.members[0]
         for src, by_seq in per_src.items():
-            count = len(by_seq)
-            layers = max(by_seq.values())
-            dst = exe.members[0]
             link = self._link(src, dst)
-            total += layers * (
-                transfer_time(count * (q_b + kv_b), link) + transfer_time(count * q_b, link)
-            )
+            total += remote_attention_s(self.model, len(by_seq), max(by_seq.values()), link)
         return total
 
     def _on_job_end(self, exe: Executor, phase: str, done: list[Seq], now: float) -> None:
@@ -1081,18 +1079,21 @@ class KunSimulator:
 
     def _finish(self, exe: Executor, s: Seq, now: float) -> None:
         """``s`` finished (its group recorded it and freed its KV)."""
-        self._cancel_pieces(s)
-        self._cancel_migration(s)
-        self._untrack(exe, s, now)
+        self._forget(exe, s, now)
         self.n_done += 1
 
     def _on_evicted(self, s: Seq) -> None:
         """A group preempted ``s`` or dropped its KV (its group's ``on_evicted``)."""
-        self._cancel_pieces(s)
-        self._cancel_migration(s)
         exe = s.inst
         assert isinstance(exe, Executor)
-        self._untrack(exe, s, self.clock.now)
+        self._forget(exe, s, self.clock.now)
+
+    def _forget(self, exe: Executor, s: Seq, now: float) -> None:
+        """``s`` left the running batch of ``exe`` without its KV: its pieces
+        and its move are void, its victim record closes."""
+        self._cancel_pieces(s)
+        self._cancel_migration(s)
+        self._untrack(exe, s, now)
 
     def _enqueue_transfer(self, ch: Channel, tr: Transfer, now: float) -> None:
         ch.queue.append(tr)

@@ -9,6 +9,9 @@ What a stack does under memory pressure, and the KunServe knobs, are its
   that live KV exchange may lower while activations use the link.
 * :class:`Piece`: part of a request's KV cache that must cross from one
   instance to another (KunServe's KV exchange and live restore).
+* :func:`remote_attention_s` and :func:`activation_gap_share`: what a live
+  exchange costs a decode round and leaves its copies, in the KunServe world
+  and in the multi-LLM world's drops (:mod:`fleetserve.sim.multi_burst`).
 
 Memory is accounted in *token-layers* (one token's K and V of one layer,
 ``kv_bytes_per_token_per_layer`` bytes): KunServe's fine-grained allocator
@@ -23,10 +26,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fleetserve.costmodel.transfer import Link
+from fleetserve.costmodel.transfer import Link, transfer_time
 
 if TYPE_CHECKING:
     from fleetserve.sim.seq import Seq
+    from fleetserve.spec.types import ModelSpec
+
+
+def remote_attention_s(spec: ModelSpec, victims: int, layers: int, link: Link) -> float:
+    """One decode round's remote attention from one source instance: for each
+    of ``layers`` layers whose KV is still there, the queries and new K/V of
+    its ``victims`` go out over ``link`` and the attention outputs come back
+    (sequential across layers, on the round's critical path)."""
+    q_b = spec.num_heads * spec.head_dim * spec.dtype_bytes
+    kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+    return layers * (
+        transfer_time(victims * (q_b + kv_b), link) + transfer_time(victims * q_b, link)
+    )
+
+
+def activation_gap_share(round_s: float, hop_s: float, extra_s: float) -> float:
+    """The share of a link a live KV copy gets during a decode round of
+    ``round_s`` seconds: what the activation transfers (``hop_s``) and the
+    remote attention (``extra_s``) leave, at least 5%."""
+    return 1.0 - min(0.95, (hop_s + extra_s) / round_s)
 
 
 @dataclass(slots=True, eq=False)

@@ -87,7 +87,7 @@ from fleetserve.policy.actions import ActivateSpare, DropLayers, Restore
 from fleetserve.policy.kunserve import ExecutorSnapshot, KunServePolicy
 from fleetserve.policy.pressure import KunSettings
 from fleetserve.sim.events import GROUP_READY, TRANSFER
-from fleetserve.sim.kun_parts import Channel, Transfer
+from fleetserve.sim.kun_parts import Channel, Transfer, activation_gap_share, remote_attention_s
 from fleetserve.sim.seq import RUNNING
 
 if TYPE_CHECKING:
@@ -534,8 +534,6 @@ class BurstControl:
         g = ex.group
         pl = cast("StagedCost", g.costs[m]).pipeline
         spec = self.sim.services[m].spec
-        q_b = spec.num_heads * spec.head_dim * spec.dtype_bytes
-        kv_b = 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
         extra = 0.0
         for mid, (_, trs) in ex.sending.items():
             n = ex.layers[mid].get(m, 0)
@@ -547,14 +545,11 @@ class BurstControl:
                 if v.model == m and v.state == RUNNING and v.inst is g:
                     count += 1
             if count:
-                link = ex.link
-                extra += n * (
-                    transfer_time(count * (q_b + kv_b), link) + transfer_time(count * q_b, link)
-                )
+                extra += remote_attention_s(spec, count, n, ex.link)
         if extra:
             ex.record["remote_rounds"] += 1
         t, busy = pl.decode_round(batch, ctx, extra)
-        share = 1.0 - min(0.95, (pl.hop_time(batch) + extra) / t)
+        share = activation_gap_share(t, pl.hop_time(batch), extra)
         now = self.sim.clock.now
         for ch, _ in ex.sending.values():
             self._push_link(ch, ch.set_share(share, now))
