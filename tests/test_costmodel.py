@@ -895,3 +895,24 @@ def test_compute_share_stretches_only_the_compute_bound_term(cost: InstanceCost)
             cost.prefill_time(lens, share=bad)
         with pytest.raises(ValueError, match="share"):
             cost.decode_time_scalar(1, 10.0, share=bad)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dep=st.sampled_from(DEPLOYMENTS),
+    lens=st.lists(st.integers(1, 40_000), min_size=1, max_size=12),
+    share=st.sampled_from([1.0, 0.5]),
+)
+def test_one_prompt_prefill_memo_equals_the_computed_time(
+    dep: tuple[str, str, int], lens: list[int], share: float
+) -> None:
+    """``prefill_time`` of one prompt is memoised by length (share 1): every
+    call, as a list or an array, on a warm or a cold binding, gives the bits
+    the computation gives."""
+    warm = bind(*dep)
+    for n in lens:
+        want = bind(*dep)._prefill([n], 1, share)
+        assert warm.prefill_time([n], share) == want
+        assert warm.prefill_time(np.array([n]), share) == want
+        assert warm.prefill_time([n], share) == want
+    assert warm.prefill_time(lens, share) == bind(*dep)._prefill(lens, len(lens), share)

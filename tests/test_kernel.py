@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ast
+import gc
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetserve.sim import events as ev
+from fleetserve.sim import kernel as kernel_mod
 from fleetserve.sim.kernel import Kernel
 from fleetserve.workload.request import Request
 
@@ -119,6 +122,43 @@ def test_missing_handler_is_an_error() -> None:
         assert "no handler" in str(e)
     else:  # pragma: no cover
         raise AssertionError("expected RuntimeError")
+
+
+def test_collector_off_during_a_run_and_restored_after_it_returns_or_raises() -> None:
+    seen: list[bool] = []
+
+    class Boom(_Model):
+        def on_arrival(self, req: Request, now: float) -> list[ev.Event]:
+            seen.append(gc.isenabled())
+            if req.id == 1:
+                raise ValueError("boom")
+            return []
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        m = Boom()
+        _kernel(m, [_req(0, 1.0)]).run(m)
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(ValueError, match="boom"):
+            _kernel(m, [_req(1, 1.0)]).run(m)
+        assert seen == [False, False] and gc.isenabled()
+        gc.disable()  # a caller that had it off keeps it off
+        _kernel(m, [_req(0, 1.0)]).run(m)
+        assert not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_loop_collects_the_young_generations_every_gc_every_events(monkeypatch: Any) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(kernel_mod, "GC_EVERY", 3)
+    monkeypatch.setattr(kernel_mod.gc, "collect", lambda gen=2: calls.append(gen) or 0)
+    m = _Model()
+    k = _kernel(m, [_req(i, float(i)) for i in range(7)])
+    k.run(m)
+    assert k.n_events == 7 and calls == [1, 1]
 
 
 @settings(max_examples=60, deadline=None)

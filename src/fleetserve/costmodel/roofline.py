@@ -284,6 +284,7 @@ class InstanceCost:
         "_m_kv",
         "_m_kva",
         "_m_w",
+        "_one_prompt",
         "_op",
         "_q",
         "_scaled",
@@ -332,6 +333,7 @@ class InstanceCost:
         self._kappa = p.attn_causal_factor
         self._waste = p.attn_query_waste
         self._lines: dict[int, tuple[float, float, float, float]] = {}
+        self._one_prompt: dict[int, float] = {}  # prefill_time of one prompt, by length
 
     def __repr__(self) -> str:
         return (
@@ -458,8 +460,20 @@ class InstanceCost:
             Seconds; 0.0 for an empty batch.
         """
         n = len(prompt_lens)
+        if n == 1 and share == 1.0:  # most prefills: memoised by length
+            length = int(prompt_lens[0])
+            got = self._one_prompt.get(length)
+            if got is None:
+                got = self._one_prompt[length] = self._prefill(prompt_lens, 1, 1.0)
+            return got
         if n == 0:
             return 0.0
+        return self._prefill(prompt_lens, n, share)
+
+    def _prefill(
+        self, prompt_lens: Sequence[int] | npt.NDArray[np.integer], n: int, share: float
+    ) -> float:
+        """:meth:`prefill_time` of ``n`` >= 1 prompts, computed."""
         total = 0
         pairs2 = 0  # 2 * pairs = sum l (l + 1), kept integral
         for length in prompt_lens:
@@ -510,17 +524,21 @@ class InstanceCost:
             ctx = ctx0 + batch * np.arange(1, k + 1, dtype=np.float64)
             return np.cumsum(np.concatenate(([start], self.decode_time(batch, ctx))))[1:]
         a_c, b_c, a_m, b_m = self.decode_lines(batch)
-        scaled = self._scaled
-        scale = self.params.decode_scale(batch) if scaled else 1.0
-        out = [0.0] * k
+        out: list[float] = []
+        add = out.append
         t = start
-        for i in range(k):
-            x = float(ctx0 + batch * (i + 1))
+        x = float(ctx0)  # ctx0 + batch * i: integral, so exact as a float
+        step = float(batch)
+        scale = self.params.decode_scale(batch) if self._scaled else None
+        for _ in range(k):
+            x += step
             c = x * b_c + a_c
             m = x * b_m + a_m
-            d = c if c >= m else m
-            t += d * scale if scaled else d
-            out[i] = t
+            if scale is None:
+                t += c if c >= m else m
+            else:
+                t += (c if c >= m else m) * scale
+            add(t)
         return out
 
     def decode_time_scalar(self, batch: int, ctx_total: float, share: float = 1.0) -> float:
