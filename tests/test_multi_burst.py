@@ -135,6 +135,33 @@ def test_a_live_exchange_serves_at_once_and_moves_the_kv_beside_the_rounds() -> 
     assert sl.burst is not None and not sl.burst.live  # every exchange ended
 
 
+def test_a_victim_leaving_during_a_slow_live_exchange_voids_its_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a slow link the live exchange outlasts some victims: one that
+    finishes (or is preempted) before its KV is sent frees that KV, so its
+    copy is void (not sent, as in the KunServe world) and no later round pays
+    its remote attention. The exchange still ends, everything finishes, the
+    invariants hold after every event."""
+    from fleetserve.costmodel.transfer import Link
+    from fleetserve.sim import multi_burst
+
+    monkeypatch.setattr(multi_burst, "intra_node_link", lambda gpu: Link(2e8, 1e-5))
+    reqs = _burst()
+    live = replace(KUN, exchange="live")
+    res = _run(live, reqs)
+    _all_finish(res, len(reqs))
+    first = res.extra["kunserve"]["pipelines"][0]
+    assert first["copies_void"] >= 1
+    # the same run with every copy sent (departed victims kept): a longer exchange
+    monkeypatch.setattr(multi_burst.BurstControl, "_void_departed", lambda self, ex, now: None)
+    kept = _run(live, reqs)
+    _all_finish(kept, len(reqs))
+    other = kept.extra["kunserve"]["pipelines"][0]
+    assert other["copies_void"] == 0 and other["start_s"] == first["start_s"]
+    assert first["exchange_s"] < other["exchange_s"]
+
+
 def test_without_pressure_the_control_changes_nothing() -> None:
     """Ample memory: KunServe observes but never acts, and every request's
     timeline equals the run without it."""

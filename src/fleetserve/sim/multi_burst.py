@@ -43,10 +43,12 @@ K/V out and the attention outputs back per layer (the KunServe world's
 remote attention, :meth:`BurstControl._round_cost`). Simplifications,
 against :mod:`fleetserve.sim.kun`: the pool is one layout (where the KV is
 does not change what fits), the source GPUs' reads for remote attention are
-not moved between the stages' busy times, a victim that finishes or is
-preempted still has its KV moved, and a group that merges again or
+not moved between the stages' busy times, and a group that merges again or
 dissolves while exchanging stops its exchange (the next layout counts the
-KV where the last plan put it).
+KV where the last plan put it). A victim that leaves the batch (finished,
+preempted) before its KV is sent voids its copy, as in the KunServe world:
+one not started is cancelled, one in flight runs to its end unused
+(``copies_void`` and ``bytes_void`` in the pipeline's record).
 
 Restore (:class:`~fleetserve.policy.actions.Restore`). The group stops taking
 requests (its queue is dispatched again), finishes its jobs in flight and
@@ -122,6 +124,11 @@ def check_burst(settings: KunSettings) -> None:
             "live_restore false: a multi-LLM world restores by moving the group's running "
             "requests to the reloaded replicas (set kunserve.live_restore: true)"
         )
+
+
+def _running_on(s: Seq, g: SharingGroup) -> bool:
+    """Whether ``s`` still decodes on ``g`` (its KV there)."""
+    return s.state == RUNNING and s.inst is g
 
 
 def signature(g: SharingGroup) -> Signature:
@@ -427,6 +434,8 @@ class BurstControl:
         if live:
             record["exchange_s"] = None  # until its last transfer ends
             record["remote_rounds"] = 0  # decode rounds that paid remote attention
+            record["copies_void"] = 0  # victims that left before their KV was sent
+            record["bytes_void"] = 0  # of those copies, the bytes never sent (not started)
             self._start_live(pipe_g, members, a.keep, held_before, victims_on, grid, link, record)
 
     # -------------------------------------------------------- live exchange
@@ -504,6 +513,13 @@ class BurstControl:
             return
         trs = got[1]
         trs.pop(rid, None)
+        self._sent_all(ex, mid, trs, now)
+
+    def _sent_all(
+        self, ex: _LiveExchange, mid: int, trs: dict[int, Transfer], now: float
+    ) -> None:
+        """Member ``mid`` has nothing left to send once ``trs`` is empty; the
+        exchange ends when no member has."""
         if not trs:
             del ex.sending[mid]
             del ex.layers[mid]
@@ -534,26 +550,45 @@ class BurstControl:
         g = ex.group
         pl = cast("StagedCost", g.costs[m]).pipeline
         spec = self.sim.services[m].spec
+        now = self.sim.clock.now
+        self._void_departed(ex, now)
+        if self.live.get(g.id) is not ex:  # nothing left to send: a plain round
+            return pl.decode_round(batch, float(ctx))
         extra = 0.0
         for mid, (_, trs) in ex.sending.items():
             n = ex.layers[mid].get(m, 0)
             if not n:
                 continue
-            count = 0
-            for rid in trs:
-                v = ex.victims[rid]
-                if v.model == m and v.state == RUNNING and v.inst is g:
-                    count += 1
+            count = sum(1 for rid in trs if ex.victims[rid].model == m)
             if count:
                 extra += remote_attention_s(spec, count, n, ex.link)
         if extra:
             ex.record["remote_rounds"] += 1
         t, busy = pl.decode_round(batch, ctx, extra)
         share = activation_gap_share(t, pl.hop_time(batch), extra)
-        now = self.sim.clock.now
         for ch, _ in ex.sending.values():
             self._push_link(ch, ch.set_share(share, now))
         return t, busy
+
+    def _void_departed(self, ex: _LiveExchange, now: float) -> None:
+        """Victims that left the group's running batch (finished, preempted,
+        moved away) since the last round: their KV is freed, so what a member
+        had still to send of it is void. A copy not started is cancelled; one
+        in flight runs to its end, its arrival ignored (as the KunServe
+        world's executors do, :meth:`~fleetserve.sim.kun.KunSimulator._forget`).
+        Every decode round asks first, so no round pays a departed victim's
+        remote attention and no link carries its KV after it left."""
+        g = ex.group
+        for mid, (ch, trs) in list(ex.sending.items()):
+            gone = [rid for rid in trs if not _running_on(ex.victims[rid], g)]
+            for rid in gone:
+                tr = trs.pop(rid)
+                tr.cancelled = True
+                ex.record["copies_void"] += 1
+                if ch.cur is not tr:  # (one in flight runs to its end)
+                    ex.record["bytes_void"] += int(tr.nbytes)
+            if gone:
+                self._sent_all(ex, mid, trs, now)
 
     # ------------------------------------------------------------- restore
     def _dissolve(self, g: SharingGroup, now: float, reason: str) -> None:
