@@ -515,9 +515,7 @@ class BurstControl:
         trs.pop(rid, None)
         self._sent_all(ex, mid, trs, now)
 
-    def _sent_all(
-        self, ex: _LiveExchange, mid: int, trs: dict[int, Transfer], now: float
-    ) -> None:
+    def _sent_all(self, ex: _LiveExchange, mid: int, trs: dict[int, Transfer], now: float) -> None:
         """Member ``mid`` has nothing left to send once ``trs`` is empty; the
         exchange ends when no member has."""
         if not trs:
