@@ -65,6 +65,11 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session31.json.gz: against session30.json.gz, one field of one run differs:
+# fleet/bursty's pipeline record gained copies_void and bytes_void (the
+# multi-LLM live exchange voids a departed victim's copy; none here); every
+# other run is identical, events included (the kernel's loop without the
+# automatic garbage collector, the memoised one-prompt prefill);
 # session30.json.gz: against session29.json.gz, the KunServe world's executors
 # are one-service sharing groups (issue 21 item 2, step 3): 40 of its 63 runs
 # and every single-model and multi-LLM run but two are identical; 23 KunServe
@@ -140,7 +145,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session30.json.gz
+	  --check benchmarks/fingerprints/session31.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
