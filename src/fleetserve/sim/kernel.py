@@ -30,7 +30,9 @@ world's time (``benchmarks/sim_speed.py``, measured with ``gc.callbacks``). So
 the loop runs with automatic collection off, collects the young generations
 itself every :data:`GC_EVERY` events (a bound on what a model that did make
 cycles could leave behind), and restores the collector's state when it
-returns or raises.
+returns or raises. The switch is the interpreter's, so while a simulation
+runs, other threads' cyclic garbage also waits (until its end, or the next
+of those collections); a run that starts with the collector off leaves it off.
 """
 
 from __future__ import annotations
