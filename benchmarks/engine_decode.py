@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-decode-split", action="store_true", help="skip the 1-token runs")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     ap.add_argument(
-        "--attention", default="gather", choices=["gather", "flex"], help="engine attention"
+        "--attention",
+        default="auto",
+        choices=["auto", "paged", "gather", "flex"],
+        help="engine attention (default auto, the engine's own default: the paged "
+        "kernel on the CPU in float32, gather elsewhere)",
     )
     ap.add_argument(
         "--decode-graphs",
@@ -220,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 attention=args.attention,
                 decode_graphs=args.decode_graphs,
             )
+            resolved = eng.attention
+            print(f"  {name}: engine attention {resolved}")
             warm = make_prompts(2, 8, 32, seed=999)
             run_engine(eng, name, warm, 4)
             run_hf(hf, warm, 4)
@@ -228,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 (e_s, e_out), (h_s, h_out) = best_pair(args.runs, eng, name, hf, prompts, n_new)
                 row: dict[str, Any] = {
                     "model": name,
+                    "attention": resolved,
                     "batch": b,
                     "prompt_tokens": sum(len(p) for p in prompts),
                     "new_tokens": b * n_new,
