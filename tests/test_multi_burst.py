@@ -155,7 +155,7 @@ def test_a_victim_leaving_during_a_slow_live_exchange_voids_its_copy(
     assert first["copies_void"] >= 1
     # the same run with every copy sent (departed victims kept): a longer exchange
     monkeypatch.setattr(multi_burst.BurstControl, "_void_departed", lambda self, ex, now: None)
-    kept = _run(live, reqs, check_integrity=False)  # (the reference: the old behaviour)
+    kept = _run(live, reqs, check_integrity=False)  # (the reference: every copy sent)
     _all_finish(kept, len(reqs))
     other = kept.extra["kunserve"]["pipelines"][0]
     assert other["copies_void"] == 0 and other["start_s"] == first["start_s"]

@@ -172,7 +172,7 @@ class Kernel:
         max_t = self.max_time_s if self.max_time_s is not None else float("inf")
         check, progress, every = self.check, self.progress, self.progress_every
         on_arrival = model.on_arrival
-        heappush, heappop, prio = heapq.heappush, heapq.heappop, PRIORITY
+        heappop = heapq.heappop
         inf = float("inf")
         end_s = 0.0
         ai = self.arrived
@@ -203,12 +203,8 @@ class Kernel:
                 ta = reqs[ai].arrival_s if ai < n else inf
             else:
                 break
-            if caused:  # :meth:`push`, inlined (once per event)
-                seq = self._seq
-                for ct, ckind, cpayload in caused:
-                    seq += 1
-                    heappush(heap, (ct, prio[ckind], seq, ckind, cpayload))
-                self._seq = seq
+            if caused:
+                self.push(caused)
             end_s = t
             self.n_events += 1
             if check:
