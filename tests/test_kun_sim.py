@@ -125,6 +125,63 @@ def test_every_stack_keeps_invariants_and_ends_each_request_once(
         assert mem["drops"] == 0 and mem["bytes_freed"] == 0
 
 
+def _outcome(sim: KunSimulator) -> tuple[Any, ...]:
+    res = sim.run()
+    s = summarize(res)
+    del s["sim"]["wall_s"]
+    recs = [
+        (r.id, r.status, r.reason, r.first_token_s, r.finish_s, r.generated, r.preemptions)
+        for r in res.records
+    ]
+    return recs, s, res.end_s, res.sim_events, sim.mem_events
+
+
+@pytest.mark.parametrize("stack", ["kunserve", "kunserve-memgreedy", "vllm", "llumnix"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    instances=st.integers(2, 3),
+    kv=st.integers(3000, 30000),
+    reqs=st.lists(  # long prompts: prefills that outlast a tick
+        st.tuples(st.floats(0, 6, allow_nan=False), st.integers(500, 8000), st.integers(1, 200)),
+        min_size=1,
+        max_size=30,
+    ),
+    max_time=st.sampled_from([None, 3.0]),
+)
+def test_monitor_ticks_handled_at_once_give_the_tick_by_tick_run(
+    stack: str,
+    instances: int,
+    kv: int,
+    reqs: list[tuple[float, int, int]],
+    max_time: float | None,
+) -> None:
+    """The ticks :meth:`KunSimulator._skip_ticks` handles at once (a quiet
+    world between two events) give the run of every tick through the kernel:
+    records, summary (events included), memory events."""
+    workload = _reqs(reqs)
+    got = []
+    for fast in (True, False):
+        sim = _sim(workload, stack, instances=instances, kv_tokens=kv, max_time_s=max_time)
+        sim.fast_ticks = fast
+        got.append(_outcome(sim))
+        event(f"ticks skipped: {min(sim.ticks_skipped, 1)}")
+    assert got[0] == got[1]
+
+
+def test_a_burst_run_skips_quiet_ticks_and_equals_the_tick_by_tick_run() -> None:
+    """On the burst workload (a drop, then a restore) quiet ticks are skipped,
+    and the results are those of every tick through the kernel."""
+    got, skipped = [], []
+    for fast in (True, False):
+        sim = _sim(_burst(), "kunserve")
+        sim.fast_ticks = fast
+        got.append(_outcome(sim))
+        skipped.append(sim.ticks_skipped)
+    assert got[0] == got[1]
+    assert skipped[0] > 0 and skipped[1] == 0
+    assert any(e["event"] == "drop" for e in got[0][4])
+
+
 def test_burst_triggers_a_drop_then_a_restore_and_one_copy_holds() -> None:
     sim = _sim(_burst(), "kunserve", max_time_s=None)
     res = sim.run()

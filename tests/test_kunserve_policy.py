@@ -894,3 +894,40 @@ def test_policy_rejects_bad_parameters() -> None:
         _policy(window_s=0.0)
     with pytest.raises(ConfigError, match="members"):
         ExecutorSnapshot(0, (0, 1), ((0, 48),), (1,), 0, 0, 0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    before=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 10**6)), max_size=15),
+    n=st.integers(1, 40),
+    dt=st.sampled_from([0.1, 0.05, 0.3, 1.0]),
+    window=st.sampled_from([0.25, 1.0, 2.0]),
+    demand=st.integers(0, 10**6),
+    capacity=st.integers(0, 10**6),
+)
+def test_observe_each_keeps_the_samples_of_one_observe_per_time(
+    before: list[tuple[int, int]],
+    n: int,
+    dt: float,
+    window: float,
+    demand: int,
+    capacity: int,
+) -> None:
+    """:meth:`DemandMonitor.observe_each` (the ticks a quiet world skips)
+    leaves the samples and rates of one :meth:`observe` per time."""
+    a, b = DemandMonitor(window_s=window), DemandMonitor(window_s=window)
+    t = 0.0
+    for step, d in before:
+        t += step * 0.05
+        for m in (a, b):
+            m.observe(0, t, float(d), 5e5)
+    times = []
+    for _ in range(n):
+        t += dt
+        times.append(t)
+    a.observe_each(0, times, float(demand), float(capacity))
+    for x in times:
+        b.observe(0, x, float(demand), float(capacity))
+    assert a.samples(0) == b.samples(0)
+    assert a.rates(0) == b.rates(0)
+    assert a.throttled(0) == b.throttled(0)

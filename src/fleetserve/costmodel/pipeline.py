@@ -83,7 +83,17 @@ class PipelineCost:
         link: the link activations cross between consecutive stages.
     """
 
-    __slots__ = ("_frac", "_hop_bytes", "cost", "k", "link", "overhead_s", "stage_layers")
+    __slots__ = (
+        "_frac",
+        "_frac_max",
+        "_hop_bytes",
+        "_hops",
+        "cost",
+        "k",
+        "link",
+        "overhead_s",
+        "stage_layers",
+    )
 
     def __init__(self, cost: InstanceCost, stage_layers: Sequence[int], link: Link) -> None:
         total = cost.model.num_layers
@@ -98,11 +108,18 @@ class PipelineCost:
         self.link = link
         self.overhead_s = cost.params.overhead_s
         self._frac = tuple(n / total for n in layers)
+        self._frac_max = max(self._frac)  # the busiest stage's fraction of the layers
         self._hop_bytes = cost.model.hidden_size * cost.model.dtype_bytes
+        self._hops: dict[int, float] = {}  # hop_time by tokens (a decode round's sizes)
 
     def hop_time(self, tokens: int) -> float:
         """One activation transfer of ``tokens`` tokens between two stages."""
-        return transfer_time(tokens * self._hop_bytes, self.link) if self.k > 1 else 0.0
+        t = self._hops.get(tokens)
+        if t is None:
+            t = transfer_time(tokens * self._hop_bytes, self.link) if self.k > 1 else 0.0
+            if len(self._hops) < 4096:  # (decode batch sizes; prompts' counts vary more)
+                self._hops[tokens] = t
+        return t
 
     def _parts(
         self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]
@@ -118,7 +135,7 @@ class PipelineCost:
             k * o + c + (k - 1) * self.hop_time(n) + e
             for c, n, e in zip(cores, tokens, extra, strict=True)
         )
-        busy = len(cores) * o + max(self._frac) * sum(cores)
+        busy = len(cores) * o + self._frac_max * sum(cores)
         return lat, busy
 
     def _round(self, full: Sequence[float], tokens: Sequence[int], extra: Sequence[float]) -> float:
@@ -168,7 +185,7 @@ class PipelineCost:
             lat = max(lat, path + extra_s if first else path)
             first = False
         if moved_kv is None:
-            busy = m * o + max(self._frac) * sum_c
+            busy = m * o + self._frac_max * sum_c
         else:
             read = self.cost.kv_read_s
             busy = m * o + max(

@@ -714,6 +714,21 @@ class DemandMonitor:
         future_demand, future_capacity = self.predict(key, horizon_s)
         return max(0.0, future_demand - future_capacity, demand - capacity)
 
+    def observe_each(
+        self, key: int, times: Sequence[float], demand_bytes: float, capacity_bytes: float
+    ) -> None:
+        """:meth:`observe` of one ``(demand, capacity)`` at each of ``times``
+        (increasing). Only the samples the window keeps are recorded: the
+        others would be evicted by the last one (the two latest are kept in
+        any case), so the samples are those of one :meth:`observe` per time."""
+        demand = _as_real("demand_bytes", demand_bytes)
+        capacity = _as_real("capacity_bytes", capacity_bytes)
+        if len(times) > 2:
+            first = bisect_left(times, times[-1] - self.window_s)
+            times = times[min(first, len(times) - 2) :]
+        for t in times:
+            self._record(key, _as_real("now", t, None), demand, capacity)
+
     def forget(self, key: int) -> None:
         """Drop every sample of ``key`` (an unknown key is a no-op)."""
         self._samples.pop(key, None)
@@ -755,6 +770,11 @@ def should_restore(
     fraction = _as_real("threshold", threshold)
     if not 0.0 < fraction <= 1.0:
         raise ConfigError(f"threshold must be in (0, 1], got {fraction}")
+    return _low(demand, capacity, fraction)
+
+
+def _low(demand: float, capacity: float, fraction: float) -> bool:
+    """:func:`should_restore`'s rule on checked values."""
     return demand <= fraction * capacity
 
 
@@ -1122,6 +1142,9 @@ class KunServePolicy:
         self.restore_from = restore_from
         self.monitor = DemandMonitor(window_s=window_s, horizon_s=self.horizon_s)
         self._low_since: dict[int, float] = {}
+        # per executor: its replica KV bytes (the view's tuple) and the tokens
+        # they hold, kept while the view hands back the same tuple
+        self._restored: dict[int, tuple[tuple[int, ...], int]] = {}
 
     # ------------------------------------------------------------ samples
     def observe(self, now: float, executors: Iterable[KunExecutorView]) -> None:
@@ -1134,10 +1157,50 @@ class KunServePolicy:
             demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
             record(e.key, t, float(demand), float(e.kv_capacity_tokens * kvb))
 
+    def observe_each(self, times: Sequence[float], executors: Iterable[KunExecutorView]) -> None:
+        """:meth:`observe` at each of ``times`` (increasing) of executors that
+        do not change meanwhile (a monitor's ticks between two events)."""
+        kvb = self.kv_bytes_per_token
+        for e in executors:
+            demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
+            self.monitor.observe_each(
+                e.key, times, float(demand), float(e.kv_capacity_tokens * kvb)
+            )
+
+    def quiet(self, executors: Iterable[KunExecutorView], *, spare: bool) -> bool:
+        """Whether :meth:`plan_drops` (with ``spare``) and :meth:`decide_restore`
+        return nothing and change nothing, now and at every later time while
+        these executors stay as they are (the monitor's samples may come and
+        go): no spare to start and fewer than two executors (nothing to
+        merge), and each executor a replica, not stable, or a stable group
+        with demand above the restore threshold (a rule of the executors'
+        counts alone) and no restore timer running (else
+        :meth:`decide_restore` clears it)."""
+        views = list(executors)
+        if spare or len(views) >= 2:
+            return False
+        return not any(
+            len(e.members) > 1 and (e.key in self._low_since or self._low(e)) and e.stable
+            for e in views
+        )
+
+    def _low(self, e: KunExecutorView) -> bool:
+        """Whether ``e``'s demand is within the restore threshold of its
+        capacity with its parameters restored (:func:`should_restore`)."""
+        kvb = self.kv_bytes_per_token
+        demand = e.kv_used_tokens + e.kv_queued_tokens
+        rkb = e.replica_kv_bytes
+        got = self._restored.get(e.key)
+        if got is None or got[0] is not rkb:  # (a tuple is immutable: same one, same sum)
+            got = self._restored[e.key] = (rkb, sum(b // kvb for b in rkb))
+        # token counts are ints >= 0, the threshold checked at construction
+        return _low(float(demand), float(got[1]), self.restore_threshold)
+
     def forget(self, key: int) -> None:
         """Executor ``key`` is gone: drop its samples and restore timer."""
         self.monitor.forget(key)
         self._low_since.pop(key, None)
+        self._restored.pop(key, None)
 
     def low_since(self, key: int) -> float | None:
         """Since when group ``key`` has been low (None: it is not, or never checked)."""
@@ -1250,11 +1313,7 @@ class KunServePolicy:
         e = executor
         if len(e.members) == 1 or not e.stable:
             return None
-        kvb = self.kv_bytes_per_token
-        demand = e.kv_used_tokens + e.kv_queued_tokens
-        restored = sum(b // kvb for b in e.replica_kv_bytes)
-        low = should_restore(float(demand), float(restored), self.restore_threshold)
-        if not low or self.monitor.throttled(e.key):
+        if not self._low(e) or self.monitor.throttled(e.key):
             self._low_since.pop(e.key, None)
             return None
         since = self._low_since.setdefault(e.key, now)

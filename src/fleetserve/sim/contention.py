@@ -110,19 +110,28 @@ def bandwidth_shares(
     """
     if capacity < 0 or any(d < 0 for d in demands):
         raise ValueError(f"demands and capacity must be >= 0, got {list(demands)}, {capacity}")
+    if weights is not None and (len(weights) != len(demands) or any(not w > 0 for w in weights)):
+        raise ValueError(f"weights must be > 0, one per demand, got {list(weights)}")
+    return _fill(demands, capacity, weights)
+
+
+def _fill(
+    demands: Sequence[float], capacity: float, weights: Sequence[float] | None
+) -> list[float]:
+    """:func:`bandwidth_shares` of checked arguments (:meth:`BandwidthSharing.retime`'s)."""
     if sum(demands) <= capacity:
         return [float(d) for d in demands]
     if weights is not None:
-        if len(weights) != len(demands) or any(not w > 0 for w in weights):
-            raise ValueError(f"weights must be > 0, one per demand, got {list(weights)}")
         out_w = [0.0] * len(demands)
         left = capacity
         total = float(sum(weights))
-        for i in sorted(range(len(demands)), key=lambda i: demands[i] / weights[i]):
-            got = min(float(demands[i]), left * weights[i] / total)
+        ratio = [d / w for d, w in zip(demands, weights, strict=True)]
+        for i in sorted(range(len(demands)), key=ratio.__getitem__):  # (stable: ties by index)
+            w = weights[i]
+            got = min(float(demands[i]), left * w / total)
             out_w[i] = got
             left -= got
-            total -= weights[i]
+            total -= w
         return out_w
     out = [0.0] * len(demands)
     left = capacity
@@ -198,24 +207,24 @@ class BandwidthSharing:
         """Progress to ``now``, new shares; ``{token: new end}`` of the jobs
         whose speed (hence end time) changed."""
         jobs = self._jobs
-        keys = list(jobs)
-        uses = [jobs[k].use for k in keys]
-        if sum(uses) <= 1.0 and all(j.slow == 1.0 for j in jobs.values()):
+        vals = list(jobs.values())
+        uses = [j.use for j in vals]
+        if sum(uses) <= 1.0 and all(j.slow == 1.0 for j in vals):
             # nobody is slowed, nor will be: progress only, nothing re-timed
-            for j in jobs.values():
+            for j in vals:
                 j.remaining = max(0.0, j.remaining - (now - j.since))
                 j.since = now
             return {}
-        weights = [jobs[k].weight for k in keys]
-        got = bandwidth_shares(uses, 1.0, None if all(w == 1.0 for w in weights) else weights)
+        weights = [j.weight for j in vals]
+        got = _fill(uses, 1.0, None if all(w == 1.0 for w in weights) else weights)
         out: dict[int, float] = {}
-        for k, b in zip(keys, got, strict=True):
-            j = jobs[k]
-            j.remaining = max(0.0, j.remaining - (now - j.since) * j.slow)
+        for k, j, b in zip(jobs, vals, got, strict=True):
+            use = j.use
+            j.remaining = rem = max(0.0, j.remaining - (now - j.since) * j.slow)
             j.since = now
-            slow = 1.0 if j.use <= _EPS or b >= j.use - _EPS else max(b / j.use, _MIN_SPEED)
+            slow = 1.0 if use <= _EPS or b >= use - _EPS else max(b / use, _MIN_SPEED)
             if slow != j.slow:
                 j.slow = slow
-                j.end = now + j.remaining / slow
-                out[k] = j.end
+                j.end = end = now + rem / slow
+                out[k] = end
         return out

@@ -395,6 +395,7 @@ class SharingGroup:
         self.running: dict[str, dict[int, Seq]] = {m: {} for m in self._models}
         self.jobs: dict[int, tuple[Job, list[Seq], float, float]] = {}  # token -> job
         self._busy: dict[tuple[str, str], int] = {}  # (model, phase) -> jobs in flight
+        self._phase_jobs = {PREFILL: 0, DECODE: 0}  # phase -> jobs in flight (all models)
         self._next_token = 0
         self._taken: dict[int, Seq] = {}  # admitted by the budget, job not started yet
         # requests in each service's prefill jobs in flight (mixed iterations not counted)
@@ -417,9 +418,6 @@ class SharingGroup:
         spatial_bw = contention and scheduler.spatial
         self._bw = BandwidthSharing() if spatial_bw or self.lanes else None
         self._superseded: set[int] = set()  # job tokens re-timed under new ones
-        # a pipeline's jobs re-timed at a start or an end, not yet reported
-        # (:meth:`_retime_lanes`, :meth:`_retimed`)
-        self._moved: dict[int, float] = {}
         self._retimed_now = False  # a pipeline's jobs were re-timed since their last change
         self._state = _StateView(self)  # what the scheduler reads
         self._hooks = scheduler.observes_jobs  # its job-end hooks do something
@@ -921,18 +919,12 @@ class SharingGroup:
         bw = self._bw
         if bw is None:
             return started
-        if not bw:
-            self._moved.clear()
+        if not bw or self._retimed_now:  # (a pipeline re-timed since its last change)
             return started
-        if self._retimed_now:  # a pipeline re-timed at its last change: nothing moved since
-            moved: dict[int, float] = {}
-        else:
-            moved = bw.retime(now)
-            self._retimed_now = self.lanes  # (a spatial group re-times at every call)
-        if self._moved:  # a pipeline's re-timings since the last report
-            pending, self._moved = self._moved, {}
-            pending.update(moved)
-            moved = {tok: end for tok, end in pending.items() if tok in self.jobs}
+        if self.lanes:
+            self._reweigh()
+            self._retimed_now = True  # (a spatial group re-times at every call)
+        moved = bw.retime(now)
         if not moved:
             return started
         new = {tok for _, tok in started}
@@ -964,28 +956,22 @@ class SharingGroup:
 
     def _decoding(self) -> bool:
         """Whether a decode job is in flight."""
-        return any(ph == DECODE for _, ph in self._busy)
+        return self._phase_jobs[DECODE] > 0
 
     def lanes_in_flight(self) -> int:
         """Prefill jobs in flight (a pipelined group's lanes)."""
-        return sum(n for (_, ph), n in self._busy.items() if ph == PREFILL)
-
-    def _retime_lanes(self, now: float) -> None:
-        """A pipelined group's stages are divided anew at every start and end
-        of a job (a decode round's end: at the next start, or at the report),
-        as the KunServe world's executors did before they became groups; the
-        ends that moved are reported by :meth:`_retimed`."""
-        assert self._bw is not None
-        self._moved.update(self._bw.retime(now))
-        self._retimed_now = True
+        return self._phase_jobs[PREFILL]
 
     def _reweigh(self) -> None:
         """A pipelined group's decode round: its weight for the lanes now in flight."""
         assert self._bw is not None
+        if not self._phase_jobs[DECODE]:
+            return
         w = decode_weight(self.stages, self.lanes_in_flight())
         for token, (job, _, _, _) in self.jobs.items():
             if job.phase == DECODE:
                 self._bw.set_weight(token, w)
+                return  # (one decode round at most: check_integrity)
 
     def _start(self, job: Job, now: float) -> tuple[float, int] | None:
         m = job.model
@@ -1214,8 +1200,7 @@ class SharingGroup:
             weight = decode_weight(self.stages, self.lanes_in_flight())
         token = self._register(Job(m, job.phase, tuple(x.id for x in seqs), 1.0), seqs, now, 0.0)
         self._bw.add(token, now, alone, busy, weight)
-        self._reweigh()
-        self._retime_lanes(now)
+        self._retimed_now = False
         return (now + alone, token)
 
     def _start_bound_round(
@@ -1243,8 +1228,7 @@ class SharingGroup:
             alone, busy = cost.decode_round(B, float(b.tokens + B))
         end, token = self._begin_bound(job, b, [now + alone], C, now, share=0.0)
         self._bw.add(token, now, alone, busy, decode_weight(self.stages, self.lanes_in_flight()))
-        self._reweigh()
-        self._retime_lanes(now)
+        self._retimed_now = False
         return (end, token)
 
     def _take_prefill(self, job: Job) -> list[Seq]:
@@ -1299,6 +1283,7 @@ class SharingGroup:
         self.jobs[token] = (job, seqs, now, share)
         key = (job.model, job.phase)
         self._busy[key] = self._busy.get(key, 0) + 1
+        self._phase_jobs[job.phase] += 1
         self.held_share += share
         return token
 
@@ -1416,6 +1401,7 @@ class SharingGroup:
         self.jobs[token] = (job, [], now, share)
         key = (m, DECODE)
         self._busy[key] = self._busy.get(key, 0) + 1
+        self._phase_jobs[DECODE] += 1
         self.held_share += share
         if k > 1:
             self._ends[token] = ends
@@ -1787,14 +1773,10 @@ class SharingGroup:
             busy[key] = left
         else:
             del busy[key]
+        self._phase_jobs[job.phase] -= 1
         if self._bw is not None:
             self._bw.remove(token)
-            self._moved.pop(token, None)
             self._retimed_now = False
-            if self.lanes:
-                self._reweigh()
-                if job.phase != DECODE:  # (a round's end: at the next start, or the report)
-                    self._retime_lanes(now)
         held = self.held_share - share
         self.held_share = held if held > 0.0 else 0.0
         if not self.jobs and self._busy_since is not None:
@@ -2310,9 +2292,11 @@ class SharingGroup:
             want = sum(-(-s.prefill_tokens // bs) for s in self.waiting[m])
             assert self.queued_blocks[m] == want, (m, self.queued_blocks[m], want)
         assert self.held_share <= 1.0 + 1e-6, self.held_share
+        for ph, n in self._phase_jobs.items():  # the kept counts are the jobs' own
+            assert n == sum(j.phase == ph for j, _, _, _ in self.jobs.values()), (ph, n)
         if self.lanes:  # a pipeline: a lane per stage at most, one decode round
             assert self.lanes_in_flight() <= self.stages, self.lanes_in_flight()
-            assert sum(n for (_, ph), n in self._busy.items() if ph == DECODE) <= 1
+            assert self._phase_jobs[DECODE] <= 1
         if self._bw is not None:
             assert self._bw.tokens() == set(self.jobs), (self._bw.tokens(), set(self.jobs))
             for token, (job, _, _, _) in self.jobs.items():

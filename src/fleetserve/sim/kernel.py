@@ -140,6 +140,14 @@ class Kernel:
         """Events in the heap."""
         return len(self._heap)
 
+    def next_time(self) -> float:
+        """The time of the next event in the heap or the next arrival,
+        whichever is sooner (``inf``: neither)."""
+        t = self._heap[0][0] if self._heap else float("inf")
+        if self.arrived < len(self.requests):
+            t = min(t, self.requests[self.arrived].arrival_s)
+        return t
+
     def push(self, events: Sequence[Event]) -> None:
         """Add events (in order: they get increasing sequence numbers)."""
         heap, seq = self._heap, self._seq

@@ -146,6 +146,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -668,6 +669,7 @@ class KunSimulator:
         self.host = [Channel(f"host{i}", self.pcie) for i in range(n)]
         self.nvl = [Channel(f"nvlink{i}", self.nvlink) for i in range(n)]
         self.channels = (*self.net, *self.host, *self.nvl)
+        self._queued: set[Channel] = set()  # channels whose queue may hold a transfer
         mean_ctx = (
             float(np.mean([r.prompt_tokens + r.output_tokens / 2 for r in self.requests]))
             if self.requests
@@ -702,6 +704,8 @@ class KunSimulator:
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
         self._wd_since = 0.0
+        self.fast_ticks = True  # :meth:`_skip_ticks` (False: every tick through the kernel)
+        self.ticks_skipped = 0  # ticks :meth:`_skip_ticks` handled
         self._chunk_sum = 0.0
         self._chunk_n = 0
         self._wd_done = 0
@@ -984,7 +988,7 @@ class KunSimulator:
                 self._try_merges(now)
                 self._try_split(exe, now)
             return
-        if exe.at_boundary and not exe.running and exe.restoring and not self.settings.live_restore:
+        if exe.restoring and exe.at_boundary and not exe.running and not self.settings.live_restore:
             self._try_split(exe, now)
 
     def _cap(self, exe: Executor) -> int:
@@ -1097,6 +1101,7 @@ class KunSimulator:
 
     def _enqueue_transfer(self, ch: Channel, tr: Transfer, now: float) -> None:
         ch.queue.append(tr)
+        self._queued.add(ch)
         self._push_xfer(ch, ch.try_start(now))
 
     def _on_xfer_end(self, ch: Channel, now: float) -> None:
@@ -1106,9 +1111,17 @@ class KunSimulator:
         self._retry_channels(now)
 
     def _retry_channels(self, now: float) -> None:
+        """Start the head transfer of every free channel that has one ready,
+        in channel order (the channels outside ``_queued`` have empty queues)."""
+        queued = self._queued
+        if not queued:
+            return
         for ch in self.channels:
-            if ch.cur is None and ch.queue:
-                self._push_xfer(ch, ch.try_start(now))
+            if ch in queued:
+                if ch.cur is None and ch.queue:
+                    self._push_xfer(ch, ch.try_start(now))
+                if not ch.queue:
+                    queued.discard(ch)
 
     def _on_attach(self, s: Seq, now: float) -> None:
         exe = s.inst
@@ -1223,29 +1236,82 @@ class KunSimulator:
     def _on_monitor(self, now: float, arrivals_left: bool) -> None:
         st = self.settings
         self.policy.observe(now, self.execs.values())
-        if st.pressure == "kunserve":
+        quiet = self.fast_ticks and self._quiet()
+        if quiet:
+            pass  # the decisions below would change nothing (:meth:`_quiet`)
+        elif st.pressure == "kunserve":
             spare = not self.activating and not all(self.active)  # as _scale_out serves
             actions = self.policy.plan_drops(now, self.execs.values(), spare=spare)
-            self._apply(actions, now)
+            if actions or self.merging:
+                self._apply(actions, now)
             self._maybe_restore(now)
             if self.grouped:
                 self._rebalance(now)
         elif st.pressure == "llumnix":
             self._llumnix_plan(now)
-        self._retry_channels(now)
+        if not quiet:
+            self._retry_channels(now)
         if self._work_left(arrivals_left):
-            self._watchdog(now)
-            self._out.append((now + st.monitor_interval_s, EPOCH, None))
+            moving = self._watchdog(now)
+            nxt = now + st.monitor_interval_s
+            if moving and self.fast_ticks and not self._out:
+                nxt = self._skip_ticks(nxt, quiet)
+            self._out.append((nxt, EPOCH, None))
 
-    def _watchdog(self, now: float) -> None:
+    def _quiet(self) -> bool:
+        """Whether a tick's decisions change nothing, now and while nothing
+        else happens (its samples and the watchdog's clock aside): no merge
+        pending, no transfer queued (:meth:`_retry_channels`), no group
+        restoring (:meth:`_maybe_restore`'s own part), and under KunServe's
+        pressure the policy quiet
+        (:meth:`~fleetserve.policy.kunserve.KunServePolicy.quiet`: one
+        executor at most, so no re-balance either); Llumnix's plan is never
+        skipped."""
+        st = self.settings
+        if self.merging or self._queued or st.pressure == "llumnix":
+            return False
+        if any(e.restoring for e in self.execs.values()):
+            return False
+        if st.pressure == "kunserve":
+            spare = not self.activating and not all(self.active)
+            return self.policy.quiet(self.execs.values(), spare=spare)
+        return True
+
+    def _skip_ticks(self, nxt: float, quiet: bool) -> float:
+        """The monitor's ticks from ``nxt`` on that come before the kernel's
+        next event or arrival, handled at once if the world is :meth:`_quiet`
+        (``quiet``: the tick found it so and changed nothing; the tick found
+        an iteration or a transfer in flight, hence an event to come): their samples of the unchanged executors, the
+        watchdog's clock, the kernel's event count. Their times are the ones
+        the ticks would have had (each the previous plus the interval);
+        returns the first one left to the kernel. A run gives the records,
+        samples and event count of one without it (``fast_ticks`` False:
+        ``tests/test_kun_sim.py`` compares)."""
+        k = self.kernel
+        limit = k.next_time()
+        if k.max_time_s is not None:
+            limit = min(limit, math.nextafter(k.max_time_s, math.inf))  # a tick at max is run
+        if not nxt < limit or not (quiet or self._quiet()):
+            return nxt
+        dt = self.settings.monitor_interval_s
+        times = []
+        while nxt < limit:
+            times.append(nxt)
+            nxt += dt
+        self.policy.observe_each(times, self.execs.values())
+        self._wd_since = times[-1]
+        k.n_events += len(times)
+        self.ticks_skipped += len(times)
+        return nxt
+
+    def _watchdog(self, now: float) -> bool:
         """Fail loudly instead of ticking forever when requests wait but nothing
-        can ever move them (a bug, not a workload property)."""
-        busy = (
-            any(not e.at_boundary for e in self.execs.values())
-            or any(ch.cur is not None for ch in self.channels)
-            or self.n_done != self._wd_done
+        can ever move them (a bug, not a workload property). Returns whether
+        an iteration or a transfer is in flight."""
+        moving = any(e.group.jobs for e in self.execs.values()) or any(
+            ch.cur is not None for ch in self.channels
         )
-        if busy:
+        if moving or self.n_done != self._wd_done:
             self._wd_since = now
             self._wd_done = self.n_done
         elif now - self._wd_since > 600.0:
@@ -1254,6 +1320,7 @@ class KunSimulator:
                 for e in self.execs.values()
             }
             raise RuntimeError(f"simulation stalled at t={now:.1f}s: executors {state}")
+        return moving
 
     def _apply(self, actions: Sequence[KunAction], now: float) -> None:
         """Apply the policy's actions in order; then merge the groups whose
@@ -1465,6 +1532,8 @@ class KunSimulator:
 
     # ------------------------------------------------------------- rebalance
     def _rebalance(self, now: float) -> None:
+        if len(self.execs) < 2:
+            return  # a move needs an overflowed executor and another, spare one
         execs = [e for e in self.execs.values() if e.accepting and not e.frozen]
         counts = ((e.num_running, len(e.waiting), e.max_batch) for e in execs)
         if not rebalance_may_move(counts):
