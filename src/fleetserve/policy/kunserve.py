@@ -1142,6 +1142,7 @@ class KunServePolicy:
         self.restore_from = restore_from
         self.monitor = DemandMonitor(window_s=window_s, horizon_s=self.horizon_s)
         self._low_since: dict[int, float] = {}
+        self._last_samples: list[tuple[int, float, float]] = []  # the latest observe's
         # per executor: its replica KV bytes (the view's tuple) and the tokens
         # they hold, kept while the view hands back the same tuple
         self._restored: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -1153,19 +1154,21 @@ class KunServePolicy:
         kvb = self.kv_bytes_per_token
         t = _as_real("now", now, None)
         record = self.monitor._record  # token counts are ints >= 0: nothing to check
+        last = self._last_samples = []
         for e in executors:
-            demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
-            record(e.key, t, float(demand), float(e.kv_capacity_tokens * kvb))
+            key = e.key
+            demand = float((e.kv_used_tokens + e.kv_head_tokens) * kvb)
+            capacity = float(e.kv_capacity_tokens * kvb)
+            record(key, t, demand, capacity)
+            last.append((key, demand, capacity))
 
-    def observe_each(self, times: Sequence[float], executors: Iterable[KunExecutorView]) -> None:
-        """:meth:`observe` at each of ``times`` (increasing) of executors that
-        do not change meanwhile (a monitor's ticks between two events)."""
-        kvb = self.kv_bytes_per_token
-        for e in executors:
-            demand = (e.kv_used_tokens + e.kv_head_tokens) * kvb
-            self.monitor.observe_each(
-                e.key, times, float(demand), float(e.kv_capacity_tokens * kvb)
-            )
+    def observe_again(self, times: Sequence[float]) -> None:
+        """The latest :meth:`observe`'s samples again at each of ``times``
+        (increasing, after it): the monitor's ticks while its executors do
+        not change (between two events)."""
+        each = self.monitor.observe_each
+        for key, demand, capacity in self._last_samples:
+            each(key, times, demand, capacity)
 
     def quiet(self, executors: Iterable[KunExecutorView], *, spare: bool) -> bool:
         """Whether :meth:`plan_drops` (with ``spare``) and :meth:`decide_restore`

@@ -128,7 +128,9 @@ def _fill(
         ratio = [d / w for d, w in zip(demands, weights, strict=True)]
         for i in sorted(range(len(demands)), key=ratio.__getitem__):  # (stable: ties by index)
             w = weights[i]
-            got = min(float(demands[i]), left * w / total)
+            d = float(demands[i])
+            level = left * w / total
+            got = level if level < d else d  # min(d, level)
             out_w[i] = got
             left -= got
             total -= w
@@ -220,10 +222,11 @@ class BandwidthSharing:
         out: dict[int, float] = {}
         for k, j, b in zip(jobs, vals, got, strict=True):
             use = j.use
-            j.remaining = rem = max(0.0, j.remaining - (now - j.since) * j.slow)
+            old = j.slow
+            j.remaining = rem = max(0.0, j.remaining - (now - j.since) * old)
             j.since = now
             slow = 1.0 if use <= _EPS or b >= use - _EPS else max(b / use, _MIN_SPEED)
-            if slow != j.slow:
+            if slow != old:
                 j.slow = slow
                 j.end = end = now + rem / slow
                 out[k] = end

@@ -54,9 +54,11 @@ stage) and then the decode round. Lanes run on across rounds; a request
 they prefill joins the decode batch at the next round's boundary. The jobs
 in flight divide the stages' time (:class:`~fleetserve.sim.contention.BandwidthSharing`,
 weighted: each lane one, the decode round the stages not prefilling,
-:func:`~fleetserve.sim.contention.decode_weight`), re-timed at every start
-and end. Before session 23 such a group prefilled as a round of its own (a
-decode waited for it), as a replica does. With bound running batches (FCFS,
+:func:`~fleetserve.sim.contention.decode_weight`), re-timed after every
+change at one instant (the starts and ends a call handles, once at its
+report: a job whose speed comes back to what it was keeps its end).
+Before session 23 such a group prefilled as a round of its own (a decode
+waited for it), as a replica does. With bound running batches (FCFS,
 RR, a count-only layout; since session 30) a round is its batch's segment of
 one iteration, and a prompt whose lane ends during a round joins the batch at
 the round's end, as the KunServe world's executors run it; the records equal
@@ -898,6 +900,8 @@ class SharingGroup:
         started: list[tuple[float, int]] = []
         q = self.waiting[m]
         while q and self.lanes_in_flight() < self.stages:
+            if not self.admitting or self.num_running(m) >= self.max_num_seqs:
+                break  # no batch slot: the budget would admit nothing (_GroupBudget.fits)
             admitted = admit_in_order(q, self._budget(self))
             if not admitted:
                 break

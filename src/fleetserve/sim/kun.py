@@ -45,8 +45,8 @@ not stalled by them. The jobs in flight share the stages' time: each alone
 keeps the busiest stage busy for a fraction ``busy / latency`` of its time
 (a prompt crossing 8 stages about 1/8), and while they ask for more than
 the whole stage the time is divided max-min fairly by weight
-(:class:`~fleetserve.sim.contention.BandwidthSharing`, re-timed at every
-start and end): a lane weighs one virtual engine, the decode round the
+(:class:`~fleetserve.sim.contention.BandwidthSharing`, re-timed at each
+instant some start and end): a lane weighs one virtual engine, the decode round the
 ``k - lanes`` engines left to decode (every engine prefilling: the decodes
 all but wait, as vLLM's prefill-first engines do). So ``k`` lanes of long
 prompts fill the pipeline as ``k`` replicas would, and a lone prompt no
@@ -78,7 +78,9 @@ the destination reserves it when the copy starts). Nothing is ever
 over-committed: admission and decode growth check every stage, a copy
 starts only when its destination has room, and a drop only frees memory.
 
-KunServe (``pressure="kunserve"``), every ``monitor_interval_s``. The
+KunServe (``pressure="kunserve"``), every ``monitor_interval_s`` (a tick
+whose decisions provably change nothing skips them, and the ticks before the
+next event are then handled at once: :meth:`KunSimulator._skip_ticks`). The
 *decisions* (steps 1, 2 and when to start 5) are
 :class:`~fleetserve.policy.kunserve.KunServePolicy`'s, the pure policy the
 runtime's controller calls too; the simulator shows it its executors
@@ -1254,8 +1256,8 @@ class KunSimulator:
         if self._work_left(arrivals_left):
             moving = self._watchdog(now)
             nxt = now + st.monitor_interval_s
-            if moving and self.fast_ticks and not self._out:
-                nxt = self._skip_ticks(nxt, quiet)
+            if quiet and moving and not self._out:
+                nxt = self._skip_ticks(nxt)
             self._out.append((nxt, EPOCH, None))
 
     def _quiet(self) -> bool:
@@ -1277,11 +1279,13 @@ class KunSimulator:
             return self.policy.quiet(self.execs.values(), spare=spare)
         return True
 
-    def _skip_ticks(self, nxt: float, quiet: bool) -> float:
+    def _skip_ticks(self, nxt: float) -> float:
         """The monitor's ticks from ``nxt`` on that come before the kernel's
-        next event or arrival, handled at once if the world is :meth:`_quiet`
-        (``quiet``: the tick found it so and changed nothing; the tick found
-        an iteration or a transfer in flight, hence an event to come): their samples of the unchanged executors, the
+        next event or arrival, handled at once. The tick that calls found the
+        world :meth:`_quiet` (so it changed nothing) with an iteration or a
+        transfer in flight (so an event is to come): until then each tick
+        would record the same samples, find the world quiet and move the
+        watchdog's clock. Handled: their samples (the tick's own again), the
         watchdog's clock, the kernel's event count. Their times are the ones
         the ticks would have had (each the previous plus the interval);
         returns the first one left to the kernel. A run gives the records,
@@ -1291,14 +1295,14 @@ class KunSimulator:
         limit = k.next_time()
         if k.max_time_s is not None:
             limit = min(limit, math.nextafter(k.max_time_s, math.inf))  # a tick at max is run
-        if not nxt < limit or not (quiet or self._quiet()):
+        if not nxt < limit:
             return nxt
         dt = self.settings.monitor_interval_s
         times = []
         while nxt < limit:
             times.append(nxt)
             nxt += dt
-        self.policy.observe_each(times, self.execs.values())
+        self.policy.observe_again(times)  # (the tick's own observe: nothing changed since)
         self._wd_since = times[-1]
         k.n_events += len(times)
         self.ticks_skipped += len(times)
