@@ -65,6 +65,12 @@ bench-engine: $(STAMP)
 
 # The simulator's results against the last recorded fingerprints (every
 # reproduce --quick grid and a compare run, ~5 min): lists each changed field.
+# session32.json.gz: against session31.json.gz, two fields of one run differ:
+# kunserve/burstgpt/x1/kunserve-memgreedy's mean TTFT and TPOT in the 16th
+# digit (a pipeline re-times its jobs once per instant: a job whose speed
+# comes back at that instant keeps its end exactly); every other run is
+# identical, events included (the KunServe world's quiet monitor ticks are
+# handled at once and still counted);
 # session31.json.gz: against session30.json.gz, one field of one run differs:
 # fleet/bursty's pipeline record gained copies_void and bytes_void (the
 # multi-LLM live exchange voids a departed victim's copy; none here); every
@@ -145,7 +151,7 @@ FINGERPRINT_RENAMES = --rename '^(kunserve/.*)/vllm$$=\1/wf'
 fingerprint: $(STAMP)
 	rm -rf results/fingerprint
 	$(BIN)/python benchmarks/fingerprint.py --out results/fingerprint \
-	  --check benchmarks/fingerprints/session31.json.gz
+	  --check benchmarks/fingerprints/session32.json.gz
 
 fingerprint-prerefactor: $(STAMP)
 	rm -rf results/fingerprint
