@@ -706,7 +706,9 @@ class KunSimulator:
         self.policy = st.policy(spec)
         self.merging: list[_Merge] = []
         self._wd_since = 0.0
-        self.fast_ticks = True  # :meth:`_skip_ticks` (False: every tick through the kernel)
+        # quiet ticks skip their decisions and are handled at once (:meth:`_quiet`,
+        # :meth:`_skip_ticks`); False: every tick through the kernel, decided in full
+        self.fast_ticks = True
         self.ticks_skipped = 0  # ticks :meth:`_skip_ticks` handled
         self._chunk_sum = 0.0
         self._chunk_n = 0
