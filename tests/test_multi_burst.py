@@ -135,6 +135,38 @@ def test_a_live_exchange_serves_at_once_and_moves_the_kv_beside_the_rounds() -> 
     assert sl.burst is not None and not sl.burst.live  # every exchange ended
 
 
+def test_a_live_exchange_moves_the_remote_reads_to_the_sending_stages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a member still sends a victim's KV, the victim's attention for
+    those layers reads that KV on the member's stage, not on the stage that
+    owns the layers now (the KunServe world's rule): each round's per-stage
+    moved KV adds to a sending stage what it takes from owning ones (the sum
+    is 0), and the round's busiest stage is the cost model's with it."""
+    from fleetserve.sim import multi_burst
+
+    seen: list[tuple[list[float], float, float]] = []
+    orig = multi_burst.BurstControl._moved_kv
+
+    def spy(self: Any, ex: Any, m: str, stages: int) -> list[float] | None:
+        got = orig(self, ex, m, stages)
+        if got is not None:
+            kv = sum(s.kv_tokens for s in ex.victims.values() if s.model == m)
+            seen.append((got, sum(got), float(kv)))
+        return got
+
+    monkeypatch.setattr(multi_burst.BurstControl, "_moved_kv", spy)
+    reqs = _burst()
+    res = _run(replace(KUN, exchange="live"), reqs)
+    _all_finish(res, len(reqs))
+    assert seen  # rounds ran while KV was on its way
+    for per_stage, total, kv in seen:
+        assert len(per_stage) >= 2
+        assert total == pytest.approx(0.0, abs=1e-9 * max(kv, 1.0))
+        assert max(per_stage) > 0 > min(per_stage)
+        assert max(per_stage) <= kv  # no stage reads more than the victims' whole KV
+
+
 def test_a_victim_leaving_during_a_slow_live_exchange_voids_its_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

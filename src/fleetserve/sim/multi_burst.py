@@ -40,12 +40,14 @@ the round's time, as the KunServe world does), and while a victim's KV is
 still on a member, its attention for those layers runs there: each decode
 round of its service pays, per member still sending, the queries and new
 K/V out and the attention outputs back per layer (the KunServe world's
-remote attention, :meth:`BurstControl._round_cost`). Simplifications,
-against :mod:`fleetserve.sim.kun`: the pool is one layout (where the KV is
-does not change what fits), the source GPUs' reads for remote attention are
-not moved between the stages' busy times, and a group that merges again or
-dissolves while exchanging stops its exchange (the next layout counts the
-KV where the last plan put it). A victim that leaves the batch (finished,
+remote attention, :meth:`BurstControl._round_cost`); the KV that attention
+reads is read on the sending member's stage, not on the stage that owns the
+layers now (the round's busiest stage moves accordingly,
+:meth:`BurstControl._moved_kv`; since session 32). Simplifications, against
+:mod:`fleetserve.sim.kun`: the pool is one layout (where the KV is does not
+change what fits), and a group that merges again or dissolves while
+exchanging stops its exchange (the next layout counts the KV where the last
+plan put it). A victim that leaves the batch (finished,
 preempted) before its KV is sent voids its copy, as in the KunServe world:
 one not started is cancelled, one in flight runs to its end unused
 (``copies_void`` and ``bytes_void`` in the pipeline's record).
@@ -162,6 +164,9 @@ class _LiveExchange:
     # member id -> service -> model layers whose KV it sends (remote until sent)
     layers: dict[int, dict[str, int]] = field(default_factory=dict)
     victims: dict[int, Seq] = field(default_factory=dict)  # request id -> victim
+    # member id -> (its stage, service -> [(stage that now owns some of those
+    # layers, how many of them)]): where the remote attention's reads move from
+    moves: dict[int, tuple[int, dict[str, list[tuple[int, int]]]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -457,10 +462,20 @@ class BurstControl:
         sim = self.sim
         now = sim.clock.now
         ex = _LiveExchange(g, link, now, record)
-        for mem, kp in zip(members, keep, strict=True):
+        for i, (mem, kp) in enumerate(zip(members, keep, strict=True)):
             rng = held_before[mem.id]
             frac = ((rng[1] - rng[0]) - (kp[1] - kp[0])) / grid  # of each victim's KV
             layers = {m: self._layers(m, grid, rng) - self._layers(m, grid, kp) for m in g.models}
+            owners = []  # the parts of the layers it sent away, each in the stage keeping it now
+            for lo, hi in ((rng[0], min(rng[1], kp[0])), (max(rng[0], kp[1]), rng[1])):
+                for j, kj in enumerate(keep):
+                    a, b = max(lo, kj[0]), min(hi, kj[1])
+                    if j != i and a < b:
+                        owners.append((j, (a, b)))
+            moves = {
+                m: [(j, n) for j, ov in owners if (n := self._layers(m, grid, ov))]
+                for m in g.models
+            }
             ch = self._channel(mem, link)
             trs: dict[int, Transfer] = {}
             for s in sorted(victims_on.get(mem.id, ()), key=lambda x: (x.arrival_s, x.id)):
@@ -477,6 +492,7 @@ class BurstControl:
             if trs:
                 ex.sending[mem.id] = (ch, trs)
                 ex.layers[mem.id] = layers
+                ex.moves[mem.id] = (i, moves)
                 self._push_link(ch, ch.try_start(now))
         if not ex.sending:
             record["exchange_s"] = 0.0
@@ -521,6 +537,7 @@ class BurstControl:
         if not trs:
             del ex.sending[mid]
             del ex.layers[mid]
+            del ex.moves[mid]
         if not ex.sending:
             ex.record["exchange_s"] = now - ex.start_s
             ex.group.round_cost = None
@@ -562,11 +579,34 @@ class BurstControl:
                 extra += remote_attention_s(spec, count, n, ex.link)
         if extra:
             ex.record["remote_rounds"] += 1
-        t, busy = pl.decode_round(batch, ctx, extra)
+        t, busy = pl.decode_round(batch, ctx, extra, moved_kv=self._moved_kv(ex, m, pl.k))
         share = activation_gap_share(t, pl.hop_time(batch), extra)
         for ch, _ in ex.sending.values():
             self._push_link(ch, ch.set_share(share, now))
         return t, busy
+
+    def _moved_kv(self, ex: _LiveExchange, m: str, stages: int) -> list[float] | None:
+        """Per stage (of ``stages``), the KV of service ``m`` (tokens of the whole model) its
+        GPUs read for remote attention, less what the stages that own those
+        layers now do not read (the KunServe world's rule,
+        :meth:`~fleetserve.sim.kun.KunSimulator._moved_kv`): while a member
+        still sends a victim's KV, the victim's attention for those layers
+        runs there, on its current KV. None when nothing moves."""
+        tl = [0] * stages
+        touched = False
+        for mid, (_, trs) in ex.sending.items():
+            kv = sum(ex.victims[rid].kv_tokens for rid in trs if ex.victims[rid].model == m)
+            if not kv:
+                continue
+            i, moves = ex.moves[mid]
+            for j, n in moves.get(m, ()):
+                tl[i] += n * kv
+                tl[j] -= n * kv
+                touched = True
+        if not touched:
+            return None
+        layers = self.sim.services[m].spec.num_layers
+        return [x / layers for x in tl]
 
     def _void_departed(self, ex: _LiveExchange, now: float) -> None:
         """Victims that left the group's running batch (finished, preempted,
