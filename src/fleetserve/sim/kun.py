@@ -1241,19 +1241,16 @@ class KunSimulator:
         st = self.settings
         self.policy.observe(now, self.execs.values())
         quiet = self.fast_ticks and self._quiet()
-        if quiet:
-            pass  # the decisions below would change nothing (:meth:`_quiet`)
-        elif st.pressure == "kunserve":
-            spare = not self.activating and not all(self.active)  # as _scale_out serves
-            actions = self.policy.plan_drops(now, self.execs.values(), spare=spare)
-            if actions or self.merging:
-                self._apply(actions, now)
-            self._maybe_restore(now)
-            if self.grouped:
-                self._rebalance(now)
-        elif st.pressure == "llumnix":
-            self._llumnix_plan(now)
-        if not quiet:
+        if not quiet:  # (quiet: these decisions would change nothing)
+            if st.pressure == "kunserve":
+                actions = self.policy.plan_drops(now, self.execs.values(), spare=self._spare())
+                if actions or self.merging:
+                    self._apply(actions, now)
+                self._maybe_restore(now)
+                if self.grouped:
+                    self._rebalance(now)
+            elif st.pressure == "llumnix":
+                self._llumnix_plan(now)
             self._retry_channels(now)
         if self._work_left(arrivals_left):
             moving = self._watchdog(now)
@@ -1277,9 +1274,12 @@ class KunSimulator:
         if any(e.restoring for e in self.execs.values()):
             return False
         if st.pressure == "kunserve":
-            spare = not self.activating and not all(self.active)
-            return self.policy.quiet(self.execs.values(), spare=spare)
+            return self.policy.quiet(self.execs.values(), spare=self._spare())
         return True
+
+    def _spare(self) -> bool:
+        """Whether a spare instance could be started (as :meth:`_scale_out` serves)."""
+        return not self.activating and not all(self.active)
 
     def _skip_ticks(self, nxt: float) -> float:
         """The monitor's ticks from ``nxt`` on that come before the kernel's

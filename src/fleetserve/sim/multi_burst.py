@@ -161,11 +161,10 @@ class _LiveExchange:
     record: dict[str, Any]
     # member id -> its channel, and its victims' transfers still in flight
     sending: dict[int, tuple[Channel, dict[int, Transfer]]] = field(default_factory=dict)
-    # member id -> service -> model layers whose KV it sends (remote until sent)
-    layers: dict[int, dict[str, int]] = field(default_factory=dict)
     victims: dict[int, Seq] = field(default_factory=dict)  # request id -> victim
-    # member id -> (its stage, service -> [(stage that now owns some of those
-    # layers, how many of them)]): where the remote attention's reads move from
+    # member id -> (its stage, service -> [(stage that now owns some of the
+    # model layers whose KV it sends, how many)]): the layers whose attention
+    # runs remotely until the KV is sent, and where its reads move from
     moves: dict[int, tuple[int, dict[str, list[tuple[int, int]]]]] = field(default_factory=dict)
 
 
@@ -465,7 +464,6 @@ class BurstControl:
         for i, (mem, kp) in enumerate(zip(members, keep, strict=True)):
             rng = held_before[mem.id]
             frac = ((rng[1] - rng[0]) - (kp[1] - kp[0])) / grid  # of each victim's KV
-            layers = {m: self._layers(m, grid, rng) - self._layers(m, grid, kp) for m in g.models}
             owners = []  # the parts of the layers it sent away, each in the stage keeping it now
             for lo, hi in ((rng[0], min(rng[1], kp[0])), (max(rng[0], kp[1]), rng[1])):
                 for j, kj in enumerate(keep):
@@ -491,7 +489,6 @@ class BurstControl:
                 ch.queue.append(tr)
             if trs:
                 ex.sending[mem.id] = (ch, trs)
-                ex.layers[mem.id] = layers
                 ex.moves[mem.id] = (i, moves)
                 self._push_link(ch, ch.try_start(now))
         if not ex.sending:
@@ -536,7 +533,6 @@ class BurstControl:
         exchange ends when no member has."""
         if not trs:
             del ex.sending[mid]
-            del ex.layers[mid]
             del ex.moves[mid]
         if not ex.sending:
             ex.record["exchange_s"] = now - ex.start_s
@@ -571,7 +567,7 @@ class BurstControl:
             return pl.decode_round(batch, float(ctx))
         extra = 0.0
         for mid, (_, trs) in ex.sending.items():
-            n = ex.layers[mid].get(m, 0)
+            n = sum(k for _, k in ex.moves[mid][1].get(m, ()))
             if not n:
                 continue
             count = sum(1 for rid in trs if ex.victims[rid].model == m)
@@ -586,9 +582,9 @@ class BurstControl:
         return t, busy
 
     def _moved_kv(self, ex: _LiveExchange, m: str, stages: int) -> list[float] | None:
-        """Per stage (of ``stages``), the KV of service ``m`` (tokens of the whole model) its
-        GPUs read for remote attention, less what the stages that own those
-        layers now do not read (the KunServe world's rule,
+        """Per stage (of ``stages``), the KV of service ``m`` (tokens of the
+        whole model) its GPUs read for remote attention, less what the stages
+        that own those layers now do not read (the KunServe world's rule,
         :meth:`~fleetserve.sim.kun.KunSimulator._moved_kv`): while a member
         still sends a victim's KV, the victim's attention for those layers
         runs there, on its current KV. None when nothing moves."""
